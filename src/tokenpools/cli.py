@@ -1,0 +1,94 @@
+"""The `tokenpools` command."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tokenpools.control.core import DecisionCore
+from tokenpools.model.config import ConfigError, load_config
+from tokenpools.model.entitlement import BindingState
+from tokenpools.model.keys import hash_key
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+
+
+@app.callback()
+def main() -> None:
+    """tokenpools: token-pool admission control for multi-tenant LLM inference."""
+
+
+@app.command("check-config")
+def check_config(
+    path: Annotated[Path, typer.Argument(help="the YAML config file")],
+) -> None:
+    """Validate a config; show pools and entitlements with binding state and priority."""
+    # Off a terminal (a pipe, CI) rich assumes 80 columns and truncates every cell.
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(code=1) from None
+    core = DecisionCore(config, now=time.time())
+
+    pools = Table(title=f"pools in {path}", title_justify="left")
+    for column in ("pool", "model", "KV B/token", "replicas", "tokens/s", "KV tokens", "seqs"):
+        pools.add_column(column, justify="left" if column in ("pool", "model") else "right")
+    pools.add_column("ℓ̄* ms", justify="right")
+    pools.add_column("desired", justify="right")
+    for name, view in core.pools.items():
+        pool = view.pool
+        cap = pool.capacity
+        pools.add_row(
+            name,
+            pool.model.name,
+            f"{pool.model.kv_bytes_per_token:,.0f}",
+            f"{pool.replicas} ({pool.min_replicas}–{pool.max_replicas})",
+            f"{cap.throughput:,.0f}",
+            f"{cap.kv_tokens:,.0f}",
+            f"{cap.concurrency:g}",
+            f"{view.slo_reference_ms:,.0f}",
+            str(core.desired_replicas(name)),
+        )
+    console.print(pools)
+
+    ents = Table(title="entitlements", title_justify="left")
+    for column in ("entitlement", "tenant", "pool", "class", "state"):
+        ents.add_column(column)
+    for column in ("tokens/s", "KV tokens", "seqs", "SLO ms", "priority"):
+        ents.add_column(column, justify="right")
+    styles = {BindingState.BOUND: "green", BindingState.EXPIRED: "dim"}
+    for name, view in core.entitlements.items():
+        ent = view.ent
+        base = ent.baseline
+        style = styles.get(view.state, "yellow")
+        ents.add_row(
+            name,
+            ent.tenant_id,
+            ent.pool,
+            ent.service_class.value,
+            f"[{style}]{view.state.value}[/]",
+            f"{base.throughput:,.1f}",
+            f"{base.kv_tokens:,.0f}",
+            f"{base.concurrency:g}",
+            "–" if ent.slo_target_ms is None else f"{ent.slo_target_ms:,.0f}",
+            f"{view.priority:.1f}",
+        )
+    console.print(ents)
+    unbound = [n for n, v in core.entitlements.items() if v.state != BindingState.BOUND]
+    if unbound:
+        console.print(f"[yellow]not bound:[/] {', '.join(unbound)}")
+    console.print(f"[green]ok[/]: {len(core.pools)} pools, {len(core.entitlements)} entitlements")
+
+
+@app.command("hash-key")
+def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash")]) -> None:
+    """Print the sha256 hash of an API key, for the config's apiKeys."""
+    typer.echo(hash_key(key))

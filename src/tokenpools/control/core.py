@@ -1,0 +1,468 @@
+"""The decision core: every host (gateway, simulator, emulator, operator) calls this.
+
+Hosts feed it events — a request arrives, a request ends, time passes, capacity changes,
+config changes — and act on the values it returns. It keeps only config-derived data and
+caches; everything that changes per request lives in the store.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from tokenpools.control import plans
+from tokenpools.control.autoscale import capacity_need, desired_replicas
+from tokenpools.control.binding import bind
+from tokenpools.control.decisions import (
+    STATE_REASONS,
+    Admit,
+    CapacityChange,
+    Check,
+    Decision,
+    Reason,
+    Reject,
+    TickResult,
+)
+from tokenpools.control.ledger import Observation, burst_excess, ewma, observe, service_gap
+from tokenpools.control.priority import priority, slo_reference
+from tokenpools.control.retry import expected_wait_s, jittered
+from tokenpools.model.config import Config
+from tokenpools.model.entitlement import BindingState, Entitlement
+from tokenpools.model.keys import hash_key
+from tokenpools.model.pool import Pool
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.service_class import ServiceClass
+from tokenpools.state.base import BucketSpec, Lease, ReservePlan, Scores, Shortfall, Store
+from tokenpools.state.memory import MemoryStore
+
+_SHORTFALL_REJECT: dict[Shortfall, tuple[Reason, Check, str | None]] = {
+    Shortfall.ENTITLEMENT_CONCURRENCY: (Reason.CONCURRENCY_LIMIT, Check.CONCURRENCY, None),
+    Shortfall.ENTITLEMENT_THROUGHPUT: (Reason.THROUGHPUT_LIMIT, Check.THROUGHPUT, None),
+    Shortfall.ENTITLEMENT_KV: (Reason.KV_LIMIT, Check.KV, None),
+    Shortfall.LOW_PRIORITY: (Reason.LOW_PRIORITY, Check.PRIORITY, None),
+    Shortfall.POOL_CONCURRENCY: (Reason.POOL_FULL, Check.CAPACITY, "concurrency"),
+    Shortfall.POOL_KV: (Reason.POOL_FULL, Check.CAPACITY, "kv_tokens"),
+    Shortfall.POOL_THROUGHPUT: (Reason.POOL_FULL, Check.CAPACITY, "throughput"),
+}
+_POOL_SHORTFALLS = frozenset(
+    {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
+)
+_MESSAGES = {
+    Shortfall.ENTITLEMENT_CONCURRENCY: "too many requests in flight for this entitlement",
+    Shortfall.ENTITLEMENT_THROUGHPUT: "token throughput allocation exhausted",
+    Shortfall.ENTITLEMENT_KV: "KV-cache allocation exhausted",
+    Shortfall.LOW_PRIORITY: "pool is contended and this entitlement's priority is below the "
+    "admission threshold",
+    Shortfall.POOL_CONCURRENCY: "pool has no free sequence slot",
+    Shortfall.POOL_KV: "pool has no free KV cache",
+    Shortfall.POOL_THROUGHPUT: "pool token throughput exhausted",
+}
+
+
+@dataclass(slots=True)
+class EntitlementView:
+    """Config-derived data of one entitlement, cached for the admission path."""
+
+    ent: Entitlement
+    state: BindingState
+    plan: ReservePlan
+    own_bucket: BucketSpec
+    preemptible: bool
+    default_max_tokens: int
+    priority: float = 0.0
+
+
+@dataclass(slots=True)
+class PoolView:
+    pool: Pool
+    bucket: BucketSpec
+    slo_reference_ms: float
+    mean_service_s: float  # EWMA of lease durations, for Retry-After
+    members: list[str]
+    last_period: int = -1
+
+
+class DecisionCore:
+    def __init__(
+        self, config: Config, store: Store | None = None, now: float = 0.0, replica: str = "r0"
+    ) -> None:
+        self.store: Store = MemoryStore() if store is None else store
+        self._replica = replica
+        self._seq = itertools.count(1)
+        self._pools: dict[str, PoolView] = {}
+        self._ents: dict[str, EntitlementView] = {}
+        self._keys: dict[str, str] = {}
+        self.observations: dict[str, Observation] = {}
+        self.config = config
+        self.apply_config(config, now)
+
+    # -- configuration -------------------------------------------------------------------
+
+    def apply_config(self, config: Config, now: float) -> tuple[Lease, ...]:
+        """Adopt a new config, keeping the state of entitlements that remain. Returns the
+        leases of removed entitlements: the host must end those requests."""
+        self.config = config
+        self.policy = config.policy
+        ended: list[Lease] = []
+        for name in [n for n in self._ents if n not in config.entitlements]:
+            ended += self.store.remove_entitlement(name)
+            del self._ents[name]
+        pools: dict[str, PoolView] = {}
+        for name, pool in config.pools.items():
+            old = self._pools.get(name)
+            if old is not None:  # keep the replica count the autoscaler or a host set
+                replicas = max(pool.min_replicas, min(pool.max_replicas, old.pool.replicas))
+                pool = pool.with_replicas(replicas)
+            pools[name] = PoolView(
+                pool=pool,
+                bucket=plans.pool_bucket(pool, self.policy),
+                slo_reference_ms=0.0,
+                mean_service_s=old.mean_service_s if old else self._service_guess(pool),
+                members=[e.name for e in config.entitlements.values() if e.pool == name],
+                last_period=old.last_period if old else -1,
+            )
+        self._pools = pools
+        self._keys = {h: e.name for e in config.entitlements.values() for h in e.api_key_hashes}
+        self._rebind(now)
+        return tuple(ended)
+
+    @staticmethod
+    def _service_guess(pool: Pool) -> float:
+        # Until a lease has ended: the time one sequence needs for 512 tokens at its fair share.
+        cap = pool.capacity
+        per_sequence = cap.throughput / cap.concurrency if cap.concurrency > 0 else 0.0
+        return 512.0 / per_sequence if per_sequence > 0 else 10.0
+
+    def _rebind(self, now: float) -> dict[str, BindingState]:
+        """Re-run binding for every pool and push the resulting plans to the store."""
+        changed: dict[str, BindingState] = {}
+        policy = self.policy
+        for view in self._pools.values():
+            pool = view.pool
+            members = [self.config.entitlements[n] for n in view.members]
+            previous = {n: self._ents[n].state for n in view.members if n in self._ents}
+            states = bind(pool, members, previous, policy, now)
+            protected_rate = sum(
+                e.baseline.throughput
+                for e in members
+                if e.protected and states[e.name] == BindingState.BOUND
+            )
+            self.store.configure_pool(
+                pool.name, view.bucket, plans.protected_bucket(protected_rate, policy), now
+            )
+            view.slo_reference_ms = slo_reference(
+                pool.slo_reference_ms,
+                (e.slo_target_ms for e in members if states[e.name] == BindingState.BOUND),
+            )
+            for ent in members:
+                state = states[ent.name]
+                if previous.get(ent.name) != state:
+                    changed[ent.name] = state
+                bound = state == BindingState.BOUND
+                own = plans.own_bucket(ent, policy)
+                reserved = ent.protected and bound
+                self.store.configure_entitlement(
+                    ent.name,
+                    pool.name,
+                    own,
+                    ent.baseline.concurrency if reserved else 0.0,
+                    ent.baseline.kv_tokens if reserved else 0.0,
+                    now,
+                    protected=reserved,
+                )
+                self._ents[ent.name] = EntitlementView(
+                    ent=ent,
+                    state=state,
+                    plan=plans.reserve_plan(pool, ent, bound, policy),
+                    own_bucket=own,
+                    preemptible=ent.service_class == ServiceClass.PREEMPTIBLE,
+                    default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
+                )
+                self._refresh_priority(ent.name, self.store.scores(ent.name))
+        return changed
+
+    def _refresh_priority(self, name: str, scores: Scores) -> None:
+        view = self._ents[name]
+        ent = view.ent
+        w = priority(
+            ent.service_class,
+            ent.slo_target_ms,
+            self._pools[ent.pool].slo_reference_ms,
+            scores.burst,
+            scores.debt,
+            self.policy,
+        )
+        view.priority = w
+        if w != scores.priority:
+            self.store.set_scores(name, replace(scores, priority=w))
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def entitlement_for_key(self, api_key: str) -> str | None:
+        return self._keys.get(hash_key(api_key))
+
+    def entitlement(self, name: str) -> EntitlementView | None:
+        return self._ents.get(name)
+
+    def pool(self, name: str) -> PoolView | None:
+        return self._pools.get(name)
+
+    @property
+    def entitlements(self) -> dict[str, EntitlementView]:
+        return self._ents
+
+    @property
+    def pools(self) -> dict[str, PoolView]:
+        return self._pools
+
+    # -- admission -----------------------------------------------------------------------
+
+    def admit(
+        self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
+    ) -> Decision:
+        view = self._ents.get(entitlement)
+        if view is None:
+            return Reject(
+                Reason.UNKNOWN_ENTITLEMENT, Check.STATE, f"unknown entitlement {entitlement!r}"
+            )
+        ent = view.ent
+        if view.state != BindingState.BOUND or (
+            ent.expires_at is not None and now >= ent.expires_at
+        ):
+            if view.state == BindingState.BOUND:  # expired since the last tick
+                self._rebind(now)
+            reason = STATE_REASONS[self._ents[entitlement].state]
+            return Reject(reason, Check.STATE, f"entitlement {entitlement!r} is not bound")
+
+        pool_view = self._pools[ent.pool]
+        pool = pool_view.pool
+        max_out = cost.max_output_tokens or view.default_max_tokens  # paper check 2
+        tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * max_out
+        kv = float(cost.input_tokens + max_out)
+        store = self.store
+        store.add_demand(entitlement, tokens)
+        plan = view.plan
+        too_big = self._never_fits(view, pool_view, tokens, kv)
+        if too_big is not None:
+            return too_big
+
+        if request_id is None:
+            lease_id = f"{self._replica}-{next(self._seq)}"
+        elif store.get_lease(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} already holds a lease")
+        else:
+            lease_id = request_id
+        lease = Lease(
+            lease_id,
+            pool.name,
+            entitlement,
+            tokens,
+            kv,
+            now,
+            now + self.policy.lease_ttl_s,
+            view.preemptible,
+        )
+        short = store.reserve(lease, plan, now)
+        if short is None:
+            return Admit(lease, view.priority)
+        if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV):
+            victims = self._choose_victims(view, pool_view, kv, now)
+            if (
+                victims
+                and store.reserve(lease, plan, now, evict=[v.lease_id for v in victims]) is None
+            ):
+                return Admit(lease, view.priority, evict=tuple(victims))
+        if (
+            ent.protected
+            and short in _POOL_SHORTFALLS
+            and store.reserve(lease, plan, now, overcommit=True) is None
+        ):
+            return Admit(lease, view.priority, overcommit=True)
+        return self._reject(short, view, pool_view, tokens, kv, lease_id, now)
+
+    def _never_fits(
+        self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float
+    ) -> Reject | None:
+        plan = view.plan
+        if (
+            plan.ent_concurrency < 1
+            or kv > plan.ent_kv
+            or (plan.own_required and tokens > view.own_bucket.depth)
+        ):
+            return Reject(
+                Reason.EXCEEDS_ENTITLEMENT,
+                Check.SIZE,
+                f"request needs {tokens:g} tokens and {kv:g} KV tokens; entitlement "
+                f"{view.ent.name!r} can never hold that (lower max_tokens or raise the "
+                "entitlement)",
+            )
+        over = 1.0 + self.policy.overcommit if view.ent.protected else 1.0
+        depth = pool_view.bucket.depth
+        if plan.shared_concurrency < 1 or kv > plan.shared_kv * over or tokens > depth * over:
+            return Reject(
+                Reason.EXCEEDS_POOL,
+                Check.SIZE,
+                f"request needs {tokens:g} tokens and {kv:g} KV tokens; pool "
+                f"{pool_view.pool.name!r} can never hold that at its current capacity",
+            )
+        return None
+
+    def _choose_victims(
+        self, view: EntitlementView, pool_view: PoolView, kv: float, now: float
+    ) -> list[Lease]:
+        """Preemptible leases of strictly lower priority, lowest priority first and newest
+        first within it, until the request fits the pool's capacity; none if it never would."""
+        counters = self.store.pool_counters(pool_view.pool.name, now)
+        plan = view.plan
+        need_c = counters.concurrency + 1 - plan.shared_concurrency
+        need_k = counters.kv_tokens + kv - plan.shared_kv
+        candidates = [
+            lease
+            for lease in self.store.preemptible_leases(pool_view.pool.name)
+            if self._ents[lease.entitlement].priority < view.priority
+        ]
+        candidates.sort(key=lambda x: (self._ents[x.entitlement].priority, -x.started_at))
+        victims: list[Lease] = []
+        for lease in candidates:
+            if need_c <= 0 and need_k <= 0:
+                break
+            victims.append(lease)
+            need_c -= 1
+            need_k -= lease.kv_tokens
+        return victims if need_c <= 0 and need_k <= 0 else []
+
+    def _reject(
+        self,
+        short: Shortfall,
+        view: EntitlementView,
+        pool_view: PoolView,
+        tokens: float,
+        kv: float,
+        request_id: str,
+        now: float,
+    ) -> Reject:
+        reason, check, dimension = _SHORTFALL_REJECT[short]
+        period = self.policy.update_period_s
+        wait = expected_wait_s(
+            short,
+            tokens,
+            kv,
+            view.plan,
+            self.store.pool_counters(pool_view.pool.name, now),
+            self.store.entitlement_counters(view.ent.name, now),
+            pool_view.bucket,
+            view.own_bucket,
+            pool_view.mean_service_s,
+            period - math.fmod(now, period),
+        )
+        return Reject(
+            reason, check, _MESSAGES[short], jittered(wait, request_id, self.policy), dimension
+        )
+
+    # -- ends of requests ----------------------------------------------------------------
+
+    def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
+        """The request finished; charge what it really used and refund the rest."""
+        lease = self.store.get_lease(lease_id)
+        if lease is None:
+            return None
+        pool_view = self._pools[lease.pool]
+        pool = pool_view.pool
+        used = (
+            pool.input_token_weight * usage.input_tokens
+            + pool.output_token_weight * usage.output_tokens
+        )
+        self.store.settle(lease_id, used, now)
+        duration = max(0.0, now - lease.started_at)
+        pool_view.mean_service_s = ewma(pool_view.mean_service_s, duration, 0.9)
+        return lease
+
+    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
+        """The request ended without usage (backend down, cancelled before it ran: refund;
+        cut off mid-way with unknown usage: refund=False charges the whole reservation)."""
+        return self.store.release(lease_id, now, refund=refund)
+
+    def renew(self, lease_id: str, now: float) -> bool:
+        """Push a long-running request's lease expiry out by one TTL from now."""
+        return self.store.renew(lease_id, now + self.policy.lease_ttl_s)
+
+    # -- time and capacity ---------------------------------------------------------------
+
+    def tick(self, now: float) -> TickResult:
+        """Expire lost leases and expired entitlements; once per update period (once per pool
+        across every replica sharing the store) update debt, burst and priority."""
+        expired = tuple(self.store.expire(now))
+        states: dict[str, BindingState] = {}
+        if any(
+            v.ent.expires_at is not None
+            and now >= v.ent.expires_at
+            and v.state != BindingState.EXPIRED
+            for v in self._ents.values()
+        ):
+            states = self._rebind(now)
+        period = int(now // self.policy.update_period_s)
+        updated = []
+        for name, pool_view in self._pools.items():
+            if period > pool_view.last_period:
+                pool_view.last_period = period
+                if self.store.claim_update(name, period):
+                    self._update_scores(pool_view, now)
+                    updated.append(name)
+                else:
+                    for member in pool_view.members:
+                        self._ents[member].priority = self.store.scores(member).priority
+        return TickResult(expired, tuple(updated), states)
+
+    def _update_scores(self, pool_view: PoolView, now: float) -> None:
+        policy = self.policy
+        for name in pool_view.members:
+            view = self._ents[name]
+            ent = view.ent
+            obs = observe(self.store.take_window(name, now))
+            self.observations[name] = obs
+            old = self.store.scores(name)
+            bound = view.state == BindingState.BOUND
+            debt = (
+                ewma(old.debt, service_gap(ent.baseline.throughput, obs), policy.gamma_debt)
+                if ent.accrues_debt and bound
+                else 0.0
+            )
+            burst = ewma(old.burst, burst_excess(ent.baseline, obs), policy.gamma_burst)
+            scores = Scores(debt=debt, burst=burst, priority=old.priority)
+            self.store.set_scores(name, scores)
+            self._refresh_priority(name, scores)
+
+    def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
+        """Apply a capacity change at once: admissions use the new capacity from now on, and
+        preemptible leases are evicted (lowest priority, newest first) until what remains
+        fits. Other work above the new capacity drains; nothing new is admitted meanwhile."""
+        view = self._pools[pool_name]
+        view.pool = view.pool.with_replicas(replicas)
+        view.bucket = plans.pool_bucket(view.pool, self.policy)
+        states = self._rebind(now)
+        cap = view.pool.capacity
+        counters = self.store.pool_counters(pool_name, now)
+        over_c = counters.concurrency - cap.concurrency
+        over_k = counters.kv_tokens - cap.kv_tokens
+        victims = sorted(
+            self.store.preemptible_leases(pool_name),
+            key=lambda x: (self._ents[x.entitlement].priority, -x.started_at),
+        )
+        evicted: list[Lease] = []
+        for lease in victims:
+            if over_c <= 0 and over_k <= 0:
+                break
+            self.store.release(lease.lease_id, now, refund=False)
+            evicted.append(lease)
+            over_c -= 1
+            over_k -= lease.kv_tokens
+        return CapacityChange(tuple(evicted), states)
+
+    def desired_replicas(self, pool_name: str) -> int:
+        view = self._pools[pool_name]
+        members: Sequence[Entitlement] = [
+            self._ents[n].ent for n in view.members if self._ents[n].state != BindingState.EXPIRED
+        ]
+        return desired_replicas(view.pool, capacity_need(members, self.observations))

@@ -1,0 +1,79 @@
+"""What the core answers. Reason codes are a stable, documented contract (docs/decisions.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from tokenpools.model.entitlement import BindingState
+from tokenpools.state.base import Lease
+
+
+class Reason(StrEnum):
+    UNKNOWN_ENTITLEMENT = "unknown_entitlement"
+    ENTITLEMENT_PENDING = "entitlement_pending"
+    ENTITLEMENT_DEGRADED = "entitlement_degraded"
+    ENTITLEMENT_EXPIRED = "entitlement_expired"
+    EXCEEDS_ENTITLEMENT = "exceeds_entitlement"  # could never fit, whatever the load
+    EXCEEDS_POOL = "exceeds_pool"
+    CONCURRENCY_LIMIT = "concurrency_limit"
+    THROUGHPUT_LIMIT = "throughput_limit"
+    KV_LIMIT = "kv_limit"
+    LOW_PRIORITY = "low_priority"
+    POOL_FULL = "pool_full"
+
+
+class Check(StrEnum):
+    """Which admission step decided; the paper's five checks plus ours."""
+
+    STATE = "state"  # paper check 1
+    SIZE = "size"  # after check 2: the request with its max_tokens can never fit
+    CONCURRENCY = "concurrency"  # paper check 3
+    THROUGHPUT = "throughput"  # paper check 4
+    KV = "kv"
+    PRIORITY = "priority"  # paper check 5
+    CAPACITY = "capacity"  # room in the pool, after eviction and overcommit
+
+
+STATE_REASONS = {
+    BindingState.PENDING: Reason.ENTITLEMENT_PENDING,
+    BindingState.DEGRADED: Reason.ENTITLEMENT_DEGRADED,
+    BindingState.EXPIRED: Reason.ENTITLEMENT_EXPIRED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    lease: Lease
+    priority: float
+    evict: tuple[Lease, ...] = ()  # in-flight preemptible requests the host must terminate
+    overcommit: bool = False
+
+    admitted = True
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    reason: Reason
+    check: Check
+    message: str
+    retry_after_s: float | None = None  # None: retrying the same request cannot succeed
+    dimension: str | None = None  # for pool_full: concurrency, kv_tokens or throughput
+
+    admitted = False
+
+
+Decision = Admit | Reject
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityChange:
+    evict: tuple[Lease, ...] = ()
+    states: dict[str, BindingState] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TickResult:
+    expired: tuple[Lease, ...] = ()
+    updated_pools: tuple[str, ...] = ()  # pools whose debt/burst/priority were updated
+    states_changed: dict[str, BindingState] = field(default_factory=dict)

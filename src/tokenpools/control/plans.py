@@ -1,0 +1,80 @@
+"""Turn config into the plain numbers the store's atomic `reserve` compares against.
+
+The capacity rules, per dimension, with C the pool capacity and o = overcommit × C:
+- a protected request within its own baseline may fill the pool to C, then (after evicting
+  preemptible work) to C + o, and skips the priority threshold;
+- every other request may fill the pool to C, and its non-preemptible usage plus the unused
+  protected baselines may reach at most C + o. So idle reserved capacity is lent to
+  non-evictable work only up to o, and a protected tenant coming back always finds room
+  within C + o once preemptible work is evicted;
+- preemptible work may fill all of C: it is evicted when someone above it needs the room.
+"""
+
+from __future__ import annotations
+
+from tokenpools.model.entitlement import Entitlement
+from tokenpools.model.policy import Policy
+from tokenpools.model.pool import Pool
+from tokenpools.model.service_class import ServiceClass
+from tokenpools.state.base import INF, BucketSpec, ReservePlan
+
+
+def pool_bucket(pool: Pool, policy: Policy) -> BucketSpec:
+    rate = pool.capacity.throughput
+    return BucketSpec(rate, rate * policy.burst_window_s)
+
+
+def protected_bucket(protected_rate: float, policy: Policy) -> BucketSpec:
+    return BucketSpec(protected_rate, protected_rate * policy.burst_window_s)
+
+
+def own_bucket(ent: Entitlement, policy: Policy) -> BucketSpec:
+    """Protected classes: their baseline rate. Others: their burst ceiling, if any."""
+    if ent.protected:
+        rate = ent.baseline.throughput
+    elif ent.burst_ceiling is not None:
+        rate = ent.burst_ceiling.throughput
+    else:
+        rate = INF
+    return BucketSpec(rate, rate * policy.burst_window_s)
+
+
+def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> ReservePlan:
+    cap = pool.capacity
+    over = 1.0 + policy.overcommit
+    lend = policy.overcommit
+    depth = cap.throughput * policy.burst_window_s
+    ceiling = ent.burst_ceiling
+    if ent.service_class == ServiceClass.GUARANTEED:
+        ent_concurrency, ent_kv = ent.baseline.concurrency, ent.baseline.kv_tokens
+    elif ceiling is not None:
+        ent_concurrency, ent_kv = ceiling.concurrency, ceiling.kv_tokens
+    else:
+        ent_concurrency = ent_kv = INF
+    own_required = ent.service_class == ServiceClass.GUARANTEED or (
+        not ent.protected and ceiling is not None and ceiling.throughput < INF
+    )
+    reserved = ent.protected and bound
+    preemptible = ent.service_class == ServiceClass.PREEMPTIBLE
+    return ReservePlan(
+        ent_concurrency=ent_concurrency,
+        ent_kv=ent_kv,
+        own_required=own_required,
+        base_concurrency=ent.baseline.concurrency if reserved else 0.0,
+        base_kv=ent.baseline.kv_tokens if reserved else 0.0,
+        reserved_concurrency=cap.concurrency,
+        reserved_kv=cap.kv_tokens,
+        reserved_bucket_floor=0.0,
+        overcommit_concurrency=cap.concurrency * over,
+        overcommit_kv=cap.kv_tokens * over,
+        overcommit_bucket_floor=-lend * depth,
+        shared_concurrency=cap.concurrency,
+        shared_kv=cap.kv_tokens,
+        shared_np_concurrency=INF if preemptible else cap.concurrency * over,
+        shared_np_kv=INF if preemptible else cap.kv_tokens * over,
+        shared_bucket_floor=0.0,
+        shared_np_bucket_floor=-lend * depth,
+        contended_concurrency=cap.concurrency * (1.0 - policy.headroom),
+        contended_kv=cap.kv_tokens * (1.0 - policy.headroom),
+        contended_bucket=policy.headroom * depth,
+    )

@@ -1,0 +1,31 @@
+"""Tunable parameters of the decision core. Defaults follow the paper where it gives numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenpools.model.service_class import CLASS_SEMANTICS, ServiceClass
+
+
+def _default_weights() -> dict[ServiceClass, float]:
+    return {cls: sem.weight for cls, sem in CLASS_SEMANTICS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    class_weights: dict[ServiceClass, float] = field(default_factory=_default_weights)
+    alpha_slo: float = 2.0
+    alpha_burst: float = 1.0
+    alpha_debt: float = 4.0
+    gamma_debt: float = 0.7  # the paper's hand-tuned value
+    gamma_burst: float = 0.7
+    update_period_s: float = 5.0  # debt/burst update; also the usage-observation window
+    burst_window_s: float = 10.0  # token-bucket depth = rate × this
+    headroom: float = 0.2  # the pool is contended within this fraction of its capacity
+    overcommit: float = 0.1  # protected classes may exceed capacity by this fraction
+    elastic_oversubscription: float = 1.0  # elastic baselines bind while Σ ≤ capacity × this
+    default_max_tokens: int = 256
+    lease_ttl_s: float = 600.0
+    retry_after_min_s: float = 1.0
+    retry_after_max_s: float = 60.0
+    retry_after_jitter: float = 0.2  # ± fraction, derived from the request id

@@ -1,0 +1,30 @@
+"""A token pool: an autoscaling group of identical inference replicas serving one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tokenpools.model.profile import ModelProfile
+from tokenpools.model.resources import Resources
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    name: str
+    model: ModelProfile
+    per_replica: Resources  # tokens/s, KV tokens, sequences of one replica
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    slo_reference_ms: float | None = None  # pins ℓ̄*; None → mean over Bound entitlements
+    input_token_weight: float = 1.0
+    output_token_weight: float = 1.0
+
+    @property
+    def capacity(self) -> Resources:
+        return self.per_replica.scale(self.replicas)
+
+    def with_replicas(self, replicas: int) -> Pool:
+        if replicas < 0:
+            raise ValueError(f"pool {self.name!r}: replicas must be >= 0, got {replicas}")
+        return replace(self, replicas=replicas)

@@ -1,0 +1,31 @@
+"""What one request asks for, and what it used."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCost:
+    """The estimate admission reserves against: prompt tokens and the output ceiling."""
+
+    input_tokens: int
+    max_output_tokens: int | None = None  # None → the entitlement's default (paper check 2)
+
+    def __post_init__(self) -> None:
+        if self.input_tokens < 0:
+            raise ValueError(f"input_tokens must be >= 0, got {self.input_tokens}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What the backend reported when the request ended."""
+
+    input_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.input_tokens < 0 or self.output_tokens < 0:
+            raise ValueError(f"usage must be non-negative, got {self}")

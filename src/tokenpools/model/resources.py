@@ -1,0 +1,83 @@
+"""The three inference-native resources of a token pool, as one vector type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIMENSIONS = ("throughput", "kv_tokens", "concurrency")
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """A vector over the pool's three dimensions.
+
+    `throughput` is tokens per second for a capacity or an entitlement, and tokens for the
+    cost of one request; `kv_tokens` is KV-cache capacity counted in tokens (bytes are converted
+    at the edge with the pool's ModelProfile); `concurrency` counts in-flight sequences.
+    """
+
+    throughput: float = 0.0
+    kv_tokens: float = 0.0
+    concurrency: float = 0.0
+
+    def __add__(self, other: Resources) -> Resources:
+        return Resources(
+            self.throughput + other.throughput,
+            self.kv_tokens + other.kv_tokens,
+            self.concurrency + other.concurrency,
+        )
+
+    def __sub__(self, other: Resources) -> Resources:
+        return Resources(
+            self.throughput - other.throughput,
+            self.kv_tokens - other.kv_tokens,
+            self.concurrency - other.concurrency,
+        )
+
+    def scale(self, factor: float) -> Resources:
+        return Resources(
+            self.throughput * factor, self.kv_tokens * factor, self.concurrency * factor
+        )
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return (self.throughput, self.kv_tokens, self.concurrency)
+
+    def fits_within(self, limit: Resources) -> bool:
+        """True when every dimension is at most the limit's."""
+        return (
+            self.throughput <= limit.throughput
+            and self.kv_tokens <= limit.kv_tokens
+            and self.concurrency <= limit.concurrency
+        )
+
+    def exceeded(self, limit: Resources) -> tuple[str, ...]:
+        """The names of the dimensions in which this vector is above `limit`."""
+        return tuple(
+            name
+            for name, mine, theirs in zip(
+                DIMENSIONS, self.as_tuple(), limit.as_tuple(), strict=True
+            )
+            if mine > theirs
+        )
+
+    def is_nonnegative(self) -> bool:
+        return self.throughput >= 0 and self.kv_tokens >= 0 and self.concurrency >= 0
+
+    def max_ratio(self, base: Resources) -> float:
+        """max over dimensions of self/base, skipping dimensions where base is zero."""
+        ratios = [
+            mine / theirs
+            for mine, theirs in zip(self.as_tuple(), base.as_tuple(), strict=True)
+            if theirs > 0
+        ]
+        return max(ratios, default=0.0)
+
+    def elementwise_max(self, other: Resources) -> Resources:
+        return Resources(
+            max(self.throughput, other.throughput),
+            max(self.kv_tokens, other.kv_tokens),
+            max(self.concurrency, other.concurrency),
+        )
+
+
+ZERO = Resources()

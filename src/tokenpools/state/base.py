@@ -1,0 +1,180 @@
+"""The store port: everything the decision core keeps between events.
+
+The one capacity-changing step, `reserve`, checks a lease's cost against the numbers of a
+`ReservePlan` and books it, atomically. The plan is plain numbers that control/ computed from the
+config, so a Redis Lua script can run the same comparisons in one round trip. Everything else
+(settle, release, expiry, windows, scores) touches one lease or one entitlement at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+INF = float("inf")
+
+
+class Shortfall(StrEnum):
+    """Which comparison of `reserve` failed, in the order they are made."""
+
+    ENTITLEMENT_CONCURRENCY = "entitlement_concurrency"  # paper check 3
+    ENTITLEMENT_THROUGHPUT = "entitlement_throughput"  # paper check 4
+    ENTITLEMENT_KV = "entitlement_kv"
+    LOW_PRIORITY = "low_priority"  # paper check 5: contended and below the threshold
+    POOL_CONCURRENCY = "pool_concurrency"
+    POOL_KV = "pool_kv"
+    POOL_THROUGHPUT = "pool_throughput"
+
+
+@dataclass(slots=True)
+class Lease:
+    """One admitted request's reservation. It ends by settle, release, eviction or expiry."""
+
+    lease_id: str
+    pool: str
+    entitlement: str
+    tokens: float  # weighted throughput tokens reserved (n_in + max_tokens by default)
+    kv_tokens: float
+    started_at: float
+    expires_at: float
+    preemptible: bool
+    reserved_path: bool = False  # booked against its protected baseline (set by reserve)
+    drew_own: bool = False  # took its tokens from the entitlement's own bucket (set by reserve)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    rate: float  # tokens per second; INF means "no bucket"
+    depth: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReservePlan:
+    """Per-entitlement limits, recomputed by control/ when config or capacity changes.
+
+    A request *within* the protected baseline (base_* and the own bucket) takes the reserved
+    path: it may use the whole pool (`reserved_*`) and skips the priority threshold. Every other
+    request takes the shared path: it must leave the unused protected baselines alone, up to a
+    lend of `overcommit` (`shared_np_*`), and passes check 5 when the pool is contended.
+    """
+
+    ent_concurrency: float  # in-flight ceiling (baseline, or burst ceiling)
+    ent_kv: float
+    own_required: bool  # the own bucket is a hard throughput ceiling
+    base_concurrency: float  # a request within these takes the reserved path (0: never)
+    base_kv: float
+    reserved_concurrency: float  # pool total after admission, reserved path
+    reserved_kv: float
+    reserved_bucket_floor: float  # pool bucket level after admission, reserved path
+    overcommit_concurrency: float  # the same three, when overcommit is allowed
+    overcommit_kv: float
+    overcommit_bucket_floor: float
+    shared_concurrency: float  # pool total after admission, shared path
+    shared_kv: float
+    shared_np_concurrency: float  # non-preemptible + unused protected baselines, shared path
+    shared_np_kv: float
+    shared_bucket_floor: float  # pool bucket level after admission
+    shared_np_bucket_floor: float  # pool bucket minus protected bucket after admission
+    contended_concurrency: float  # used + unused protected baselines above this: contended
+    contended_kv: float
+    contended_bucket: float  # pool minus protected bucket below this: contended
+
+
+@dataclass(frozen=True, slots=True)
+class PoolCounters:
+    concurrency: float  # reserved by in-flight leases
+    kv_tokens: float
+    preemptible_concurrency: float
+    preemptible_kv: float
+    holdback_concurrency: float  # Σ unused baselines of protected entitlements
+    holdback_kv: float
+    bucket: float  # pool token-bucket level
+    protected_bucket: float  # Σ of protected entitlements' unspent allowance
+    leases: int
+
+
+@dataclass(frozen=True, slots=True)
+class EntitlementCounters:
+    concurrency: float
+    kv_tokens: float
+    bucket: float
+    leases: int
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Usage observed over one update period, read and reset in one step."""
+
+    seconds: float
+    settled_tokens: float
+    demand_tokens: float  # requested, admitted or not
+    concurrency_seconds: float  # ∫ in-flight dt
+    kv_seconds: float  # ∫ reserved KV dt
+
+
+@dataclass(frozen=True, slots=True)
+class Scores:
+    debt: float = 0.0
+    burst: float = 0.0
+    priority: float = 0.0
+
+
+class Store(Protocol):
+    def configure_pool(
+        self, pool: str, bucket: BucketSpec, protected_bucket: BucketSpec, now: float
+    ) -> None: ...
+
+    def configure_entitlement(
+        self,
+        name: str,
+        pool: str,
+        own_bucket: BucketSpec,
+        holdback_concurrency: float,
+        holdback_kv: float,
+        now: float,
+        protected: bool = False,
+    ) -> None: ...
+
+    def remove_entitlement(self, name: str) -> list[Lease]: ...
+
+    def reserve(
+        self,
+        lease: Lease,
+        plan: ReservePlan,
+        now: float,
+        overcommit: bool = False,
+        evict: Sequence[str] = (),
+    ) -> Shortfall | None:
+        """Check the lease against the plan and book it, atomically; None on success.
+
+        `evict` names preemptible leases of the pool to end in the same step: the checks
+        count them as gone, and they are ended only if the reservation succeeds."""
+        ...
+
+    def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None: ...
+
+    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None: ...
+
+    def renew(self, lease_id: str, expires_at: float) -> bool: ...
+
+    def expire(self, now: float) -> list[Lease]: ...
+
+    def get_lease(self, lease_id: str) -> Lease | None: ...
+
+    def preemptible_leases(self, pool: str) -> Iterable[Lease]: ...
+
+    def add_demand(self, name: str, tokens: float) -> None: ...
+
+    def take_window(self, name: str, now: float) -> Window: ...
+
+    def scores(self, name: str) -> Scores: ...
+
+    def set_scores(self, name: str, scores: Scores) -> None: ...
+
+    def claim_update(self, pool: str, period: int) -> bool: ...
+
+    def pool_counters(self, pool: str, now: float) -> PoolCounters: ...
+
+    def entitlement_counters(self, name: str, now: float) -> EntitlementCounters: ...

@@ -1,0 +1,456 @@
+"""The embedded, single-process store: plain objects and dicts, no locks (one event loop)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from tokenpools.state.base import (
+    INF,
+    BucketSpec,
+    EntitlementCounters,
+    Lease,
+    PoolCounters,
+    ReservePlan,
+    Scores,
+    Shortfall,
+    Window,
+)
+
+
+class _Bucket:
+    __slots__ = ("depth", "level", "rate", "t")
+
+    def __init__(self, spec: BucketSpec, now: float) -> None:
+        self.rate = spec.rate
+        self.depth = spec.depth
+        self.level = spec.depth
+        self.t = now
+
+    def refill(self, now: float) -> None:
+        dt = now - self.t
+        if dt > 0:
+            self.t = now
+            level = self.level + self.rate * dt
+            self.level = level if level < self.depth else self.depth
+
+    def reshape(self, spec: BucketSpec, now: float) -> None:
+        self.refill(now)
+        self.rate, self.depth = spec.rate, spec.depth
+        self.level = min(self.level, spec.depth)
+
+    def credit(self, tokens: float, now: float) -> None:
+        """Give back tokens (negative: charge more), never above the depth."""
+        self.refill(now)
+        self.level = min(self.depth, self.level + tokens)
+
+
+class _Entitlement:
+    __slots__ = (
+        "base_concurrency",
+        "base_kv",
+        "burst",
+        "conc_seconds",
+        "concurrency",
+        "debt",
+        "demand",
+        "hold_concurrency",
+        "hold_kv",
+        "kv",
+        "kv_seconds",
+        "leases",
+        "name",
+        "own",
+        "pool",
+        "priority",
+        "protected",
+        "settled",
+        "t_acc",
+        "window_start",
+    )
+
+    def __init__(self, name: str, pool: str, own: _Bucket, now: float) -> None:
+        self.name, self.pool, self.own = name, pool, own
+        self.protected = False
+        self.base_concurrency = self.base_kv = 0.0
+        self.hold_concurrency = self.hold_kv = 0.0  # current share of the pool's holdback
+        self.concurrency = self.kv = 0.0
+        self.leases = 0
+        self.debt = self.burst = self.priority = 0.0
+        self.t_acc = self.window_start = now
+        self.conc_seconds = self.kv_seconds = self.settled = self.demand = 0.0
+
+    def accumulate(self, now: float) -> None:
+        dt = now - self.t_acc
+        if dt > 0:
+            self.conc_seconds += self.concurrency * dt
+            self.kv_seconds += self.kv * dt
+            self.t_acc = now
+
+
+class _Pool:
+    __slots__ = (
+        "bucket",
+        "concurrency",
+        "hold_concurrency",
+        "hold_kv",
+        "inflight",
+        "kv",
+        "last_period",
+        "leases",
+        "low",
+        "pre_concurrency",
+        "pre_kv",
+        "preemptible",
+        "protected_bucket",
+    )
+
+    def __init__(self, bucket: _Bucket, protected_bucket: _Bucket) -> None:
+        self.bucket, self.protected_bucket = bucket, protected_bucket
+        self.concurrency = self.kv = self.pre_concurrency = self.pre_kv = 0.0
+        self.hold_concurrency = self.hold_kv = 0.0
+        self.leases = 0
+        self.inflight: dict[str, int] = {}  # entitlement → in-flight leases
+        self.preemptible: dict[str, Lease] = {}  # insertion order = admission order
+        # The two lowest priorities among entitlements in flight, or None when stale.
+        self.low: tuple[str, float, float] | None = None
+        self.last_period = -1
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._pools: dict[str, _Pool] = {}
+        self._ents: dict[str, _Entitlement] = {}
+        self._leases: dict[str, Lease] = {}
+        self._expiry: list[tuple[float, str]] = []
+
+    # -- configuration -------------------------------------------------------------------
+
+    def configure_pool(
+        self, pool: str, bucket: BucketSpec, protected_bucket: BucketSpec, now: float
+    ) -> None:
+        p = self._pools.get(pool)
+        if p is None:
+            self._pools[pool] = _Pool(_Bucket(bucket, now), _Bucket(protected_bucket, now))
+            return
+        p.bucket.reshape(bucket, now)
+        p.protected_bucket.reshape(protected_bucket, now)
+        self._resync_protected_bucket(pool, now)
+
+    def configure_entitlement(
+        self,
+        name: str,
+        pool: str,
+        own_bucket: BucketSpec,
+        holdback_concurrency: float,
+        holdback_kv: float,
+        now: float,
+        protected: bool = False,
+    ) -> None:
+        e = self._ents.get(name)
+        if e is None:
+            e = self._ents[name] = _Entitlement(name, pool, _Bucket(own_bucket, now), now)
+        else:
+            e.own.reshape(own_bucket, now)
+        e.protected = protected
+        e.base_concurrency, e.base_kv = holdback_concurrency, holdback_kv
+        self._update_holdback(e, self._pools[pool])
+        self._resync_protected_bucket(pool, now)
+
+    def _resync_protected_bucket(self, pool: str, now: float) -> None:
+        # The aggregate must never be below Σ own levels, or borrowers could take what a
+        # protected tenant is still owed.
+        total = 0.0
+        for e in self._ents.values():
+            if e.pool == pool and e.protected:
+                e.own.refill(now)
+                total += max(0.0, e.own.level)
+        agg = self._pools[pool].protected_bucket
+        agg.refill(now)
+        agg.level = max(min(agg.level, agg.depth), min(total, agg.depth))
+
+    def remove_entitlement(self, name: str) -> list[Lease]:
+        e = self._ents.get(name)
+        if e is None:
+            return []
+        ended = [lease for lease in self._leases.values() if lease.entitlement == name]
+        for lease in ended:
+            self._finish(lease, e.t_acc, bucket_used=lease.tokens, observed=0.0)
+        p = self._pools[e.pool]
+        e.base_concurrency = e.base_kv = 0.0
+        self._update_holdback(e, p)
+        del self._ents[name]
+        return ended
+
+    # -- the atomic step -----------------------------------------------------------------
+
+    def reserve(
+        self,
+        lease: Lease,
+        plan: ReservePlan,
+        now: float,
+        overcommit: bool = False,
+        evict: Sequence[str] = (),
+    ) -> Shortfall | None:
+        e = self._ents[lease.entitlement]
+        p = self._pools[lease.pool]
+        tokens, kv = lease.tokens, lease.kv_tokens
+        # Victims are checked as if already gone, and ended only if the reservation succeeds.
+        used_c, used_k, pre_c, pre_k = p.concurrency, p.kv, p.pre_concurrency, p.pre_kv
+        victims = [v for v in map(p.preemptible.get, evict) if v is not None] if evict else []
+        for victim in victims:
+            used_c -= 1
+            pre_c -= 1
+            used_k -= victim.kv_tokens
+            pre_k -= victim.kv_tokens
+        conc_after = e.concurrency + 1
+        if conc_after > plan.ent_concurrency:
+            return Shortfall.ENTITLEMENT_CONCURRENCY
+        own = e.own
+        own.refill(now)
+        own_ok = own.level >= tokens
+        if plan.own_required and not own_ok:
+            return Shortfall.ENTITLEMENT_THROUGHPUT
+        kv_after = e.kv + kv
+        if kv_after > plan.ent_kv:
+            return Shortfall.ENTITLEMENT_KV
+        bucket = p.bucket
+        bucket.refill(now)
+        pbucket = p.protected_bucket
+        pbucket.refill(now)
+
+        if own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv:
+            if overcommit:
+                lc, lk, lf = (
+                    plan.overcommit_concurrency,
+                    plan.overcommit_kv,
+                    plan.overcommit_bucket_floor,
+                )
+            else:
+                lc, lk, lf = plan.reserved_concurrency, plan.reserved_kv, plan.reserved_bucket_floor
+            if used_c + 1 > lc:
+                return Shortfall.POOL_CONCURRENCY
+            if used_k + kv > lk:
+                return Shortfall.POOL_KV
+            if bucket.level - tokens < lf:
+                return Shortfall.POOL_THROUGHPUT
+            own.level -= tokens
+            pbucket.level -= tokens
+            lease.reserved_path = lease.drew_own = True
+        else:
+            hold_c, hold_k = p.hold_concurrency, p.hold_kv
+            unreserved = bucket.level - pbucket.level - tokens
+            if (
+                used_c + hold_c + 1 > plan.contended_concurrency
+                or used_k + hold_k + kv > plan.contended_kv
+                or unreserved < plan.contended_bucket
+            ) and e.priority < self._threshold(p, e.name):
+                return Shortfall.LOW_PRIORITY
+            np_conc = used_c - pre_c + hold_c + 1
+            if used_c + 1 > plan.shared_concurrency or (
+                not lease.preemptible and np_conc > plan.shared_np_concurrency
+            ):
+                return Shortfall.POOL_CONCURRENCY
+            np_kv = used_k - pre_k + hold_k + kv
+            if used_k + kv > plan.shared_kv or (
+                not lease.preemptible and np_kv > plan.shared_np_kv
+            ):
+                return Shortfall.POOL_KV
+            if bucket.level - tokens < plan.shared_bucket_floor or (
+                unreserved < plan.shared_np_bucket_floor
+            ):
+                return Shortfall.POOL_THROUGHPUT
+            if plan.own_required:
+                own.level -= tokens
+                lease.drew_own = True
+        for victim in victims:
+            self._finish(victim, now, bucket_used=victim.tokens, observed=0.0)
+        bucket.level -= tokens
+        self._book(lease, e, p, now)
+        return None
+
+    def _threshold(self, p: _Pool, name: str) -> float:
+        """The lowest priority in flight among *other* entitlements: a tenant never blocks
+        itself, or check 5 could never fire for a tenant that is already being served."""
+        low = p.low
+        if low is None:
+            first = second = INF
+            first_name = ""
+            for other in p.inflight:
+                w = self._ents[other].priority
+                if w < first:
+                    second, first, first_name = first, w, other
+                elif w < second:
+                    second = w
+            low = p.low = (first_name, first, second)
+        first_name, first, second = low
+        w = second if first_name == name else first
+        return -INF if w == INF else w
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _book(self, lease: Lease, e: _Entitlement, p: _Pool, now: float) -> None:
+        e.accumulate(now)
+        e.concurrency += 1
+        e.kv += lease.kv_tokens
+        e.leases += 1
+        p.concurrency += 1
+        p.kv += lease.kv_tokens
+        p.leases += 1
+        if lease.preemptible:
+            p.pre_concurrency += 1
+            p.pre_kv += lease.kv_tokens
+            p.preemptible[lease.lease_id] = lease
+        if e.protected:
+            self._update_holdback(e, p)
+        count = p.inflight.get(e.name, 0)
+        p.inflight[e.name] = count + 1
+        if count == 0 and p.low is not None:
+            first_name, first, second = p.low
+            w = e.priority
+            if w < first:
+                p.low = (e.name, w, first)
+            elif w < second:
+                p.low = (first_name, first, w)
+        self._leases[lease.lease_id] = lease
+        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+
+    def _finish(self, lease: Lease, now: float, bucket_used: float, observed: float) -> None:
+        del self._leases[lease.lease_id]
+        e = self._ents[lease.entitlement]
+        p = self._pools[lease.pool]
+        e.accumulate(now)
+        e.concurrency -= 1
+        e.kv -= lease.kv_tokens
+        e.leases -= 1
+        e.settled += observed
+        p.concurrency -= 1
+        p.kv -= lease.kv_tokens
+        p.leases -= 1
+        if lease.preemptible:
+            p.pre_concurrency -= 1
+            p.pre_kv -= lease.kv_tokens
+            del p.preemptible[lease.lease_id]
+        if e.protected:
+            self._update_holdback(e, p)
+        count = p.inflight[e.name] - 1
+        if count:
+            p.inflight[e.name] = count
+        else:
+            del p.inflight[e.name]
+            if p.low is not None and (p.low[0] == e.name or e.priority <= p.low[2]):
+                p.low = None
+        refund = lease.tokens - bucket_used
+        if refund:
+            p.bucket.credit(refund, now)
+            if lease.drew_own:
+                e.own.credit(refund, now)
+            if lease.reserved_path:
+                p.protected_bucket.credit(refund, now)
+
+    @staticmethod
+    def _update_holdback(e: _Entitlement, p: _Pool) -> None:
+        hold_c = max(0.0, e.base_concurrency - e.concurrency)
+        hold_k = max(0.0, e.base_kv - e.kv)
+        p.hold_concurrency += hold_c - e.hold_concurrency
+        p.hold_kv += hold_k - e.hold_kv
+        e.hold_concurrency, e.hold_kv = hold_c, hold_k
+
+    # -- ending leases -------------------------------------------------------------------
+
+    def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            self._finish(lease, now, bucket_used=used_tokens, observed=used_tokens)
+        return lease
+
+    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            self._finish(lease, now, bucket_used=0.0 if refund else lease.tokens, observed=0.0)
+        return lease
+
+    def renew(self, lease_id: str, expires_at: float) -> bool:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        lease.expires_at = expires_at
+        heapq.heappush(self._expiry, (expires_at, lease_id))
+        return True
+
+    def expire(self, now: float) -> list[Lease]:
+        """End every lease past its expiry. Its tokens count as spent: nobody reported usage."""
+        ended = []
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            expires_at, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_at == expires_at:
+                self._finish(lease, now, bucket_used=lease.tokens, observed=0.0)
+                ended.append(lease)
+        if not self._leases:
+            heap.clear()  # drop stale entries of settled leases
+        return ended
+
+    def get_lease(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def preemptible_leases(self, pool: str) -> Iterable[Lease]:
+        return list(self._pools[pool].preemptible.values())
+
+    # -- observation and scores ----------------------------------------------------------
+
+    def add_demand(self, name: str, tokens: float) -> None:
+        self._ents[name].demand += tokens
+
+    def take_window(self, name: str, now: float) -> Window:
+        e = self._ents[name]
+        e.accumulate(now)
+        window = Window(
+            seconds=now - e.window_start,
+            settled_tokens=e.settled,
+            demand_tokens=e.demand,
+            concurrency_seconds=e.conc_seconds,
+            kv_seconds=e.kv_seconds,
+        )
+        e.window_start = now
+        e.settled = e.demand = e.conc_seconds = e.kv_seconds = 0.0
+        return window
+
+    def scores(self, name: str) -> Scores:
+        e = self._ents[name]
+        return Scores(e.debt, e.burst, e.priority)
+
+    def set_scores(self, name: str, scores: Scores) -> None:
+        e = self._ents[name]
+        if e.priority != scores.priority:
+            self._pools[e.pool].low = None
+        e.debt, e.burst, e.priority = scores.debt, scores.burst, scores.priority
+
+    def claim_update(self, pool: str, period: int) -> bool:
+        p = self._pools[pool]
+        if period <= p.last_period:
+            return False
+        p.last_period = period
+        return True
+
+    def pool_counters(self, pool: str, now: float) -> PoolCounters:
+        p = self._pools[pool]
+        p.bucket.refill(now)
+        p.protected_bucket.refill(now)
+        return PoolCounters(
+            concurrency=p.concurrency,
+            kv_tokens=p.kv,
+            preemptible_concurrency=p.pre_concurrency,
+            preemptible_kv=p.pre_kv,
+            holdback_concurrency=p.hold_concurrency,
+            holdback_kv=p.hold_kv,
+            bucket=p.bucket.level,
+            protected_bucket=p.protected_bucket.level,
+            leases=p.leases,
+        )
+
+    def entitlement_counters(self, name: str, now: float) -> EntitlementCounters:
+        e = self._ents[name]
+        e.own.refill(now)
+        return EntitlementCounters(e.concurrency, e.kv, e.own.level, e.leases)

@@ -1,0 +1,33 @@
+"""Shared builders: configs are written as the YAML a user would write, then parsed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenpools.model.config import Config, parse_config
+
+
+def make_config(
+    entitlements: list[dict[str, Any]],
+    *,
+    concurrency: float = 16,
+    tokens_per_s: float = 480,
+    kv_tokens: float = 32768,
+    replicas: int = 1,
+    policy: dict[str, Any] | None = None,
+    pool_extra: dict[str, Any] | None = None,
+) -> Config:
+    pool = {
+        "name": "p",
+        "model": "Qwen3-8B",
+        "replicas": replicas,
+        "maxReplicas": max(replicas, 8),
+        "perReplica": {
+            "tokensPerSecond": tokens_per_s,
+            "kvTokens": kv_tokens,
+            "concurrency": concurrency,
+        },
+        **(pool_extra or {}),
+    }
+    ents = [{"tenantId": e["name"], "pool": "p", **e} for e in entitlements]
+    return parse_config({"policy": policy or {}, "pools": [pool], "entitlements": ents})
