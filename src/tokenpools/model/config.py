@@ -195,7 +195,7 @@ class PolicySpec(_Strict):
     burstWindowS: Pos = 10.0
     headroom: Fraction = 0.2
     overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
-    elasticOversubscription: Annotated[float, Field(ge=1)] = 1.0
+    elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
     defaultMaxTokens: Annotated[int, Field(ge=1)] = 256
     leaseTtlS: Pos = 600.0
     retryAfterMinS: Pos = 1.0

@@ -23,7 +23,7 @@ class Policy:
     burst_window_s: float = 10.0  # token-bucket depth = rate × this
     headroom: float = 0.2  # the pool is contended within this fraction of its capacity
     overcommit: float = 0.1  # protected classes may exceed capacity by this fraction
-    elastic_oversubscription: float = 1.0  # elastic baselines bind while Σ ≤ capacity × this
+    elastic_oversubscription: float = 1.5  # elastic baselines bind while Σ ≤ capacity × this
     default_max_tokens: int = 256
     lease_ttl_s: float = 600.0
     retry_after_min_s: float = 1.0

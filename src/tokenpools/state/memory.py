@@ -35,8 +35,13 @@ class _Bucket:
             self.level = level if level < self.depth else self.depth
 
     def reshape(self, spec: BucketSpec, now: float) -> None:
+        """New rate and depth. Added depth arrives full (a new replica is idle and can work
+        at once); on a shrink the level is only capped, keeping what was already spent."""
         self.refill(now)
+        grown = spec.depth - self.depth
         self.rate, self.depth = spec.rate, spec.depth
+        if grown > 0 and grown != INF:
+            self.level += grown
         self.level = min(self.level, spec.depth)
 
     def credit(self, tokens: float, now: float) -> None:
