@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests.builders import make_config
@@ -72,7 +74,7 @@ def test_debt_driven_to_one_then_decays_below_003_within_ten_updates() -> None:
         trajectory.append(debt)
     assert trajectory[-1] < 0.03
     assert trajectory[0] == pytest.approx(0.7)
-    assert all(a > b for a, b in zip(trajectory, trajectory[1:], strict=False))
+    assert all(a > b for a, b in itertools.pairwise(trajectory))
 
 
 def test_debt_through_the_core_rises_under_starvation_and_decays_after() -> None:

@@ -43,8 +43,8 @@ def check_config(
         pools.add_column(column, justify="left" if column in ("pool", "model") else "right")
     pools.add_column("ℓ̄* ms", justify="right")
     pools.add_column("desired", justify="right")
-    for name, view in core.pools.items():
-        pool = view.pool
+    for name, pool_view in core.pools.items():
+        pool = pool_view.pool
         cap = pool.capacity
         pools.add_row(
             name,
@@ -54,7 +54,7 @@ def check_config(
             f"{cap.throughput:,.0f}",
             f"{cap.kv_tokens:,.0f}",
             f"{cap.concurrency:g}",
-            f"{view.slo_reference_ms:,.0f}",
+            f"{pool_view.slo_reference_ms:,.0f}",
             str(core.desired_replicas(name)),
         )
     console.print(pools)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
@@ -71,6 +71,8 @@ class EntitlementView:
     own_bucket: BucketSpec
     preemptible: bool
     default_max_tokens: int
+    max_tokens: float  # a request above either limit can never be admitted
+    max_kv: float
     priority: float = 0.0
 
 
@@ -82,6 +84,7 @@ class PoolView:
     mean_service_s: float  # EWMA of lease durations, for Retry-After
     members: list[str]
     last_period: int = -1
+    preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
 
 
 class DecisionCore:
@@ -172,16 +175,25 @@ class DecisionCore:
                     now,
                     protected=reserved,
                 )
+                plan = plans.reserve_plan(pool, ent, bound, policy)
+                max_tokens, max_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
                 self._ents[ent.name] = EntitlementView(
                     ent=ent,
                     state=state,
-                    plan=plans.reserve_plan(pool, ent, bound, policy),
+                    plan=plan,
                     own_bucket=own,
                     preemptible=ent.service_class == ServiceClass.PREEMPTIBLE,
                     default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
+                    max_tokens=max_tokens,
+                    max_kv=max_kv,
                 )
                 self._refresh_priority(ent.name, self.store.scores(ent.name))
+            self._order_preemptible(view)
         return changed
+
+    def _order_preemptible(self, view: PoolView) -> None:
+        names = [n for n in view.members if self._ents[n].preemptible]
+        view.preemptible_order = sorted(names, key=lambda n: (self._ents[n].priority, n))
 
     def _refresh_priority(self, name: str, scores: Scores) -> None:
         view = self._ents[name]
@@ -242,11 +254,10 @@ class DecisionCore:
         tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * max_out
         kv = float(cost.input_tokens + max_out)
         store = self.store
-        store.add_demand(entitlement, tokens)
+        if tokens > view.max_tokens or kv > view.max_kv:
+            store.add_demand(entitlement, tokens)
+            return self._too_big(view, pool_view, tokens, kv)
         plan = view.plan
-        too_big = self._never_fits(view, pool_view, tokens, kv)
-        if too_big is not None:
-            return too_big
 
         if request_id is None:
             lease_id = f"{self._replica}-{next(self._seq)}"
@@ -264,7 +275,7 @@ class DecisionCore:
             now + self.policy.lease_ttl_s,
             view.preemptible,
         )
-        short = store.reserve(lease, plan, now)
+        short = store.reserve(lease, plan, now, demand=tokens)
         if short is None:
             return Admit(lease, view.priority)
         if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV):
@@ -282,10 +293,11 @@ class DecisionCore:
             return Admit(lease, view.priority, overcommit=True)
         return self._reject(short, view, pool_view, tokens, kv, lease_id, now)
 
-    def _never_fits(
+    def _too_big(
         self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float
-    ) -> Reject | None:
+    ) -> Reject:
         plan = view.plan
+        needs = f"request needs {tokens:g} tokens and {kv:g} KV tokens"
         if (
             plan.ent_concurrency < 1
             or kv > plan.ent_kv
@@ -294,44 +306,44 @@ class DecisionCore:
             return Reject(
                 Reason.EXCEEDS_ENTITLEMENT,
                 Check.SIZE,
-                f"request needs {tokens:g} tokens and {kv:g} KV tokens; entitlement "
-                f"{view.ent.name!r} can never hold that (lower max_tokens or raise the "
-                "entitlement)",
+                f"{needs}; entitlement {view.ent.name!r} can never hold that (lower "
+                "max_tokens or raise the entitlement)",
             )
-        over = 1.0 + self.policy.overcommit if view.ent.protected else 1.0
-        depth = pool_view.bucket.depth
-        if plan.shared_concurrency < 1 or kv > plan.shared_kv * over or tokens > depth * over:
-            return Reject(
-                Reason.EXCEEDS_POOL,
-                Check.SIZE,
-                f"request needs {tokens:g} tokens and {kv:g} KV tokens; pool "
-                f"{pool_view.pool.name!r} can never hold that at its current capacity",
-            )
-        return None
+        return Reject(
+            Reason.EXCEEDS_POOL,
+            Check.SIZE,
+            f"{needs}; pool {pool_view.pool.name!r} can never hold that at its current capacity",
+        )
 
     def _choose_victims(
         self, view: EntitlementView, pool_view: PoolView, kv: float, now: float
     ) -> list[Lease]:
-        """Preemptible leases of strictly lower priority, lowest priority first and newest
-        first within it, until the request fits the pool's capacity; none if it never would."""
+        """Preemptible leases of strictly lower priority until the request fits the pool's
+        capacity; none if it never would."""
         counters = self.store.pool_counters(pool_view.pool.name, now)
-        plan = view.plan
-        need_c = counters.concurrency + 1 - plan.shared_concurrency
-        need_k = counters.kv_tokens + kv - plan.shared_kv
-        candidates = [
-            lease
-            for lease in self.store.preemptible_leases(pool_view.pool.name)
-            if self._ents[lease.entitlement].priority < view.priority
-        ]
-        candidates.sort(key=lambda x: (self._ents[x.entitlement].priority, -x.started_at))
+        need_c = counters.concurrency + 1 - view.plan.shared_concurrency
+        need_k = counters.kv_tokens + kv - view.plan.shared_kv
+        if need_c > counters.preemptible_concurrency or need_k > counters.preemptible_kv:
+            return []
         victims: list[Lease] = []
-        for lease in candidates:
+        for lease in self._eviction_order(pool_view.pool.name, below=view.priority):
             if need_c <= 0 and need_k <= 0:
                 break
             victims.append(lease)
             need_c -= 1
             need_k -= lease.kv_tokens
         return victims if need_c <= 0 and need_k <= 0 else []
+
+    def _eviction_order(self, pool: str, below: float) -> Iterator[Lease]:
+        """Preemptible leases with priority below `below`: lowest priority first, and the
+        newest first within an entitlement (it has lost the least work)."""
+        groups = self.store.preemptible_leases(pool)
+        for name in self._pools[pool].preemptible_order:
+            if self._ents[name].priority >= below:
+                return
+            group = groups.get(name)
+            if group:
+                yield from reversed(list(group.values()))
 
     def _reject(
         self,
@@ -375,8 +387,8 @@ class DecisionCore:
             + pool.output_token_weight * usage.output_tokens
         )
         self.store.settle(lease_id, used, now)
-        duration = max(0.0, now - lease.started_at)
-        pool_view.mean_service_s = ewma(pool_view.mean_service_s, duration, 0.9)
+        duration = now - lease.started_at
+        pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * max(0.0, duration)
         return lease
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
@@ -413,6 +425,7 @@ class DecisionCore:
                 else:
                     for member in pool_view.members:
                         self._ents[member].priority = self.store.scores(member).priority
+                self._order_preemptible(pool_view)
         return TickResult(expired, tuple(updated), states)
 
     def _update_scores(self, pool_view: PoolView, now: float) -> None:
@@ -446,12 +459,8 @@ class DecisionCore:
         counters = self.store.pool_counters(pool_name, now)
         over_c = counters.concurrency - cap.concurrency
         over_k = counters.kv_tokens - cap.kv_tokens
-        victims = sorted(
-            self.store.preemptible_leases(pool_name),
-            key=lambda x: (self._ents[x.entitlement].priority, -x.started_at),
-        )
         evicted: list[Lease] = []
-        for lease in victims:
+        for lease in self._eviction_order(pool_name, below=math.inf):
             if over_c <= 0 and over_k <= 0:
                 break
             self.store.release(lease.lease_id, now, refund=False)

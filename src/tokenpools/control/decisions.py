@@ -42,7 +42,9 @@ STATE_REASONS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+# Admit and Reject are built on every request: plain slotted classes (a frozen dataclass's
+# __init__ costs several times more). Treat them as immutable.
+@dataclass(slots=True)
 class Admit:
     lease: Lease
     priority: float
@@ -52,7 +54,7 @@ class Admit:
     admitted = True
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Reject:
     reason: Reason
     check: Check

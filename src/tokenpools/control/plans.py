@@ -78,3 +78,17 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         contended_kv=cap.kv_tokens * (1.0 - policy.headroom),
         contended_bucket=policy.headroom * depth,
     )
+
+
+def size_limits(
+    plan: ReservePlan, own: BucketSpec, pool: BucketSpec, ent: Entitlement, policy: Policy
+) -> tuple[float, float]:
+    """The largest tokens and KV tokens one request may ever reserve; above either, it is
+    rejected at once (it would wait forever). Negative when nothing can ever be admitted."""
+    if plan.ent_concurrency < 1 or plan.shared_concurrency < 1:
+        return -1.0, -1.0
+    over = 1.0 + policy.overcommit if ent.protected else 1.0
+    max_tokens = pool.depth * over
+    if plan.own_required:
+        max_tokens = min(max_tokens, own.depth)
+    return max_tokens, min(plan.ent_kv, plan.shared_kv * over)

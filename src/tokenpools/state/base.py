@@ -8,7 +8,7 @@ config, so a Redis Lua script can run the same comparisons in one round trip. Ev
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -146,11 +146,13 @@ class Store(Protocol):
         now: float,
         overcommit: bool = False,
         evict: Sequence[str] = (),
+        demand: float = 0.0,
     ) -> Shortfall | None:
         """Check the lease against the plan and book it, atomically; None on success.
 
         `evict` names preemptible leases of the pool to end in the same step: the checks
-        count them as gone, and they are ended only if the reservation succeeds."""
+        count them as gone, and they are ended only if the reservation succeeds. `demand`
+        tokens are added to the entitlement's demand window whatever the outcome."""
         ...
 
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None: ...
@@ -163,7 +165,10 @@ class Store(Protocol):
 
     def get_lease(self, lease_id: str) -> Lease | None: ...
 
-    def preemptible_leases(self, pool: str) -> Iterable[Lease]: ...
+    def preemptible_leases(self, pool: str) -> Mapping[str, Mapping[str, Lease]]:
+        """In-flight preemptible leases by entitlement, then by id, oldest first; only
+        entitlements with leases appear. A read-only view: do not mutate."""
+        ...
 
     def add_demand(self, name: str, tokens: float) -> None: ...
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 
 from tokenpools.state.base import (
     INF,
@@ -106,7 +106,8 @@ class _Pool:
         "low",
         "pre_concurrency",
         "pre_kv",
-        "preemptible",
+        "preemptible_by_ent",
+        "protected",
         "protected_bucket",
     )
 
@@ -116,9 +117,10 @@ class _Pool:
         self.hold_concurrency = self.hold_kv = 0.0
         self.leases = 0
         self.inflight: dict[str, int] = {}  # entitlement → in-flight leases
-        self.preemptible: dict[str, Lease] = {}  # insertion order = admission order
-        # The two lowest priorities among entitlements in flight, or None when stale.
-        self.low: tuple[str, float, float] | None = None
+        # (priority, entitlement) of entitlements in flight, a lazy heap; None: rebuild it.
+        self.low: list[tuple[float, str]] | None = None
+        self.preemptible_by_ent: dict[str, dict[str, Lease]] = {}
+        self.protected: set[str] = set()  # entitlements holding a reserved baseline
         self.last_period = -1
 
 
@@ -157,20 +159,26 @@ class MemoryStore:
             e = self._ents[name] = _Entitlement(name, pool, _Bucket(own_bucket, now), now)
         else:
             e.own.reshape(own_bucket, now)
+        p = self._pools[pool]
         e.protected = protected
+        if protected:
+            p.protected.add(name)
+        else:
+            p.protected.discard(name)
         e.base_concurrency, e.base_kv = holdback_concurrency, holdback_kv
-        self._update_holdback(e, self._pools[pool])
+        self._update_holdback(e, p)
         self._resync_protected_bucket(pool, now)
 
     def _resync_protected_bucket(self, pool: str, now: float) -> None:
         # The aggregate must never be below Σ own levels, or borrowers could take what a
         # protected tenant is still owed.
+        p = self._pools[pool]
         total = 0.0
-        for e in self._ents.values():
-            if e.pool == pool and e.protected:
-                e.own.refill(now)
-                total += max(0.0, e.own.level)
-        agg = self._pools[pool].protected_bucket
+        for name in p.protected:
+            own = self._ents[name].own
+            own.refill(now)
+            total += max(0.0, own.level)
+        agg = p.protected_bucket
         agg.refill(now)
         agg.level = max(min(agg.level, agg.depth), min(total, agg.depth))
 
@@ -184,6 +192,7 @@ class MemoryStore:
         p = self._pools[e.pool]
         e.base_concurrency = e.base_kv = 0.0
         self._update_holdback(e, p)
+        p.protected.discard(name)
         del self._ents[name]
         return ended
 
@@ -196,13 +205,19 @@ class MemoryStore:
         now: float,
         overcommit: bool = False,
         evict: Sequence[str] = (),
+        demand: float = 0.0,
     ) -> Shortfall | None:
         e = self._ents[lease.entitlement]
         p = self._pools[lease.pool]
+        e.demand += demand
         tokens, kv = lease.tokens, lease.kv_tokens
         # Victims are checked as if already gone, and ended only if the reservation succeeds.
         used_c, used_k, pre_c, pre_k = p.concurrency, p.kv, p.pre_concurrency, p.pre_kv
-        victims = [v for v in map(p.preemptible.get, evict) if v is not None] if evict else []
+        victims = [
+            v
+            for v in map(self._leases.get, evict)
+            if v is not None and v.preemptible and v.pool == lease.pool
+        ]
         for victim in victims:
             used_c -= 1
             pre_c -= 1
@@ -276,21 +291,35 @@ class MemoryStore:
 
     def _threshold(self, p: _Pool, name: str) -> float:
         """The lowest priority in flight among *other* entitlements: a tenant never blocks
-        itself, or check 5 could never fire for a tenant that is already being served."""
-        low = p.low
-        if low is None:
-            first = second = INF
-            first_name = ""
-            for other in p.inflight:
-                w = self._ents[other].priority
-                if w < first:
-                    second, first, first_name = first, w, other
-                elif w < second:
-                    second = w
-            low = p.low = (first_name, first, second)
-        first_name, first, second = low
-        w = second if first_name == name else first
-        return -INF if w == INF else w
+        itself, or check 5 could never fire for a tenant that is already being served.
+
+        A heap of (priority, entitlement) with lazy deletion: entries of entitlements no
+        longer in flight, or whose priority changed, are dropped when they reach the top."""
+        heap = p.low
+        if heap is None or len(heap) > 2 * len(p.inflight) + 32:
+            heap = p.low = [(self._ents[n].priority, n) for n in p.inflight]
+            heapq.heapify(heap)
+        valid = self._valid_low
+        while heap and not valid(p, heap[0]):
+            heapq.heappop(heap)
+        if not heap:
+            return -INF
+        if heap[0][1] != name:
+            return heap[0][0]
+        mine = []
+        while heap and (heap[0][1] == name or not valid(p, heap[0])):
+            entry = heapq.heappop(heap)
+            if entry[1] == name:
+                mine.append(entry)
+        threshold = heap[0][0] if heap else -INF
+        for entry in mine:
+            heapq.heappush(heap, entry)
+        return threshold
+
+    def _valid_low(self, p: _Pool, entry: tuple[float, str]) -> bool:
+        w, name = entry
+        e = self._ents.get(name)
+        return e is not None and name in p.inflight and e.priority == w
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -305,18 +334,13 @@ class MemoryStore:
         if lease.preemptible:
             p.pre_concurrency += 1
             p.pre_kv += lease.kv_tokens
-            p.preemptible[lease.lease_id] = lease
+            p.preemptible_by_ent.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         if e.protected:
             self._update_holdback(e, p)
         count = p.inflight.get(e.name, 0)
         p.inflight[e.name] = count + 1
         if count == 0 and p.low is not None:
-            first_name, first, second = p.low
-            w = e.priority
-            if w < first:
-                p.low = (e.name, w, first)
-            elif w < second:
-                p.low = (first_name, first, w)
+            heapq.heappush(p.low, (e.priority, e.name))
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
 
@@ -335,16 +359,17 @@ class MemoryStore:
         if lease.preemptible:
             p.pre_concurrency -= 1
             p.pre_kv -= lease.kv_tokens
-            del p.preemptible[lease.lease_id]
+            group = p.preemptible_by_ent[lease.entitlement]
+            del group[lease.lease_id]
+            if not group:
+                del p.preemptible_by_ent[lease.entitlement]
         if e.protected:
             self._update_holdback(e, p)
         count = p.inflight[e.name] - 1
         if count:
             p.inflight[e.name] = count
         else:
-            del p.inflight[e.name]
-            if p.low is not None and (p.low[0] == e.name or e.priority <= p.low[2]):
-                p.low = None
+            del p.inflight[e.name]  # its heap entry goes stale and is dropped lazily
         refund = lease.tokens - bucket_used
         if refund:
             p.bucket.credit(refund, now)
@@ -400,8 +425,8 @@ class MemoryStore:
     def get_lease(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
-    def preemptible_leases(self, pool: str) -> Iterable[Lease]:
-        return list(self._pools[pool].preemptible.values())
+    def preemptible_leases(self, pool: str) -> Mapping[str, Mapping[str, Lease]]:
+        return self._pools[pool].preemptible_by_ent
 
     # -- observation and scores ----------------------------------------------------------
 
