@@ -1,27 +1,49 @@
 # Two entry points: `make demo` runs the main job, `make test` runs every check.
-# Each creates and uses its own virtual environment in .venv.
+# Each creates and uses its own virtual environment: .venv (editable, pure Python) and, for the
+# compiled variant of the decision core, .venv-compiled (mypyc; see setup.py).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+CVENV := .venv-compiled
+SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint test-python test-compiled bench clean
 
-$(BIN)/tokenpools: pyproject.toml
+$(BIN)/tokenpools: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+# Rebuilt whenever a source changes, so the compiled tests never run stale code.
+$(CVENV)/.built: $(SOURCES)
+	$(PYTHON) -m venv $(CVENV)
+	$(CVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CVENV)/bin/python -m pip install --quiet 'setuptools>=77' '.[dev]'
+	TOKENPOOLS_COMPILE=1 $(CVENV)/bin/python -m pip install --quiet --no-build-isolation \
+		--force-reinstall --no-deps .
 	touch $@
 
 demo: $(BIN)/tokenpools
 	$(BIN)/tokenpools check-config examples/tokenpools.yaml
 
 lint: $(BIN)/tokenpools
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks setup.py
+	$(BIN)/ruff format --check src tests benchmarks setup.py
 	$(BIN)/mypy
 
-test: lint
+test-python: $(BIN)/tokenpools
 	$(BIN)/pytest
 
+test-compiled: $(CVENV)/.built
+	$(CVENV)/bin/python -c 'import tokenpools.state.memory as m; assert m.__file__.endswith(".so"), m.__file__'
+	$(CVENV)/bin/python -m pytest -p no:cacheprovider
+
+test: lint test-python test-compiled
+
+bench: $(BIN)/tokenpools $(CVENV)/.built
+	$(BIN)/python benchmarks/admission.py --json out/admission-python.json
+	$(CVENV)/bin/python benchmarks/admission.py --json out/admission-compiled.json
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis

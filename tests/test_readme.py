@@ -1,0 +1,23 @@
+"""The README's Python example runs as written."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_readme_python_example_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    assert blocks, "README has no python example"
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        namespace: dict[str, object] = {}
+        exec(compile(blocks[0], "README.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    assert "decision" in namespace
