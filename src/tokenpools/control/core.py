@@ -34,7 +34,15 @@ from tokenpools.model.keys import hash_key
 from tokenpools.model.pool import Pool
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.service_class import ServiceClass
-from tokenpools.state.base import BucketSpec, Lease, ReservePlan, Scores, Shortfall, Store
+from tokenpools.state.base import (
+    BucketSpec,
+    Lease,
+    PoolCounters,
+    ReservePlan,
+    Scores,
+    Shortfall,
+    Store,
+)
 from tokenpools.state.memory import MemoryStore
 
 _SHORTFALL_REJECT: dict[Shortfall, tuple[Reason, Check, str | None]] = {
@@ -278,8 +286,9 @@ class DecisionCore:
         short = store.reserve(lease, plan, now, demand=tokens)
         if short is None:
             return Admit(lease, view.priority)
+        counters = store.pool_counters(pool.name, now)
         if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV):
-            victims = self._choose_victims(view, pool_view, kv, now)
+            victims = self._choose_victims(view, pool_view, counters, kv)
             if (
                 victims
                 and store.reserve(lease, plan, now, evict=[v.lease_id for v in victims]) is None
@@ -291,7 +300,7 @@ class DecisionCore:
             and store.reserve(lease, plan, now, overcommit=True) is None
         ):
             return Admit(lease, view.priority, overcommit=True)
-        return self._reject(short, view, pool_view, tokens, kv, lease_id, now)
+        return self._reject(short, view, pool_view, counters, tokens, kv, lease_id, now)
 
     def _too_big(
         self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float
@@ -316,11 +325,10 @@ class DecisionCore:
         )
 
     def _choose_victims(
-        self, view: EntitlementView, pool_view: PoolView, kv: float, now: float
+        self, view: EntitlementView, pool_view: PoolView, counters: PoolCounters, kv: float
     ) -> list[Lease]:
         """Preemptible leases of strictly lower priority until the request fits the pool's
         capacity; none if it never would."""
-        counters = self.store.pool_counters(pool_view.pool.name, now)
         need_c = counters.concurrency + 1 - view.plan.shared_concurrency
         need_k = counters.kv_tokens + kv - view.plan.shared_kv
         if need_c > counters.preemptible_concurrency or need_k > counters.preemptible_kv:
@@ -350,6 +358,7 @@ class DecisionCore:
         short: Shortfall,
         view: EntitlementView,
         pool_view: PoolView,
+        counters: PoolCounters,
         tokens: float,
         kv: float,
         request_id: str,
@@ -362,7 +371,7 @@ class DecisionCore:
             tokens,
             kv,
             view.plan,
-            self.store.pool_counters(pool_view.pool.name, now),
+            counters,
             self.store.entitlement_counters(view.ent.name, now),
             pool_view.bucket,
             view.own_bucket,
