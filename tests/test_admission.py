@@ -7,6 +7,7 @@ import pytest
 from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Check, Reason, Reject
+from tokenpools.model.config import Config, parse_config
 from tokenpools.model.request import RequestCost, Usage
 
 SMALL = RequestCost(input_tokens=64, max_output_tokens=64)  # 128 tokens, 128 KV tokens
@@ -286,3 +287,64 @@ def test_api_key_lookup_uses_hashes() -> None:
     core = DecisionCore(make_config([{**SPOT, "apiKeys": [hash_key("sk-secret")]}]))
     assert core.entitlement_for_key("sk-secret") == "spot"
     assert core.entitlement_for_key("sk-other") is None
+
+
+def test_reload_moving_an_entitlement_to_another_pool_ends_its_leases() -> None:
+
+    def config(pool: str) -> Config:
+        replica = {"tokensPerSecond": 480, "kvTokens": 32768, "concurrency": 16}
+        return parse_config(
+            {
+                "pools": [
+                    {"name": "a", "model": "Qwen3-8B", "perReplica": replica},
+                    {"name": "b", "model": "Qwen3-8B", "perReplica": replica},
+                ],
+                "entitlements": [
+                    {
+                        "name": "g",
+                        "tenantId": "t",
+                        "pool": pool,
+                        "serviceClass": "guaranteed",
+                        "concurrency": 4,
+                    }
+                ],
+            }
+        )
+
+    core = DecisionCore(config("a"))
+    d = admit(core, "g")
+    ended = core.apply_config(config("b"), 1.0)
+    assert [x.lease_id for x in ended] == [d.lease.lease_id]
+    for pool in ("a", "b"):
+        c = core.store.pool_counters(pool, 1.0)
+        assert (c.concurrency, c.kv_tokens) == (0, 0)
+    assert core.store.pool_counters("b", 1.0).holdback_concurrency == 4
+    assert core.store.pool_counters("a", 1.0).holdback_concurrency == 0
+    assert admit(core, "g", t=1.0).lease.pool == "b"
+
+
+def test_over_served_elastic_tenant_earns_credit_and_loses_priority() -> None:
+    elastic = {"name": "e", "serviceClass": "elastic", "sloTargetMs": 1000, "concurrency": 2}
+    core = DecisionCore(make_config([elastic]))  # λ_e = 2/16 × 480 = 60 tok/s
+    start = core.entitlements["e"].priority
+    t = 0.0
+    core.tick(t)
+    for _ in range(10):  # settles 10 × 128 tokens per 5 s period: 256 tok/s on a 60 baseline
+        for _ in range(10):
+            d = admit(core, "e", t=t)
+            core.settle(d.lease.lease_id, Usage(64, 64), t)
+        t += 5.0
+        core.tick(t)
+    scores = core.store.scores("e")
+    assert -1.0 <= scores.debt < -0.9  # demand-capped gap: (60 − 256)/60 clamped to −1
+    assert scores.burst > 2.0  # (256/60 − 1) in throughput
+    assert core.entitlements["e"].priority < start / 10
+
+
+def test_entitlement_expiry_is_applied_by_tick() -> None:
+    expiry = "2030-01-01T00:00:00Z"
+    t_expiry = 1893456000.0
+    core = DecisionCore(make_config([{**GUARANTEED, "expiresAt": expiry}, SPOT]), now=1.0e9)
+    assert core.tick(t_expiry - 1).states_changed == {}
+    assert core.tick(t_expiry).states_changed == {"gold": "Expired"}
+    assert core.store.pool_counters("p", t_expiry).holdback_concurrency == 0

@@ -8,13 +8,17 @@ import pytest
 
 from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit, Reject
 from tokenpools.control.ledger import Observation, ewma, service_gap
 from tokenpools.control.priority import priority
 from tokenpools.model.policy import Policy
 from tokenpools.model.profile import BUILTIN_PROFILES
+from tokenpools.model.request import RequestCost
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
 
+SMALL = RequestCost(input_tokens=64, max_output_tokens=64)
+SMALL_TOKENS = 128
 EXP2 = [
     {"name": "copilot", "serviceClass": "elastic", "sloTargetMs": 500, "concurrency": 5},
     {"name": "synth", "serviceClass": "elastic", "sloTargetMs": 30000, "concurrency": 5},
@@ -78,17 +82,25 @@ def test_debt_driven_to_one_then_decays_below_003_within_ten_updates() -> None:
 
 
 def test_debt_through_the_core_rises_under_starvation_and_decays_after() -> None:
-    """Drive the real update loop: synth asks for its baseline but is served nothing."""
-    core = exp2_core()
+    """Drive the real admission and update loop: copilot holds the whole (8-slot) pool, synth
+    asks for more than its baseline and is refused every time, then stops asking."""
+    config = make_config(EXP2, concurrency=8, pool_extra={"sloReferenceMs": 15250})
+    core = DecisionCore(config)
+    held = [core.admit("copilot", SMALL, 0.0) for _ in range(8)]
+    assert all(isinstance(d, Admit) for d in held)
+    baseline = config.entitlements["synth"].baseline.throughput  # 5/8 of 480 tok/s
     period = core.policy.update_period_s
+    per_period = int(baseline * period / SMALL_TOKENS) + 1  # demand just above the baseline
     t = 0.0
     core.tick(t)
-    for _ in range(30):  # starved: demand recorded, nothing settled
-        for _ in range(10):
-            core.store.add_demand("synth", 100.0)
+    for _ in range(30):
+        for _ in range(per_period):
+            assert isinstance(core.admit("synth", SMALL, t), Reject)
         t += period
         core.tick(t)
     assert core.store.scores("synth").debt == pytest.approx(1.0, abs=1e-3)
+    # copilot holds 8 slots on a baseline of 5: Eq. 3 sees the concurrency burst (8/5 − 1).
+    assert core.store.scores("copilot").burst == pytest.approx(0.6, abs=1e-3)
     assert core.entitlements["synth"].priority == pytest.approx(20.27 * 5, rel=1e-3)
     updates = 0
     while core.store.scores("synth").debt >= 0.03:  # no demand any more: nothing is owed

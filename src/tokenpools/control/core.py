@@ -105,6 +105,7 @@ class DecisionCore:
         self._pools: dict[str, PoolView] = {}
         self._ents: dict[str, EntitlementView] = {}
         self._keys: dict[str, str] = {}
+        self._next_expiry = math.inf  # earliest expiresAt of an entitlement not yet Expired
         self.observations: dict[str, Observation] = {}
         self.config = config
         self.apply_config(config, now)
@@ -117,9 +118,11 @@ class DecisionCore:
         self.config = config
         self.policy = config.policy
         ended: list[Lease] = []
-        for name in [n for n in self._ents if n not in config.entitlements]:
-            ended += self.store.remove_entitlement(name)
-            del self._ents[name]
+        for name, view in list(self._ents.items()):
+            new = config.entitlements.get(name)
+            if new is None or new.pool != view.ent.pool:  # gone, or moved: start afresh
+                ended += self.store.remove_entitlement(name)
+                del self._ents[name]
         pools: dict[str, PoolView] = {}
         for name, pool in config.pools.items():
             old = self._pools.get(name)
@@ -197,6 +200,14 @@ class DecisionCore:
                 )
                 self._refresh_priority(ent.name, self.store.scores(ent.name))
             self._order_preemptible(view)
+        self._next_expiry = min(
+            (
+                v.ent.expires_at
+                for v in self._ents.values()
+                if v.ent.expires_at is not None and v.state != BindingState.EXPIRED
+            ),
+            default=math.inf,
+        )
         return changed
 
     def _order_preemptible(self, view: PoolView) -> None:
@@ -263,7 +274,7 @@ class DecisionCore:
         kv = float(cost.input_tokens + max_out)
         store = self.store
         if tokens > view.max_tokens or kv > view.max_kv:
-            store.add_demand(entitlement, tokens)
+            # Not counted as demand: no capacity could ever serve it, so it is owed nothing.
             return self._too_big(view, pool_view, tokens, kv)
         plan = view.plan
 
@@ -416,12 +427,7 @@ class DecisionCore:
         across every replica sharing the store) update debt, burst and priority."""
         expired = tuple(self.store.expire(now))
         states: dict[str, BindingState] = {}
-        if any(
-            v.ent.expires_at is not None
-            and now >= v.ent.expires_at
-            and v.state != BindingState.EXPIRED
-            for v in self._ents.values()
-        ):
+        if now >= self._next_expiry:
             states = self._rebind(now)
         period = int(now // self.policy.update_period_s)
         updated = []

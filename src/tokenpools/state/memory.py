@@ -430,9 +430,6 @@ class MemoryStore:
 
     # -- observation and scores ----------------------------------------------------------
 
-    def add_demand(self, name: str, tokens: float) -> None:
-        self._ents[name].demand += tokens
-
     def take_window(self, name: str, now: float) -> Window:
         e = self._ents[name]
         e.accumulate(now)
