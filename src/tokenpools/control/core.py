@@ -36,6 +36,7 @@ from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.state.base import (
     BucketSpec,
+    EntitlementCounters,
     Lease,
     PoolCounters,
     ReservePlan,
@@ -50,19 +51,36 @@ _SHORTFALL_REJECT: dict[Shortfall, tuple[Reason, Check, str | None]] = {
     Shortfall.ENTITLEMENT_THROUGHPUT: (Reason.THROUGHPUT_LIMIT, Check.THROUGHPUT, None),
     Shortfall.ENTITLEMENT_KV: (Reason.KV_LIMIT, Check.KV, None),
     Shortfall.LOW_PRIORITY: (Reason.LOW_PRIORITY, Check.PRIORITY, None),
+    Shortfall.RESERVED_CONCURRENCY: (Reason.POOL_FULL, Check.CAPACITY, "concurrency"),
+    Shortfall.RESERVED_KV: (Reason.POOL_FULL, Check.CAPACITY, "kv_tokens"),
+    Shortfall.RESERVED_THROUGHPUT: (Reason.POOL_FULL, Check.CAPACITY, "throughput"),
     Shortfall.POOL_CONCURRENCY: (Reason.POOL_FULL, Check.CAPACITY, "concurrency"),
     Shortfall.POOL_KV: (Reason.POOL_FULL, Check.CAPACITY, "kv_tokens"),
     Shortfall.POOL_THROUGHPUT: (Reason.POOL_FULL, Check.CAPACITY, "throughput"),
 }
 _POOL_SHORTFALLS = frozenset(
     {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
+)  # the ones a protected request's overcommit can cover (its path has no reserved checks)
+_ENTITLEMENT_SHORTFALLS = frozenset(
+    {
+        Shortfall.ENTITLEMENT_CONCURRENCY,
+        Shortfall.ENTITLEMENT_THROUGHPUT,
+        Shortfall.ENTITLEMENT_KV,
+    }
 )
+_NO_COUNTERS = EntitlementCounters(0.0, 0.0, 0.0, 0)  # for waits that do not read them
 _MESSAGES = {
     Shortfall.ENTITLEMENT_CONCURRENCY: "too many requests in flight for this entitlement",
     Shortfall.ENTITLEMENT_THROUGHPUT: "token throughput allocation exhausted",
     Shortfall.ENTITLEMENT_KV: "KV-cache allocation exhausted",
     Shortfall.LOW_PRIORITY: "pool is contended and this entitlement's priority is below the "
     "admission threshold",
+    Shortfall.RESERVED_CONCURRENCY: "the pool's free sequence slots are reserved for "
+    "guaranteed and dedicated tenants",
+    Shortfall.RESERVED_KV: "the pool's free KV cache is reserved for guaranteed and dedicated "
+    "tenants",
+    Shortfall.RESERVED_THROUGHPUT: "the pool's free token throughput is reserved for "
+    "guaranteed and dedicated tenants",
     Shortfall.POOL_CONCURRENCY: "pool has no free sequence slot",
     Shortfall.POOL_KV: "pool has no free KV cache",
     Shortfall.POOL_THROUGHPUT: "pool token throughput exhausted",
@@ -383,7 +401,9 @@ class DecisionCore:
             kv,
             view.plan,
             counters,
-            self.store.entitlement_counters(view.ent.name, now),
+            self.store.entitlement_counters(view.ent.name, now)
+            if short in _ENTITLEMENT_SHORTFALLS
+            else _NO_COUNTERS,
             pool_view.bucket,
             view.own_bucket,
             pool_view.mean_service_s,

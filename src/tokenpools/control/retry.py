@@ -31,7 +31,7 @@ def expected_wait_s(
     second, freeing their KV with them) and bucket refill for throughput."""
     if shortfall == Shortfall.ENTITLEMENT_CONCURRENCY:
         return mean_service_s / max(1.0, ent.concurrency)
-    if shortfall == Shortfall.POOL_CONCURRENCY:
+    if shortfall in (Shortfall.POOL_CONCURRENCY, Shortfall.RESERVED_CONCURRENCY):
         return mean_service_s / max(1.0, pool.concurrency)
     if shortfall == Shortfall.ENTITLEMENT_KV:
         missing = ent.kv_tokens + kv_tokens - plan.ent_kv
@@ -39,10 +39,17 @@ def expected_wait_s(
     if shortfall == Shortfall.POOL_KV:
         missing = pool.kv_tokens + kv_tokens - plan.shared_kv
         return missing * mean_service_s / max(1.0, pool.kv_tokens)
+    if shortfall == Shortfall.RESERVED_KV:
+        held = pool.kv_tokens - pool.preemptible_kv + pool.holdback_kv
+        missing = held + kv_tokens - plan.shared_np_kv
+        return missing * mean_service_s / max(1.0, pool.kv_tokens)
     if shortfall == Shortfall.ENTITLEMENT_THROUGHPUT:
         return _refill_s(tokens - ent.bucket, own_bucket.rate)
     if shortfall == Shortfall.POOL_THROUGHPUT:
         return _refill_s(tokens - pool.bucket, pool_bucket.rate)
+    if shortfall == Shortfall.RESERVED_THROUGHPUT:
+        unreserved = pool.bucket - pool.protected_bucket - plan.shared_np_bucket_floor
+        return _refill_s(tokens - unreserved, pool_bucket.rate)
     # Low priority: the answer changes when priorities are next updated or a slot frees up.
     return max(until_next_update_s, mean_service_s / max(1.0, pool.concurrency))
 

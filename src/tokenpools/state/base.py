@@ -23,7 +23,10 @@ class Shortfall(StrEnum):
     ENTITLEMENT_THROUGHPUT = "entitlement_throughput"  # paper check 4
     ENTITLEMENT_KV = "entitlement_kv"
     LOW_PRIORITY = "low_priority"  # paper check 5: contended and below the threshold
-    POOL_CONCURRENCY = "pool_concurrency"
+    RESERVED_CONCURRENCY = "reserved_concurrency"  # the rest is held for protected baselines
+    RESERVED_KV = "reserved_kv"
+    RESERVED_THROUGHPUT = "reserved_throughput"
+    POOL_CONCURRENCY = "pool_concurrency"  # the pool itself is full
     POOL_KV = "pool_kv"
     POOL_THROUGHPUT = "pool_throughput"
 
@@ -82,7 +85,9 @@ class ReservePlan:
     contended_bucket: float  # pool minus protected bucket below this: contended
 
 
-@dataclass(frozen=True, slots=True)
+# Counter snapshots are built on every rejected request: plain slotted classes, since a frozen
+# dataclass's __init__ costs several times more. Treat them as read-only.
+@dataclass(slots=True)
 class PoolCounters:
     concurrency: float  # reserved by in-flight leases
     kv_tokens: float
@@ -95,7 +100,7 @@ class PoolCounters:
     leases: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EntitlementCounters:
     concurrency: float
     kv_tokens: float

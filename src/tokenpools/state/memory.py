@@ -266,19 +266,19 @@ class MemoryStore:
                 or unreserved < plan.contended_bucket
             ) and e.priority < self._threshold(p, e.name):
                 return Shortfall.LOW_PRIORITY
-            np_conc = used_c - pre_c + hold_c + 1
-            if used_c + 1 > plan.shared_concurrency or (
-                not lease.preemptible and np_conc > plan.shared_np_concurrency
-            ):
+            # What is held for protected baselines first: evicting preemptible work cannot
+            # help there (its plan limit is infinite for preemptible requests).
+            if used_c - pre_c + hold_c + 1 > plan.shared_np_concurrency:
+                return Shortfall.RESERVED_CONCURRENCY
+            if used_k - pre_k + hold_k + kv > plan.shared_np_kv:
+                return Shortfall.RESERVED_KV
+            if unreserved < plan.shared_np_bucket_floor:
+                return Shortfall.RESERVED_THROUGHPUT
+            if used_c + 1 > plan.shared_concurrency:
                 return Shortfall.POOL_CONCURRENCY
-            np_kv = used_k - pre_k + hold_k + kv
-            if used_k + kv > plan.shared_kv or (
-                not lease.preemptible and np_kv > plan.shared_np_kv
-            ):
+            if used_k + kv > plan.shared_kv:
                 return Shortfall.POOL_KV
-            if bucket.level - tokens < plan.shared_bucket_floor or (
-                unreserved < plan.shared_np_bucket_floor
-            ):
+            if bucket.level - tokens < plan.shared_bucket_floor:
                 return Shortfall.POOL_THROUGHPUT
             if plan.own_required:
                 own.level -= tokens
