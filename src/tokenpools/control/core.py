@@ -16,6 +16,7 @@ from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.binding import bind
 from tokenpools.control.decisions import (
+    SHORTFALL_REJECTS,
     STATE_REASONS,
     Admit,
     CapacityChange,
@@ -46,21 +47,10 @@ from tokenpools.state.base import (
 )
 from tokenpools.state.memory import MemoryStore
 
-_SHORTFALL_REJECT: dict[Shortfall, tuple[Reason, Check, str | None]] = {
-    Shortfall.ENTITLEMENT_CONCURRENCY: (Reason.CONCURRENCY_LIMIT, Check.CONCURRENCY, None),
-    Shortfall.ENTITLEMENT_THROUGHPUT: (Reason.THROUGHPUT_LIMIT, Check.THROUGHPUT, None),
-    Shortfall.ENTITLEMENT_KV: (Reason.KV_LIMIT, Check.KV, None),
-    Shortfall.LOW_PRIORITY: (Reason.LOW_PRIORITY, Check.PRIORITY, None),
-    Shortfall.RESERVED_CONCURRENCY: (Reason.POOL_FULL, Check.CAPACITY, "concurrency"),
-    Shortfall.RESERVED_KV: (Reason.POOL_FULL, Check.CAPACITY, "kv_tokens"),
-    Shortfall.RESERVED_THROUGHPUT: (Reason.POOL_FULL, Check.CAPACITY, "throughput"),
-    Shortfall.POOL_CONCURRENCY: (Reason.POOL_FULL, Check.CAPACITY, "concurrency"),
-    Shortfall.POOL_KV: (Reason.POOL_FULL, Check.CAPACITY, "kv_tokens"),
-    Shortfall.POOL_THROUGHPUT: (Reason.POOL_FULL, Check.CAPACITY, "throughput"),
-}
+# The shortfalls a protected request's overcommit can cover (its path has no reserved checks).
 _POOL_SHORTFALLS = frozenset(
     {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
-)  # the ones a protected request's overcommit can cover (its path has no reserved checks)
+)
 _ENTITLEMENT_SHORTFALLS = frozenset(
     {
         Shortfall.ENTITLEMENT_CONCURRENCY,
@@ -69,22 +59,6 @@ _ENTITLEMENT_SHORTFALLS = frozenset(
     }
 )
 _NO_COUNTERS = EntitlementCounters(0.0, 0.0, 0.0, 0)  # for waits that do not read them
-_MESSAGES = {
-    Shortfall.ENTITLEMENT_CONCURRENCY: "too many requests in flight for this entitlement",
-    Shortfall.ENTITLEMENT_THROUGHPUT: "token throughput allocation exhausted",
-    Shortfall.ENTITLEMENT_KV: "KV-cache allocation exhausted",
-    Shortfall.LOW_PRIORITY: "pool is contended and this entitlement's priority is below the "
-    "admission threshold",
-    Shortfall.RESERVED_CONCURRENCY: "the pool's free sequence slots are reserved for "
-    "guaranteed and dedicated tenants",
-    Shortfall.RESERVED_KV: "the pool's free KV cache is reserved for guaranteed and dedicated "
-    "tenants",
-    Shortfall.RESERVED_THROUGHPUT: "the pool's free token throughput is reserved for "
-    "guaranteed and dedicated tenants",
-    Shortfall.POOL_CONCURRENCY: "pool has no free sequence slot",
-    Shortfall.POOL_KV: "pool has no free KV cache",
-    Shortfall.POOL_THROUGHPUT: "pool token throughput exhausted",
-}
 
 
 @dataclass(slots=True)
@@ -232,10 +206,9 @@ class DecisionCore:
         names = [n for n in view.members if self._ents[n].preemptible]
         view.preemptible_order = sorted(names, key=lambda n: (self._ents[n].priority, n))
 
-    def _refresh_priority(self, name: str, scores: Scores) -> None:
-        view = self._ents[name]
+    def _priority_of(self, view: EntitlementView, scores: Scores) -> float:
         ent = view.ent
-        w = priority(
+        return priority(
             ent.service_class,
             ent.slo_target_ms,
             self._pools[ent.pool].slo_reference_ms,
@@ -243,7 +216,10 @@ class DecisionCore:
             scores.debt,
             self.policy,
         )
-        view.priority = w
+
+    def _refresh_priority(self, name: str, scores: Scores) -> None:
+        view = self._ents[name]
+        view.priority = w = self._priority_of(view, scores)
         if w != scores.priority:
             self.store.set_scores(name, replace(scores, priority=w))
 
@@ -251,12 +227,6 @@ class DecisionCore:
 
     def entitlement_for_key(self, api_key: str) -> str | None:
         return self._keys.get(hash_key(api_key))
-
-    def entitlement(self, name: str) -> EntitlementView | None:
-        return self._ents.get(name)
-
-    def pool(self, name: str) -> PoolView | None:
-        return self._pools.get(name)
 
     @property
     def entitlements(self) -> dict[str, EntitlementView]:
@@ -393,7 +363,7 @@ class DecisionCore:
         request_id: str,
         now: float,
     ) -> Reject:
-        reason, check, dimension = _SHORTFALL_REJECT[short]
+        reason, check, dimension, message = SHORTFALL_REJECTS[short]
         period = self.policy.update_period_s
         wait = expected_wait_s(
             short,
@@ -409,9 +379,7 @@ class DecisionCore:
             pool_view.mean_service_s,
             period - math.fmod(now, period),
         )
-        return Reject(
-            reason, check, _MESSAGES[short], jittered(wait, request_id, self.policy), dimension
-        )
+        return Reject(reason, check, message, jittered(wait, request_id, self.policy), dimension)
 
     # -- ends of requests ----------------------------------------------------------------
 
@@ -478,9 +446,9 @@ class DecisionCore:
                 else 0.0
             )
             burst = ewma(old.burst, burst_excess(ent.baseline, obs), policy.gamma_burst)
-            scores = Scores(debt=debt, burst=burst, priority=old.priority)
-            self.store.set_scores(name, scores)
-            self._refresh_priority(name, scores)
+            scores = Scores(debt=debt, burst=burst)
+            view.priority = w = self._priority_of(view, scores)
+            self.store.set_scores(name, replace(scores, priority=w))
 
     def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
         """Apply a capacity change at once: admissions use the new capacity from now on, and

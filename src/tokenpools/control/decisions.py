@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tokenpools.model.entitlement import BindingState
-from tokenpools.state.base import Lease
+from tokenpools.state.base import Lease, Shortfall
 
 
 class Reason(StrEnum):
@@ -34,6 +34,65 @@ class Check(StrEnum):
     PRIORITY = "priority"  # paper check 5
     CAPACITY = "capacity"  # room in the pool, after eviction and overcommit
 
+
+# What each failed comparison of the store's reserve means to a client.
+SHORTFALL_REJECTS: dict[Shortfall, tuple[Reason, Check, str | None, str]] = {
+    Shortfall.ENTITLEMENT_CONCURRENCY: (
+        Reason.CONCURRENCY_LIMIT,
+        Check.CONCURRENCY,
+        None,
+        "too many requests in flight for this entitlement",
+    ),
+    Shortfall.ENTITLEMENT_THROUGHPUT: (
+        Reason.THROUGHPUT_LIMIT,
+        Check.THROUGHPUT,
+        None,
+        "token throughput allocation exhausted",
+    ),
+    Shortfall.ENTITLEMENT_KV: (
+        Reason.KV_LIMIT,
+        Check.KV,
+        None,
+        "KV-cache allocation exhausted",
+    ),
+    Shortfall.LOW_PRIORITY: (
+        Reason.LOW_PRIORITY,
+        Check.PRIORITY,
+        None,
+        "pool is contended and this entitlement's priority is below the admission threshold",
+    ),
+    Shortfall.RESERVED_CONCURRENCY: (
+        Reason.POOL_FULL,
+        Check.CAPACITY,
+        "concurrency",
+        "the pool's free sequence slots are reserved for guaranteed and dedicated tenants",
+    ),
+    Shortfall.RESERVED_KV: (
+        Reason.POOL_FULL,
+        Check.CAPACITY,
+        "kv_tokens",
+        "the pool's free KV cache is reserved for guaranteed and dedicated tenants",
+    ),
+    Shortfall.RESERVED_THROUGHPUT: (
+        Reason.POOL_FULL,
+        Check.CAPACITY,
+        "throughput",
+        "the pool's free token throughput is reserved for guaranteed and dedicated tenants",
+    ),
+    Shortfall.POOL_CONCURRENCY: (
+        Reason.POOL_FULL,
+        Check.CAPACITY,
+        "concurrency",
+        "pool has no free sequence slot",
+    ),
+    Shortfall.POOL_KV: (Reason.POOL_FULL, Check.CAPACITY, "kv_tokens", "pool has no free KV cache"),
+    Shortfall.POOL_THROUGHPUT: (
+        Reason.POOL_FULL,
+        Check.CAPACITY,
+        "throughput",
+        "pool token throughput exhausted",
+    ),
+}
 
 STATE_REASONS = {
     BindingState.PENDING: Reason.ENTITLEMENT_PENDING,

@@ -294,20 +294,21 @@ class MemoryStore:
         itself, or check 5 could never fire for a tenant that is already being served.
 
         A heap of (priority, entitlement) with lazy deletion: entries of entitlements no
-        longer in flight, or whose priority changed, are dropped when they reach the top."""
+        longer in flight are dropped when they reach the top. A priority change drops the
+        whole heap (set_scores), so every entry carries its entitlement's current priority."""
         heap = p.low
         if heap is None or len(heap) > 2 * len(p.inflight) + 32:
             heap = p.low = [(self._ents[n].priority, n) for n in p.inflight]
             heapq.heapify(heap)
-        valid = self._valid_low
-        while heap and not valid(p, heap[0]):
+        inflight = p.inflight
+        while heap and heap[0][1] not in inflight:
             heapq.heappop(heap)
         if not heap:
             return -INF
         if heap[0][1] != name:
             return heap[0][0]
         mine = []
-        while heap and (heap[0][1] == name or not valid(p, heap[0])):
+        while heap and (heap[0][1] == name or heap[0][1] not in inflight):
             entry = heapq.heappop(heap)
             if entry[1] == name:
                 mine.append(entry)
@@ -315,11 +316,6 @@ class MemoryStore:
         for entry in mine:
             heapq.heappush(heap, entry)
         return threshold
-
-    def _valid_low(self, p: _Pool, entry: tuple[float, str]) -> bool:
-        w, name = entry
-        e = self._ents.get(name)
-        return e is not None and name in p.inflight and e.priority == w
 
     # -- bookkeeping ---------------------------------------------------------------------
 
