@@ -47,7 +47,7 @@ events = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(events)
-def test_threshold_matches_brute_force(script: list[tuple]) -> None:  # type: ignore[type-arg]
+def test_threshold_matches_brute_force(script: list[tuple[object, ...]]) -> None:
     store = MemoryStore()
     store.configure_pool("p", BucketSpec(INF, INF), BucketSpec(0.0, 0.0), 0.0)
     for name in NAMES:
