@@ -1,0 +1,91 @@
+"""Binding order and the autoscaler's arithmetic, from the capacity model admission uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.builders import make_config
+from tokenpools.control.autoscale import capacity_need, desired_replicas
+from tokenpools.control.binding import bind
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.ledger import Observation
+from tokenpools.model.entitlement import BindingState
+from tokenpools.model.request import RequestCost
+from tokenpools.model.resources import Resources
+
+BOUND, PENDING = BindingState.BOUND, BindingState.PENDING
+
+
+def ent(name: str, cls: str, slots: float, **extra: object) -> dict[str, object]:
+    return {"name": name, "serviceClass": cls, "concurrency": slots, **extra}
+
+
+def test_dedicated_binds_before_guaranteed_whatever_the_config_order() -> None:
+    config = make_config([ent("g", "guaranteed", 10), ent("d", "dedicated", 10)])
+    states = bind(config.pools["p"], list(config.entitlements.values()), {}, config.policy, 0.0)
+    assert states == {"d": BOUND, "g": PENDING}
+
+
+def test_a_baseline_must_fit_in_every_dimension() -> None:
+    # 4 slots fit, but 20,000 KV tokens do not fit next to the first one's 16,384.
+    config = make_config([ent("a", "guaranteed", 8), ent("b", "guaranteed", 4, kvTokens=20000)])
+    states = bind(config.pools["p"], list(config.entitlements.values()), {}, config.policy, 0.0)
+    assert states == {"a": BOUND, "b": PENDING}
+
+
+def test_elastic_binds_up_to_the_oversubscription_and_spot_always_binds() -> None:
+    entitlements = [
+        ent("g", "guaranteed", 8),
+        ent("e1", "elastic", 8),
+        ent("e2", "elastic", 8),  # 24 of 16 × 1.5 = 24: fits exactly
+        ent("e3", "elastic", 1),
+        ent("s", "spot", 0),
+        ent("x", "preemptible", 0),
+    ]
+    config = make_config(entitlements)
+    states = bind(config.pools["p"], list(config.entitlements.values()), {}, config.policy, 0.0)
+    assert states == {"g": BOUND, "e1": BOUND, "e2": BOUND, "e3": PENDING, "s": BOUND, "x": BOUND}
+
+
+def test_desired_replicas_counts_reserved_baselines_and_demanded_elastic_share() -> None:
+    config = make_config(
+        [ent("g", "guaranteed", 12), ent("e", "elastic", 16), ent("s", "spot", 0)],
+        policy={"elasticOversubscription": 4},
+    )
+    pool = config.pools["p"]
+    ents = list(config.entitlements.values())
+    idle = capacity_need(ents, {})
+    assert idle == Resources(360.0, 24576.0, 12.0)  # guaranteed only: 12 of 16 slots
+    assert desired_replicas(pool, idle) == 1
+    busy = {"e": Observation(Resources(), demand_tokens_per_s=480.0)}  # all of its 480
+    assert capacity_need(ents, busy).concurrency == 28
+    assert desired_replicas(pool, capacity_need(ents, busy)) == 2
+    half = {"e": Observation(Resources(), demand_tokens_per_s=240.0)}
+    assert capacity_need(ents, half).concurrency == 20
+    spot_storm = {"s": Observation(Resources(), demand_tokens_per_s=1e6)}
+    assert capacity_need(ents, spot_storm) == idle  # spot never scales the pool
+
+
+def test_desired_replicas_is_clamped_to_the_pool_bounds() -> None:
+    config = make_config([ent("g", "guaranteed", 16)], pool_extra={"minReplicas": 1})
+    pool = config.pools["p"]  # maxReplicas = 8 in the builder
+    assert desired_replicas(pool, Resources(concurrency=1000)) == 8
+    assert desired_replicas(pool, Resources()) == 1
+
+
+def test_core_reports_desired_replicas_from_observed_demand() -> None:
+    config = make_config(
+        [ent("g", "guaranteed", 8), ent("e", "elastic", 16)],
+        policy={"elasticOversubscription": 2},
+    )
+    core = DecisionCore(config)
+    assert core.desired_replicas("p") == 1  # 8 slots reserved, elastic idle
+    t = 0.0
+    core.tick(t)
+    for _ in range(3):  # elastic asks for 2× its 480 tok/s baseline
+        for _ in range(40):
+            core.admit("e", RequestCost(60, 60), t)
+        t += 5.0
+        core.tick(t)
+    assert core.observations["e"].demand_tokens_per_s == pytest.approx(960.0)
+    assert core.desired_replicas("p") == 2  # 8 + 16 slots of need over 16 per replica
