@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from tokenpools.control.core import DecisionCore
@@ -34,8 +37,7 @@ def check_config(
     try:
         config = load_config(path)
     except ConfigError as exc:
-        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(code=1) from None
+        _fail(str(exc))
     core = DecisionCore(config, now=time.time())
 
     pools = Table(title=f"pools in {path}", title_justify="left")
@@ -86,6 +88,79 @@ def check_config(
     if unbound:
         console.print(f"[yellow]not bound:[/] {', '.join(unbound)}")
     console.print(f"[green]ok[/]: {len(core.pools)} pools, {len(core.entitlements)} entitlements")
+
+
+@app.command()
+def simulate(
+    scenario: Annotated[Path, typer.Argument(help="a scenario YAML file")],
+    policy: Annotated[
+        list[str] | None, typer.Option("--policy", "-p", help="repeatable; default: all")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="default: the scenario's")] = None,
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("out/simulate"),
+) -> None:
+    """Simulate one scenario under one or more admission policies."""
+    from tokenpools.sim.experiments import run_scenario, write_outputs
+    from tokenpools.sim.policies import POLICIES
+    from tokenpools.sim.scenario import load_scenario
+
+    policies = policy or list(POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        _fail(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+    try:
+        loaded = load_scenario(scenario)
+        with _progress(loaded.duration_s) as advance:
+            summary, results = run_scenario(loaded, policies, seed, advance)
+    except ConfigError as exc:
+        _fail(str(exc))
+    write_outputs(loaded, summary, results, out)
+    typer.echo(f"wrote {out / 'summary.json'}, {out / 'report.md'} and figures")
+
+
+@app.command()
+def experiments(
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("out/experiments"),
+    folder: Annotated[Path, typer.Option(help="scenario folder")] = Path("experiments"),
+    policy: Annotated[
+        list[str] | None, typer.Option("--policy", "-p", help="repeatable; default: all")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="default: each scenario's")] = None,
+) -> None:
+    """Run every scenario in experiments/ under every policy into one report."""
+    from tokenpools.sim.experiments import run_experiments
+    from tokenpools.sim.policies import POLICIES
+
+    try:
+        with _progress(None) as advance:
+            index = run_experiments(
+                folder, out, policy or list(POLICIES), seed, lambda s, p, t: advance(f"{s} {p}", t)
+            )
+    except ConfigError as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {index}")
+
+
+def _fail(message: str) -> NoReturn:
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code=1)
+
+
+@contextmanager
+def _progress(total: float | None) -> Iterator[Callable[[str, float], None]]:
+    """A progress bar in simulated seconds on a terminal; silence elsewhere."""
+    if not sys.stderr.isatty():
+        yield lambda label, t: None
+        return
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def advance(label: str, t: float) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=t)
+
+        yield advance
 
 
 @app.command("hash-key")

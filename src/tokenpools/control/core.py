@@ -34,6 +34,7 @@ from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.keys import hash_key
 from tokenpools.model.pool import Pool
 from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.state.base import (
     BucketSpec,
@@ -85,6 +86,7 @@ class PoolView:
     members: list[str]
     last_period: int = -1
     preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
+    per_replica_override: Resources | None = None  # set by set_capacity; outlives reloads
 
 
 class DecisionCore:
@@ -118,9 +120,11 @@ class DecisionCore:
         pools: dict[str, PoolView] = {}
         for name, pool in config.pools.items():
             old = self._pools.get(name)
-            if old is not None:  # keep the replica count the autoscaler or a host set
+            if old is not None:  # keep the capacity the autoscaler or a host set
                 replicas = max(pool.min_replicas, min(pool.max_replicas, old.pool.replicas))
                 pool = pool.with_replicas(replicas)
+                if old.per_replica_override is not None:
+                    pool = replace(pool, per_replica=old.per_replica_override)
             pools[name] = PoolView(
                 pool=pool,
                 bucket=plans.pool_bucket(pool, self.policy),
@@ -128,6 +132,7 @@ class DecisionCore:
                 mean_service_s=old.mean_service_s if old else self._service_guess(pool),
                 members=[e.name for e in config.entitlements.values() if e.pool == name],
                 last_period=old.last_period if old else -1,
+                per_replica_override=old.per_replica_override if old else None,
             )
         self._pools = pools
         self._keys = {h: e.name for e in config.entitlements.values() for h in e.api_key_hashes}
@@ -451,11 +456,27 @@ class DecisionCore:
             self.store.set_scores(name, replace(scores, priority=w))
 
     def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
-        """Apply a capacity change at once: admissions use the new capacity from now on, and
-        preemptible leases are evicted (lowest priority, newest first) until what remains
-        fits. Other work above the new capacity drains; nothing new is admitted meanwhile."""
+        return self.set_capacity(pool_name, now, replicas=replicas)
+
+    def set_capacity(
+        self,
+        pool_name: str,
+        now: float,
+        replicas: int | None = None,
+        per_replica: Resources | None = None,
+    ) -> CapacityChange:
+        """Apply a capacity change at once (replicas added or lost, or replicas that lost part
+        of their capacity): admissions use the new capacity from now on, and preemptible
+        leases are evicted (lowest priority, newest first) until what remains fits. Other work
+        above the new capacity drains; nothing new is admitted meanwhile."""
         view = self._pools[pool_name]
-        view.pool = view.pool.with_replicas(replicas)
+        if replicas is not None:
+            view.pool = view.pool.with_replicas(replicas)
+        if per_replica is not None:
+            if not per_replica.is_nonnegative():
+                raise ValueError(f"pool {pool_name!r}: capacity must be >= 0, got {per_replica}")
+            view.pool = replace(view.pool, per_replica=per_replica)
+            view.per_replica_override = per_replica
         view.bucket = plans.pool_bucket(view.pool, self.policy)
         states = self._rebind(now)
         cap = view.pool.capacity

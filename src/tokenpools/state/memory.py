@@ -116,7 +116,10 @@ class _Pool:
         self.concurrency = self.kv = self.pre_concurrency = self.pre_kv = 0.0
         self.hold_concurrency = self.hold_kv = 0.0
         self.leases = 0
-        self.inflight: dict[str, int] = {}  # entitlement → in-flight leases
+        # entitlement → its in-flight leases on the shared path: the competitors of check 5.
+        # Work inside a reserved baseline is not competing for shared capacity, so it neither
+        # sets nor faces the threshold.
+        self.inflight: dict[str, int] = {}
         # (priority, entitlement) of entitlements in flight, a lazy heap; None: rebuild it.
         self.low: list[tuple[float, str]] | None = None
         self.preemptible_by_ent: dict[str, dict[str, Lease]] = {}
@@ -290,8 +293,8 @@ class MemoryStore:
         return None
 
     def _threshold(self, p: _Pool, name: str) -> float:
-        """The lowest priority in flight among *other* entitlements: a tenant never blocks
-        itself, or check 5 could never fire for a tenant that is already being served.
+        """The lowest priority among *other* entitlements' shared-path leases in flight: a
+        tenant never blocks itself, or check 5 could never fire for a tenant already served.
 
         A heap of (priority, entitlement) with lazy deletion: entries of entitlements no
         longer in flight are dropped when they reach the top. A priority change drops the
@@ -333,10 +336,11 @@ class MemoryStore:
             p.preemptible_by_ent.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         if e.protected:
             self._update_holdback(e, p)
-        count = p.inflight.get(e.name, 0)
-        p.inflight[e.name] = count + 1
-        if count == 0 and p.low is not None:
-            heapq.heappush(p.low, (e.priority, e.name))
+        if not lease.reserved_path:
+            count = p.inflight.get(e.name, 0)
+            p.inflight[e.name] = count + 1
+            if count == 0 and p.low is not None:
+                heapq.heappush(p.low, (e.priority, e.name))
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
 
@@ -361,11 +365,12 @@ class MemoryStore:
                 del p.preemptible_by_ent[lease.entitlement]
         if e.protected:
             self._update_holdback(e, p)
-        count = p.inflight[e.name] - 1
-        if count:
-            p.inflight[e.name] = count
-        else:
-            del p.inflight[e.name]  # its heap entry goes stale and is dropped lazily
+        if not lease.reserved_path:
+            count = p.inflight[e.name] - 1
+            if count:
+                p.inflight[e.name] = count
+            else:
+                del p.inflight[e.name]  # its heap entry goes stale and is dropped lazily
         refund = lease.tokens - bucket_used
         if refund:
             p.bucket.credit(refund, now)

@@ -1,0 +1,72 @@
+"""Run scenarios under policies and write summary.json, report.md and figures."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenpools.sim import figures
+from tokenpools.sim.metrics import summarize
+from tokenpools.sim.report import scenario_report
+from tokenpools.sim.scenario import Scenario, load_scenario
+from tokenpools.sim.simulator import RunResult, simulate
+
+Progress = Callable[[str, float], None]  # (policy, simulated time)
+
+
+def run_scenario(
+    scenario: Scenario,
+    policies: Sequence[str],
+    seed: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[dict[str, Any], list[RunResult]]:
+    results = []
+    for policy in policies:
+        callback = None if progress is None else (lambda t, p=policy: progress(p, t))
+        results.append(simulate(scenario, policy, seed, callback))
+    summary = {
+        "scenario": scenario.name,
+        "seed": results[0].seed,
+        "policies": {r.policy: summarize(r) for r in results},
+    }
+    return summary, results
+
+
+def write_outputs(
+    scenario: Scenario, summary: dict[str, Any], results: list[RunResult], out: Path
+) -> str:
+    """Write summary.json, report.md and the figures into `out`; return the report text."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    written = figures.write_figures(results, out)
+    report = scenario_report(scenario, summary, [p.name for p in written])
+    (out / "report.md").write_text(report)
+    return report
+
+
+def run_experiments(
+    folder: Path,
+    out: Path,
+    policies: Sequence[str],
+    seed: int | None = None,
+    progress: Callable[[str, str, float], None] | None = None,
+) -> Path:
+    """Every scenario in `folder` under every policy; one REPORT.md linking them all."""
+    sections = []
+    for path in sorted(folder.glob("*.yaml")):
+        scenario = load_scenario(path)
+        callback = None if progress is None else (lambda p, t, s=scenario.name: progress(s, p, t))
+        summary, results = run_scenario(scenario, policies, seed, callback)
+        report = write_outputs(scenario, summary, results, out / scenario.name)
+        # Figures live next to each scenario's report; point the combined report at them.
+        sections.append(re.sub(r"!\[([^\]]*)\]\(", rf"![\1]({scenario.name}/", report))
+    index = out / "REPORT.md"
+    index.write_text(
+        "# Experiments\n\nEvery scenario of `experiments/` under every policy, written by "
+        "`tokenpools experiments`. Each scenario's folder holds its summary.json.\n\n"
+        + "\n".join(sections)
+    )
+    return index

@@ -1,0 +1,183 @@
+"""From a run's records to the summary.json contract (docs/simulation.md).
+
+Counts are per attempt (an HTTP request): a job retried three times is three `submitted`.
+`new_requests` counts jobs (first attempts) and `throttled_fraction` = 1 − admitted/new_requests
+is the share of a tenant's demand it could not get admitted — the paper's "47% of spot
+throttled". Latencies are per completed attempt, from the moment it was sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tokenpools.model.service_class import ServiceClass
+from tokenpools.sim.simulator import Attempt, RunResult
+
+DIGITS = 4
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, DIGITS)
+
+
+def tenant_metrics(
+    attempts: Iterable[Attempt],
+    seconds: float,
+    output_tokens: int,
+    slo_ttft_s: float | None,
+    slo_tpot_s: float | None,
+) -> dict[str, Any]:
+    attempts = list(attempts)
+    ttft, tpot, e2e = [], [], []
+    good = 0
+    counts: dict[str, int] = defaultdict(int)
+    for a in attempts:
+        counts[a.outcome] += 1
+        if a.outcome == "rejected" and a.reason == "low_priority":
+            counts["low_priority"] += 1
+        if a.number == 1:
+            counts["new"] += 1
+        if a.outcome != "completed" or a.first_token_at is None or a.finished_at is None:
+            continue
+        first = a.first_token_at - a.req.sent_at
+        ttft.append(first)
+        e2e.append(a.finished_at - a.req.sent_at)
+        per_token = (
+            (a.finished_at - a.first_token_at) / (a.output_tokens - 1)
+            if a.output_tokens > 1
+            else None
+        )
+        if per_token is not None:
+            tpot.append(per_token)
+        if (slo_ttft_s is None or first <= slo_ttft_s) and (
+            slo_tpot_s is None or per_token is None or per_token <= slo_tpot_s
+        ):
+            good += 1
+    submitted = len(attempts)
+    admitted = submitted - counts["rejected"]
+    new = counts["new"]
+    return {
+        "ttft_p50_s": _r(percentile(ttft, 50)),
+        "ttft_p99_s": _r(percentile(ttft, 99)),
+        "tpot_p50_s": _r(percentile(tpot, 50)),
+        "e2e_p99_s": _r(percentile(e2e, 99)),
+        "submitted": submitted,
+        "admitted": admitted,
+        "completed": counts["completed"],
+        "rejected": counts["rejected"],
+        "rejected_low_priority": counts["low_priority"],
+        "evicted": counts["evicted"],
+        "output_tok_s": _r(output_tokens / seconds if seconds > 0 else 0.0),
+        "goodput_rps": _r(good / seconds if seconds > 0 else 0.0),
+        "new_requests": new,
+        "throttled_fraction": _r(max(0.0, 1.0 - admitted / new) if new else 0.0),
+    }
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    """One policy's block of summary.json."""
+    scenario = result.scenario
+    phases = scenario.phases
+    by_tenant: dict[str, list[Attempt]] = defaultdict(list)
+    for a in result.attempts:
+        by_tenant[a.req.tenant].append(a)
+
+    tenants: dict[str, Any] = {}
+    for tenant in scenario.tenants:
+        ent = result.config.entitlements[tenant.entitlement or tenant.name]
+        slo_ttft = tenant.slo_ttft_s or (
+            ent.slo_target_ms / 1000 if ent.slo_target_ms is not None else None
+        )
+        mine = by_tenant[tenant.name]
+        tokens = {p.name: result.output_tokens.get((tenant.name, p.name), 0) for p in phases}
+        tenants[tenant.name] = {
+            "class": ent.service_class.value,
+            "peak_debt": _r(
+                max((s.scores.get(tenant.name, (0.0, 0.0))[0] for s in result.samples), default=0.0)
+            ),
+            "totals": tenant_metrics(
+                mine, scenario.duration_s, sum(tokens.values()), slo_ttft, tenant.slo_tpot_s
+            ),
+            "phases": {
+                p.name: tenant_metrics(
+                    (a for a in mine if p.start_s <= a.req.sent_at < p.end_s),
+                    p.end_s - p.start_s,
+                    tokens[p.name],
+                    slo_ttft,
+                    tenant.slo_tpot_s,
+                )
+                for p in phases
+            },
+        }
+
+    samples = result.samples
+    waiting_at_end = {}
+    utilization = {}
+    for p in phases:
+        inside = [s for s in samples if p.start_s <= s.t < p.end_s]
+        waiting_at_end[p.name] = inside[-1].waiting if inside else 0
+        utilization[p.name] = _r(
+            sum(s.running / s.slots for s in inside) / len(inside) if inside else 0.0
+        )
+    return {
+        "tenants": tenants,
+        "engine": {
+            "max_waiting": max((s.waiting for s in samples), default=0),
+            "waiting_at_phase_end": waiting_at_end,
+        },
+        "utilization": utilization,
+        "jain_index": _r(jain_index(result)),
+        "vtc_service_difference": _r(vtc_service_difference(result)),
+        "gave_up": dict(sorted(result.gave_up.items())),
+    }
+
+
+def _elastic(result: RunResult) -> list[tuple[str, float]]:
+    out = []
+    for tenant in result.scenario.tenants:
+        ent = result.config.entitlements[tenant.entitlement or tenant.name]
+        if ent.service_class == ServiceClass.ELASTIC and ent.baseline.throughput > 0:
+            out.append((tenant.name, ent.baseline.throughput))
+    return out
+
+
+def jain_index(result: RunResult) -> float | None:
+    """Jain's index of service/entitlement among elastic tenants (1 = perfectly fair);
+    service is the prompt and output tokens of completed requests per second."""
+    elastic = _elastic(result)
+    if len(elastic) < 2:
+        return None
+    served: dict[str, float] = defaultdict(float)
+    for a in result.attempts:
+        if a.outcome == "completed":
+            served[a.req.tenant] += a.req.prompt_tokens + a.output_tokens
+    xs = [served[name] / result.scenario.duration_s / rate for name, rate in elastic]
+    total = sum(xs)
+    squares = sum(x * x for x in xs)
+    return total * total / (len(xs) * squares) if squares > 0 else None
+
+
+def vtc_service_difference(result: RunResult, window_s: float = 60.0) -> float | None:
+    """VTC's fairness metric: the largest gap in weighted service (input 1, output 2) between
+    elastic tenants within any 60 s window, in tokens."""
+    names = [name for name, _ in _elastic(result)]
+    if len(names) < 2:
+        return None
+    windows: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(names, 0.0))
+    for a in result.attempts:
+        if a.outcome == "completed" and a.req.tenant in names and a.finished_at is not None:
+            service = a.req.prompt_tokens + 2 * a.output_tokens
+            windows[int(a.finished_at // window_s)][a.req.tenant] += service
+    return max((max(w.values()) - min(w.values()) for w in windows.values()), default=0.0)

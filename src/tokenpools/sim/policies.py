@@ -1,0 +1,381 @@
+"""Admission policies behind one interface: the decision core, and what people run today.
+
+A policy sees each attempt before the engine does and answers Admitted (send it now), Queued
+(it holds the attempt and releases it later through `dispatch`) or Rejected (a 429, with or
+without Retry-After). It hears when attempts end, and may ask for in-flight ones to be evicted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit, Reason
+from tokenpools.model.config import Config
+from tokenpools.model.entitlement import Entitlement
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.resources import Resources
+from tokenpools.model.service_class import ServiceClass
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One attempt, as a gateway sees it."""
+
+    req_id: str
+    tenant: str
+    entitlement: str
+    prompt_tokens: int
+    output_tokens: int  # what the engine will generate (the simulator knows; a gateway doesn't)
+    max_tokens: int
+    sent_at: float
+
+
+@dataclass(slots=True)
+class Admitted:
+    evict: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Queued:
+    pass
+
+
+@dataclass(slots=True)
+class Rejected:
+    reason: str
+    retry_after_s: float | None = None
+
+
+Verdict = Admitted | Queued | Rejected
+
+
+class Cluster(Protocol):
+    """What a policy may read about the engines behind it."""
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def slots(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    rpm: float
+    tpm: float
+    concurrency: int
+    sheddable: bool
+
+
+class Policy:
+    name = "none"
+
+    def admit(self, req: SimRequest, now: float) -> Verdict:
+        return Admitted()
+
+    def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
+        return []
+
+    def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
+        pass
+
+    def ended_early(self, req: SimRequest, now: float) -> None:
+        """The attempt ended without completing (evicted by this policy, or failed)."""
+
+    def tick(self, now: float) -> list[str]:
+        return []
+
+    def capacity(self, fraction: float, now: float) -> list[str]:
+        return []
+
+    def scores(self) -> dict[str, tuple[float, float]]:
+        """(debt, priority) per tenant, for policies that have them."""
+        return {}
+
+    def join(self, entitlement: str, now: float) -> None:
+        """An entitlement is created (a tenant joins)."""
+
+    def leave(self, entitlement: str, now: float) -> list[str]:
+        """An entitlement is deleted; returns in-flight requests that must end."""
+        return []
+
+
+class NoAdmissionControl(Policy):
+    """The paper's baseline: every request goes to the engine queue."""
+
+    name = "none"
+
+
+class RequestRate(Policy):
+    """Per-tenant requests per minute in fixed calendar-minute windows, as LiteLLM's rpm
+    limits; its 429s carry no Retry-After."""
+
+    name = "request-rate"
+
+    def __init__(self, limits: dict[str, TenantLimits]) -> None:
+        self.limits = limits
+        self.window: dict[str, tuple[int, int]] = {}
+
+    def admit(self, req: SimRequest, now: float) -> Verdict:
+        minute = int(now // 60)
+        start, count = self.window.get(req.tenant, (minute, 0))
+        if start != minute:
+            count = 0
+        if count + 1 > self.limits[req.tenant].rpm:
+            return Rejected("rate_limited")
+        self.window[req.tenant] = (minute, count + 1)
+        return Admitted()
+
+
+class TokenRate(Policy):
+    """Per-tenant tokens per minute counted after the response, as LiteLLM does: a request is
+    admitted while the minute's *completed* tokens are under the limit, so concurrent requests
+    all pass before any is counted."""
+
+    name = "token-rate"
+
+    def __init__(self, limits: dict[str, TenantLimits]) -> None:
+        self.limits = limits
+        self.window: dict[str, tuple[int, float]] = {}
+
+    def _used(self, tenant: str, now: float) -> float:
+        minute = int(now // 60)
+        start, used = self.window.get(tenant, (minute, 0.0))
+        return used if start == minute else 0.0
+
+    def admit(self, req: SimRequest, now: float) -> Verdict:
+        if self._used(req.tenant, now) >= self.limits[req.tenant].tpm:
+            return Rejected("rate_limited")
+        return Admitted()
+
+    def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
+        used = self._used(req.tenant, now) + req.prompt_tokens + output_tokens
+        self.window[req.tenant] = (int(now // 60), used)
+
+
+class StaticConcurrency(Policy):
+    """Static per-tenant limits on requests in flight."""
+
+    name = "concurrency"
+
+    def __init__(self, limits: dict[str, TenantLimits]) -> None:
+        self.limits = limits
+        self.inflight: dict[str, int] = defaultdict(int)
+
+    def admit(self, req: SimRequest, now: float) -> Verdict:
+        if self.inflight[req.tenant] >= self.limits[req.tenant].concurrency:
+            return Rejected("concurrency_limit")
+        self.inflight[req.tenant] += 1
+        return Admitted()
+
+    def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
+        self.inflight[req.tenant] -= 1
+
+    def ended_early(self, req: SimRequest, now: float) -> None:
+        self.inflight[req.tenant] -= 1
+
+
+class PriorityShed(Policy):
+    """Gateway API Inference Extension style: sheddable traffic (negative priority: spot and
+    preemptible by default) is rejected while the engines are saturated — a waiting queue of
+    at least `queue_threshold` or KV usage of at least `kv_threshold` (the extension's
+    defaults); everything else goes through. No Retry-After."""
+
+    name = "priority-shed"
+
+    def __init__(
+        self,
+        limits: dict[str, TenantLimits],
+        cluster: Cluster,
+        queue_threshold: int = 5,
+        kv_threshold: float = 0.8,
+    ) -> None:
+        self.limits, self.cluster = limits, cluster
+        self.queue_threshold, self.kv_threshold = queue_threshold, kv_threshold
+
+    def admit(self, req: SimRequest, now: float) -> Verdict:
+        saturated = (
+            self.cluster.waiting >= self.queue_threshold
+            or self.cluster.kv_usage >= self.kv_threshold
+        )
+        if saturated and self.limits[req.tenant].sheddable:
+            return Rejected("shed")
+        return Admitted()
+
+
+class VirtualTokenCounter(Policy):
+    """VTC (Sheng et al., OSDI 2024) as an admission order: requests wait in per-tenant queues
+    at the gateway and go to the engines when they have a free slot, the backlogged tenant with
+    the smallest counter of weighted tokens first (input 1, output 2); a tenant that becomes
+    backlogged is lifted to the smallest counter among the backlogged. Nothing is rejected."""
+
+    name = "vtc"
+
+    def __init__(self, w_in: float = 1.0, w_out: float = 2.0) -> None:
+        self.w_in, self.w_out = w_in, w_out
+        self.counter: dict[str, float] = defaultdict(float)
+        self.queues: dict[str, deque[SimRequest]] = defaultdict(deque)
+
+    def admit(self, req: SimRequest, now: float) -> Verdict:
+        queue = self.queues[req.tenant]
+        if not queue:
+            backlogged = [self.counter[t] for t, q in self.queues.items() if q]
+            if backlogged:
+                self.counter[req.tenant] = max(self.counter[req.tenant], min(backlogged))
+        queue.append(req)
+        return Queued()
+
+    def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
+        out = []
+        while free_slots > 0:
+            backlogged = [t for t, q in self.queues.items() if q]
+            if not backlogged:
+                break
+            tenant = min(backlogged, key=lambda t: (self.counter[t], t))
+            req = self.queues[tenant].popleft()
+            self.counter[tenant] += self.w_in * req.prompt_tokens
+            out.append(req)
+            free_slots -= 1
+        return out
+
+    def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
+        self.counter[req.tenant] += self.w_out * output_tokens
+
+
+class TokenPools(Policy):
+    """The decision core itself, called exactly as the gateway calls it."""
+
+    name = "tokenpools"
+
+    def __init__(self, config: Config, now: float, absent: frozenset[str] = frozenset()) -> None:
+        self.config = config
+        self.absent = set(absent)  # entitlements not created yet, or deleted
+        self.core = DecisionCore(self._current(), now=now)
+        self.pool = next(iter(config.pools))
+        self.per_replica = config.pools[self.pool].per_replica
+        self.tenant_of: dict[str, str] = {}  # entitlement → tenant
+
+    def _current(self) -> Config:
+        ents = {k: v for k, v in self.config.entitlements.items() if k not in self.absent}
+        return replace(self.config, entitlements=ents)
+
+    def join(self, entitlement: str, now: float) -> None:
+        self.absent.discard(entitlement)
+        self.core.apply_config(self._current(), now)
+
+    def leave(self, entitlement: str, now: float) -> list[str]:
+        self.absent.add(entitlement)
+        return [lease.lease_id for lease in self.core.apply_config(self._current(), now)]
+
+    def admit(self, req: SimRequest, now: float) -> Verdict:
+        self.tenant_of[req.entitlement] = req.tenant
+        decision = self.core.admit(
+            req.entitlement, RequestCost(req.prompt_tokens, req.max_tokens), now, req.req_id
+        )
+        if isinstance(decision, Admit):
+            return Admitted([lease.lease_id for lease in decision.evict])
+        return Rejected(decision.reason.value, decision.retry_after_s)
+
+    def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
+        self.core.settle(req.req_id, Usage(req.prompt_tokens, output_tokens), now)
+
+    def ended_early(self, req: SimRequest, now: float) -> None:
+        self.core.release(req.req_id, now, refund=False)
+
+    def tick(self, now: float) -> list[str]:
+        result = self.core.tick(now)
+        return [lease.lease_id for lease in result.expired]
+
+    def capacity(self, fraction: float, now: float) -> list[str]:
+        change = self.core.set_capacity(
+            self.pool, now, per_replica=self.per_replica.scale(fraction)
+        )
+        return [lease.lease_id for lease in change.evict]
+
+    def scores(self) -> dict[str, tuple[float, float]]:
+        out = {}
+        for ent, tenant in self.tenant_of.items():
+            if ent in self.absent:
+                continue
+            scores = self.core.store.scores(ent)
+            out[tenant] = (scores.debt, scores.priority)
+        return out
+
+
+POLICIES = (
+    "none",
+    "request-rate",
+    "token-rate",
+    "concurrency",
+    "priority-shed",
+    "vtc",
+    "tokenpools",
+)
+LOW_PRIORITY_REASONS = frozenset({Reason.LOW_PRIORITY.value})
+
+
+def derive_limits(
+    ent: Entitlement, pool_capacity: Resources, mean_cost_tokens: float, sheddable: bool | None
+) -> TenantLimits:
+    """What an operator of each baseline would configure from the same entitlement: the
+    baseline where there is one, else the burst ceiling, else the whole pool."""
+    ceiling = ent.burst_ceiling
+
+    def pick(base: float, burst: float | None, pool: float) -> float:
+        if base > 0:
+            return base
+        if burst is not None and math.isfinite(burst):
+            return burst
+        return pool
+
+    tps = pick(
+        ent.baseline.throughput,
+        None if ceiling is None else ceiling.throughput,
+        pool_capacity.throughput,
+    )
+    concurrency = pick(
+        ent.baseline.concurrency,
+        None if ceiling is None else ceiling.concurrency,
+        pool_capacity.concurrency,
+    )
+    if sheddable is None:
+        sheddable = ent.service_class in (ServiceClass.SPOT, ServiceClass.PREEMPTIBLE)
+    return TenantLimits(
+        rpm=tps * 60 / max(1.0, mean_cost_tokens),
+        tpm=tps * 60,
+        concurrency=max(1, round(concurrency)),
+        sheddable=sheddable,
+    )
+
+
+def make_policy(
+    name: str,
+    config: Config,
+    limits: dict[str, TenantLimits],
+    cluster: Cluster,
+    now: float,
+    absent: frozenset[str] = frozenset(),
+) -> Policy:
+    factories: dict[str, Callable[[], Policy]] = {
+        "none": NoAdmissionControl,
+        "request-rate": lambda: RequestRate(limits),
+        "token-rate": lambda: TokenRate(limits),
+        "concurrency": lambda: StaticConcurrency(limits),
+        "priority-shed": lambda: PriorityShed(limits, cluster),
+        "vtc": VirtualTokenCounter,
+        "tokenpools": lambda: TokenPools(config, now, absent),
+    }
+    if name not in factories:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+    return factories[name]()

@@ -1,0 +1,120 @@
+"""Markdown tables from summary.json blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenpools.sim.scenario import Scenario
+
+
+def _fmt(x: float | None, unit: str = "", digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}{unit}"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def policy_table(scenario: Scenario, summary: dict[str, Any]) -> str:
+    """One row per policy: utilisation per phase, the engine queue, and per tenant its worst
+    phase's P99 TTFT and the share of its demand throttled over the run."""
+    phases = [p.name for p in scenario.phases]
+    tenants = [t.name for t in scenario.tenants]
+    head = ["policy", *(f"util {p}" for p in phases), "max queue"]
+    for t in tenants:
+        head += [f"{t} P99 TTFT (worst phase)", f"{t} throttled", f"{t} done"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for policy, block in summary["policies"].items():
+        cells = [f"`{policy}`"]
+        cells += [_pct(block["utilization"][p]) for p in phases]
+        cells.append(str(block["engine"]["max_waiting"]))
+        for t in tenants:
+            data = block["tenants"][t]
+            worst = [
+                m["ttft_p99_s"] for m in data["phases"].values() if m["ttft_p99_s"] is not None
+            ]
+            cells.append(_fmt(max(worst) if worst else None, " s"))
+            cells.append(_pct(data["totals"]["throttled_fraction"]))
+            cells.append(str(data["totals"]["completed"]))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def phase_table(scenario: Scenario, block: dict[str, Any]) -> str:
+    head = [
+        "tenant",
+        "phase",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "E2E p99",
+        "sent",
+        "admitted",
+        "rejected (low prio)",
+        "evicted",
+        "throttled",
+        "out tok/s",
+        "goodput rps",
+        "peak debt",
+    ]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in scenario.tenants:
+        data = block["tenants"][t.name]
+        for phase, m in data["phases"].items():
+            if m["submitted"] == 0:
+                continue
+            rows.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"{t.name} ({data['class']})",
+                        phase,
+                        _fmt(m["ttft_p50_s"], " s"),
+                        _fmt(m["ttft_p99_s"], " s"),
+                        _fmt(m["tpot_p50_s"], " s", 3),
+                        _fmt(m["e2e_p99_s"], " s"),
+                        str(m["submitted"]),
+                        str(m["admitted"]),
+                        f"{m['rejected']} ({m['rejected_low_priority']})",
+                        str(m["evicted"]),
+                        _pct(m["throttled_fraction"]),
+                        _fmt(m["output_tok_s"], "", 1),
+                        _fmt(m["goodput_rps"], "", 2),
+                        _fmt(data["peak_debt"], "", 3),
+                    ]
+                )
+                + " |"
+            )
+    return "\n".join(rows)
+
+
+def scenario_report(scenario: Scenario, summary: dict[str, Any], figures: list[str]) -> str:
+    parts = [f"## {scenario.name}", "", scenario.description.strip(), ""]
+    parts += [
+        f"Seed {summary['seed']}, {scenario.duration_s:g} s simulated, engine "
+        f"`{scenario.engine.profile}` × {scenario.engine.replicas}. Counts are attempts (HTTP "
+        "requests); throttled = 1 − admitted / new requests; TTFT of completed requests.",
+        "",
+        policy_table(scenario, summary),
+        "",
+    ]
+    fairness = [
+        f"`{p}` {b['jain_index']:.3f}"
+        for p, b in summary["policies"].items()
+        if b.get("jain_index") is not None
+    ]
+    if fairness:
+        parts += [
+            "Jain's index of service/entitlement among elastic tenants: " + ", ".join(fairness),
+            "",
+        ]
+    for policy in ("tokenpools", "none"):
+        if policy in summary["policies"]:
+            parts += [
+                f"Per phase, `{policy}`:",
+                "",
+                phase_table(scenario, summary["policies"][policy]),
+                "",
+            ]
+    parts += [f"![{f}]({f})" for f in figures]
+    return "\n".join(parts) + "\n"

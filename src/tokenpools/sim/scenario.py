@@ -1,0 +1,201 @@
+"""Scenario files (experiments/*.yaml): who sends what, when, against which engine and config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tokenpools.model.config import Config, ConfigError, parse_config
+
+NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Lengths(_Strict):
+    """A token-length distribution: fixed, uniform, lognormal or drawn from a list."""
+
+    kind: Literal["fixed", "uniform", "lognormal", "list"] = "fixed"
+    value: int | None = Field(default=None, ge=1)
+    low: int | None = Field(default=None, ge=1)
+    high: int | None = Field(default=None, ge=1)
+    mean: Pos | None = None  # lognormal: mean of the distribution, in tokens
+    sigma: NonNeg | None = None
+    values: list[Annotated[int, Field(ge=1)]] | None = None
+    max: int | None = Field(default=None, ge=1)  # lognormal cap
+
+    @model_validator(mode="after")
+    def _check(self) -> Lengths:
+        need = {
+            "fixed": ("value",),
+            "uniform": ("low", "high"),
+            "lognormal": ("mean", "sigma"),
+            "list": ("values",),
+        }[self.kind]
+        missing = [n for n in need if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{self.kind} lengths need {', '.join(missing)}")
+        if self.kind == "uniform" and (self.low or 0) > (self.high or 0):
+            raise ValueError("uniform lengths need low <= high")
+        return self
+
+    def mean_value(self) -> float:
+        if self.kind == "fixed":
+            return float(self.value or 0)
+        if self.kind == "uniform":
+            return ((self.low or 0) + (self.high or 0)) / 2
+        if self.kind == "lognormal":
+            return float(self.mean or 0)
+        return sum(self.values or []) / len(self.values or [1])
+
+
+class Arrivals(_Strict):
+    """Open loop (poisson, gamma) at `rate` req/s, or at `slots` of demand (rate = slots /
+    the engine's nominal service time); or closed loop with `clients` that each wait for their
+    answer, then `think_s`."""
+
+    kind: Literal["poisson", "gamma", "closed"] = "poisson"
+    rate: Pos | None = None
+    slots: Pos | None = None
+    cv: Pos = 1.0  # gamma: coefficient of variation of the gaps (1 = Poisson)
+    clients: int | None = Field(default=None, ge=1)
+    think_s: NonNeg = 0.0
+
+    @model_validator(mode="after")
+    def _check(self) -> Arrivals:
+        if self.kind == "closed":
+            if self.clients is None:
+                raise ValueError("closed-loop arrivals need clients")
+        elif (self.rate is None) == (self.slots is None):
+            raise ValueError(f"{self.kind} arrivals need exactly one of rate or slots")
+        return self
+
+
+class Retry(_Strict):
+    """What a client does after a 429: wait Retry-After (± jitter) or, without one, back off
+    exponentially as the openai client does (0.5 s doubling to 8 s); give up after max_tries."""
+
+    max_tries: int = Field(default=3, ge=1)
+    jitter: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    honour_retry_after: bool = True
+
+
+class Workload(_Strict):
+    arrivals: Arrivals
+    prompt: Lengths
+    output: Lengths
+    max_tokens: int | None = Field(default=None, ge=1)  # sent as max_tokens; None: the output
+    start_s: NonNeg = 0.0  # the tenant joins
+    end_s: NonNeg | None = None  # the tenant leaves (stops sending new requests)
+
+
+class Limits(_Strict):
+    """Per-tenant limits for the baseline policies; derived from the entitlement if omitted."""
+
+    rpm: Pos | None = None
+    tpm: Pos | None = None
+    concurrency: Annotated[int, Field(ge=0)] | None = None
+
+
+class Tenant(_Strict):
+    name: str
+    entitlement: str | None = None  # defaults to the tenant's name
+    workload: Workload
+    retry: Retry = Retry()
+    slo_ttft_s: Pos | None = None  # goodput threshold; default: the entitlement's sloTargetMs
+    slo_tpot_s: Pos | None = None
+    limits: Limits = Limits()
+    sheddable: bool | None = None  # priority-shed; default: spot and preemptible are sheddable
+    # The entitlement exists only while the tenant takes part: created when it joins
+    # (workload.start_s), deleted once it has left (workload.end_s) and its last request ended.
+    # The paper's "guaranteed-c joins at 30 s, leaves at 60 s".
+    entitlement_while_active: bool = False
+    # A change of workload from a time on (a reasoning burst, a rate change).
+    changes: list[WorkloadChange] = []
+
+
+class WorkloadChange(_Strict):
+    at_s: NonNeg
+    rate_factor: Pos | None = None
+    output: Lengths | None = None
+    prompt: Lengths | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+
+
+class Phase(_Strict):
+    name: str
+    start_s: NonNeg
+    end_s: Pos
+
+
+class CapacityEvent(_Strict):
+    """At `at_s`, every replica's capacity becomes `fraction` of its profile (KV and slots),
+    e.g. 0.5 for a replica that lost half its GPUs."""
+
+    at_s: NonNeg
+    fraction: Annotated[float, Field(gt=0, le=1)]
+
+
+class EngineSpec(_Strict):
+    profile: str
+    replicas: int = Field(default=1, ge=1)
+
+
+class Scenario(_Strict):
+    name: str
+    description: str = ""
+    duration_s: Pos
+    seed: int = 1
+    engine: EngineSpec
+    tokenpools: dict[str, Any]  # a tokenpools config: policy, pools (one), entitlements
+    tenants: list[Tenant]
+    phases: list[Phase]
+    capacity: list[CapacityEvent] = []
+    sample_interval_s: Pos = 0.5
+
+    @model_validator(mode="after")
+    def _check(self) -> Scenario:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError("tenant names must be unique")
+        for phase in self.phases:
+            if phase.end_s <= phase.start_s:
+                raise ValueError(f"phase {phase.name!r} ends before it starts")
+        return self
+
+    def config(self) -> Config:
+        try:
+            config = parse_config(self.tokenpools)
+        except ConfigError as exc:
+            raise ConfigError(f"scenario {self.name!r}, tokenpools config:\n{exc}") from None
+        if len(config.pools) != 1:
+            raise ConfigError(f"scenario {self.name!r}: the tokenpools config needs one pool")
+        for tenant in self.tenants:
+            if (tenant.entitlement or tenant.name) not in config.entitlements:
+                raise ConfigError(
+                    f"scenario {self.name!r}: tenant {tenant.name!r} has no entitlement "
+                    f"{tenant.entitlement or tenant.name!r}"
+                )
+        return config
+
+
+Tenant.model_rebuild()
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+        return Scenario.model_validate(data)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid scenario\n{exc}") from None

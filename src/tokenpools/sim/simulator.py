@@ -1,0 +1,437 @@
+"""The event loop: arrivals, retries, engine steps, capacity changes, policy ticks, samples.
+
+Deterministic: every random draw comes from a per-tenant random.Random seeded from the scenario
+seed and the tenant's name, and simultaneous events run in the order they were scheduled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from tokenpools.engine.model import Engine, StepResult
+from tokenpools.engine.profile import EngineProfile, load_profile
+from tokenpools.model.config import Config, ConfigError
+from tokenpools.sim.policies import (
+    Admitted,
+    Policy,
+    Queued,
+    Rejected,
+    SimRequest,
+    TenantLimits,
+    derive_limits,
+    make_policy,
+)
+from tokenpools.sim.scenario import Scenario, Tenant, Workload
+from tokenpools.sim.workload import backoff_s, next_gap, sample_length
+
+
+@dataclass(slots=True)
+class Job:
+    """One logical request of a client, across its attempts."""
+
+    tenant: str
+    prompt_tokens: int
+    output_tokens: int
+    max_tokens: int
+    tries: int = 0
+    client: int | None = None  # closed-loop client that sent it
+
+
+@dataclass(slots=True)
+class Attempt:
+    req: SimRequest
+    job: Job
+    number: int  # 1 for a job's first attempt
+    outcome: str = "pending"  # completed | rejected | evicted
+    reason: str | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Sample:
+    t: float
+    waiting: int
+    running: int
+    slots: int
+    kv_usage: float
+    running_by_tenant: dict[str, int]
+    scores: dict[str, tuple[float, float]]  # tenant → (debt, priority)
+    rejected_by_tenant: dict[str, int]  # since the previous sample
+    low_priority_by_tenant: dict[str, int]
+
+
+@dataclass
+class RunResult:
+    scenario: Scenario
+    policy: str
+    seed: int
+    config: Config
+    attempts: list[Attempt]
+    samples: list[Sample]
+    output_tokens: dict[tuple[str, str], int]  # (tenant, phase) → output tokens generated
+    gave_up: Counter[str] = field(default_factory=Counter)
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, policy: str, seed: int | None = None) -> None:
+        self.scenario = scenario
+        self.seed = scenario.seed if seed is None else seed
+        self.config = scenario.config()
+        self.profile: EngineProfile = load_profile(scenario.engine.profile)
+        pool = next(iter(self.config.pools.values()))
+        if pool.replicas != scenario.engine.replicas:
+            raise ConfigError(
+                f"scenario {scenario.name!r}: pool {pool.name!r} has {pool.replicas} replicas, "
+                f"the engine {scenario.engine.replicas}"
+            )
+        self.engines = [Engine(self.profile) for _ in range(scenario.engine.replicas)]
+        self.busy = [False] * len(self.engines)
+        self.tenants = {t.name: t for t in scenario.tenants}
+        self.rng = {t.name: random.Random(f"{self.seed}/{t.name}") for t in scenario.tenants}
+        limits: dict[str, TenantLimits] = {}
+        for t in scenario.tenants:
+            ent = self.config.entitlements[t.entitlement or t.name]
+            w = t.workload
+            derived = derive_limits(
+                ent, pool.capacity, w.prompt.mean_value() + w.output.mean_value(), t.sheddable
+            )
+            limits[t.name] = TenantLimits(
+                rpm=t.limits.rpm or derived.rpm,
+                tpm=t.limits.tpm or derived.tpm,
+                concurrency=derived.concurrency
+                if t.limits.concurrency is None
+                else t.limits.concurrency,
+                sheddable=derived.sheddable,
+            )
+        self._joining = {
+            t.name: t.entitlement or t.name for t in scenario.tenants if t.entitlement_while_active
+        }
+        self._leaving: dict[str, str] = {}
+        self.policy: Policy = make_policy(
+            policy, self.config, limits, self, 0.0, frozenset(self._joining.values())
+        )
+        self.policy_name = policy
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count(1)
+        self.active: dict[str, Attempt] = {}
+        self.where: dict[str, int] = {}
+        self.attempts: list[Attempt] = []
+        self.samples: list[Sample] = []
+        self.output_tokens: Counter[tuple[str, str]] = Counter()
+        self.gave_up: Counter[str] = Counter()
+        self._rejected: Counter[str] = Counter()
+        self._low_priority: Counter[str] = Counter()
+        self._capacity_fraction = 1.0
+        self._phase_bounds = [(p.start_s, p.end_s, p.name) for p in scenario.phases]
+
+    # -- the cluster, as policies see it ----------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    @property
+    def running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    @property
+    def slots(self) -> int:
+        return sum(e.profile.max_num_seqs for e in self.engines)
+
+    @property
+    def kv_usage(self) -> float:
+        return sum(e.kv_usage for e in self.engines) / len(self.engines)
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), action))
+
+    def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
+        end = self.scenario.duration_s
+        for name, tenant in self.tenants.items():
+            w = tenant.workload
+            if w.arrivals.kind == "closed":
+                for client in range(w.arrivals.clients or 0):
+                    self.at(w.start_s, partial(self._new_job, name, client))
+            else:
+                self.at(w.start_s, partial(self._open_arrival, name))
+        # Joining tenants are added before anyone's first request at the same instant.
+        for name, ent in self._joining.items():
+            w = self.tenants[name].workload
+            self._heap.insert(0, (w.start_s, -1, partial(self._join, ent)))
+            if w.end_s is not None:
+                self.at(w.end_s, partial(self._leaving.__setitem__, name, ent))
+        heapq.heapify(self._heap)
+        for event in self.scenario.capacity:
+            self.at(event.at_s, partial(self._capacity, event.fraction))
+        self.at(0.0, self._tick)
+        self.at(0.0, self._sample)
+        next_report = 0.0
+        while self._heap:
+            t, _, action = heapq.heappop(self._heap)
+            if t > end:
+                break
+            self.now = t
+            action()
+            if progress is not None and t >= next_report:
+                progress(t)
+                next_report = t + 1.0
+        self.now = end
+        return RunResult(
+            self.scenario,
+            self.policy_name,
+            self.seed,
+            self.config,
+            self.attempts,
+            self.samples,
+            dict(self.output_tokens),
+            self.gave_up,
+        )
+
+    # -- clients ------------------------------------------------------------------------------
+
+    def _workload(self, tenant: Tenant) -> tuple[Workload, float]:
+        """The tenant's workload as changed up to now, and its rate factor."""
+        w = tenant.workload
+        factor = 1.0
+        for change in tenant.changes:
+            if change.at_s <= self.now:
+                factor *= change.rate_factor or 1.0
+                w = w.model_copy(
+                    update={
+                        k: v
+                        for k, v in (
+                            ("output", change.output),
+                            ("prompt", change.prompt),
+                            ("max_tokens", change.max_tokens),
+                        )
+                        if v is not None
+                    }
+                )
+        return w, factor
+
+    def _active_window(self, tenant: Tenant) -> bool:
+        w = tenant.workload
+        return w.start_s <= self.now and (w.end_s is None or self.now < w.end_s)
+
+    def _open_arrival(self, name: str) -> None:
+        tenant = self.tenants[name]
+        if not self._active_window(tenant):
+            return
+        self._new_job(name, None)
+        w, factor = self._workload(tenant)
+        a = w.arrivals
+        rate = a.rate if a.rate is not None else (a.slots or 0) / self._service_s(w)
+        self.at(
+            self.now + next_gap(a.kind, rate * factor, a.cv, self.rng[name]),
+            lambda: self._open_arrival(name),
+        )
+
+    def _service_s(self, w: Workload) -> float:
+        return self.profile.nominal_service_s(
+            round(w.prompt.mean_value()), round(w.output.mean_value())
+        )
+
+    def _new_job(self, name: str, client: int | None) -> None:
+        tenant = self.tenants[name]
+        if not self._active_window(tenant):
+            return
+        w, _ = self._workload(tenant)
+        rng = self.rng[name]
+        output = sample_length(w.output, rng)
+        job = Job(
+            name,
+            sample_length(w.prompt, rng),
+            output,
+            max(w.max_tokens or output, output),
+            client=client,
+        )
+        self._send(job)
+
+    def _send(self, job: Job) -> None:
+        job.tries += 1
+        tenant = self.tenants[job.tenant]
+        req = SimRequest(
+            f"{job.tenant}-{next(self._ids)}",
+            job.tenant,
+            tenant.entitlement or tenant.name,
+            job.prompt_tokens,
+            job.output_tokens,
+            job.max_tokens,
+            self.now,
+        )
+        attempt = Attempt(req, job, job.tries)
+        self.attempts.append(attempt)
+        verdict = self.policy.admit(req, self.now)
+        if isinstance(verdict, Rejected):
+            attempt.outcome, attempt.reason = "rejected", verdict.reason
+            attempt.finished_at = self.now
+            self._rejected[job.tenant] += 1
+            if verdict.reason == "low_priority":
+                self._low_priority[job.tenant] += 1
+            self._retry_or_give_up(job, verdict.retry_after_s)
+            return
+        self.active[req.req_id] = attempt
+        if isinstance(verdict, Admitted):
+            for victim in verdict.evict:
+                self._evict(victim)
+            self._to_engine(req)
+        else:
+            assert isinstance(verdict, Queued)
+            self._dispatch_queued()
+
+    def _retry_or_give_up(self, job: Job, retry_after_s: float | None) -> None:
+        retry = self.tenants[job.tenant].retry
+        if job.tries >= retry.max_tries:
+            self.gave_up[job.tenant] += 1
+            self._job_done(job)
+            return
+        wait = backoff_s(
+            job.tries,
+            retry_after_s if retry.honour_retry_after else None,
+            retry.jitter,
+            self.rng[job.tenant],
+        )
+        self.at(self.now + wait, lambda: self._send(job))
+
+    def _job_done(self, job: Job) -> None:
+        if job.client is not None:
+            think = self.tenants[job.tenant].workload.arrivals.think_s
+            self.at(self.now + think, lambda: self._new_job(job.tenant, job.client))
+
+    # -- engines ------------------------------------------------------------------------------
+
+    def _to_engine(self, req: SimRequest) -> None:
+        index = min(
+            range(len(self.engines)),
+            key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
+        )
+        self.engines[index].add(req.req_id, req.prompt_tokens, req.output_tokens, req.tenant)
+        self.where[req.req_id] = index
+        if not self.busy[index]:
+            self._step(index)
+
+    def _step(self, index: int) -> None:
+        engine = self.engines[index]
+        if not engine.has_work:
+            self.busy[index] = False
+            return
+        self.busy[index] = True
+        result = engine.step()
+        self.at(self.now + result.duration_s, lambda: self._step_done(index, result))
+
+    def _step_done(self, index: int, result: StepResult) -> None:
+        now = self.now
+        phase = self.phase_at(now)
+        if phase is not None:
+            for tag, tokens in result.tokens_by_tag.items():
+                self.output_tokens[(tag, phase)] += tokens
+        for req_id in result.first_tokens:
+            attempt = self.active.get(req_id)
+            if attempt is not None and attempt.first_token_at is None:
+                attempt.first_token_at = now
+        for seq in result.finished:
+            attempt = self.active.pop(seq.req_id, None)
+            self.where.pop(seq.req_id, None)
+            if attempt is None:
+                continue
+            attempt.outcome, attempt.finished_at = "completed", now
+            attempt.output_tokens = seq.generated
+            self.policy.finished(attempt.req, seq.generated, now)
+            self._job_done(attempt.job)
+        self._step(index)
+        self._dispatch_queued()
+
+    def _evict(self, req_id: str) -> None:
+        attempt = self.active.pop(req_id, None)
+        index = self.where.pop(req_id, None)
+        if index is not None:
+            self.engines[index].abort(req_id)
+        if attempt is None:
+            return
+        attempt.outcome, attempt.reason, attempt.finished_at = "evicted", "evicted", self.now
+        self.policy.ended_early(attempt.req, self.now)
+        self._retry_or_give_up(attempt.job, None)
+
+    def _dispatch_queued(self) -> None:
+        free = sum(
+            max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting) for e in self.engines
+        )
+        if free:
+            for req in self.policy.dispatch(self.now, free):
+                self._to_engine(req)
+
+    # -- timeline -----------------------------------------------------------------------------
+
+    def _capacity(self, fraction: float) -> None:
+        self._capacity_fraction = fraction
+        for engine in self.engines:
+            engine.resize(
+                max(1, round(self.profile.max_num_seqs * fraction)),
+                max(1, round(self.profile.kv_blocks * fraction)),
+            )
+        for req_id in self.policy.capacity(fraction, self.now):
+            self._evict(req_id)
+
+    def _join(self, entitlement: str) -> None:
+        self.policy.join(entitlement, self.now)
+
+    def _tick(self) -> None:
+        for req_id in self.policy.tick(self.now):
+            self._evict(req_id)
+        for name, ent in list(self._leaving.items()):
+            if not any(a.req.tenant == name for a in self.active.values()):
+                del self._leaving[name]
+                for req_id in self.policy.leave(ent, self.now):
+                    self._evict(req_id)
+        self.at(self.now + 0.5, self._tick)
+
+    def _sample(self) -> None:
+        running: Counter[str] = Counter()
+        for engine in self.engines:
+            running.update(engine.running_by_tag)
+        self.samples.append(
+            Sample(
+                t=self.now,
+                waiting=sum(e.scheduled_waiting for e in self.engines),
+                running=self.running,
+                slots=self.slots,
+                kv_usage=self.kv_usage,
+                running_by_tenant={k: v for k, v in running.items() if v},
+                scores=self.policy.scores(),
+                rejected_by_tenant=dict(self._rejected),
+                low_priority_by_tenant=dict(self._low_priority),
+            )
+        )
+        self._rejected.clear()
+        self._low_priority.clear()
+        self.at(self.now + self.scenario.sample_interval_s, self._sample)
+
+    def phase_at(self, t: float) -> str | None:
+        for start, end, name in self._phase_bounds:
+            if start <= t < end:
+                return name
+        return None
+
+
+def simulate(
+    scenario: Scenario,
+    policy: str,
+    seed: int | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> RunResult:
+    return Simulation(scenario, policy, seed).run(progress)
+
+
+__all__ = ["Attempt", "RunResult", "Sample", "Simulation", "simulate"]
