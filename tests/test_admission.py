@@ -166,23 +166,49 @@ def test_spot_is_never_evicted() -> None:
     assert d.evict == ()
 
 
-def test_contended_pool_denies_the_lower_priority_tenant_but_never_blocks_a_tenant_itself() -> None:
-    elastic = [
-        {"name": "copilot", "serviceClass": "elastic", "sloTargetMs": 500, "concurrency": 5},
-        {"name": "synth", "serviceClass": "elastic", "sloTargetMs": 30000, "concurrency": 5},
-    ]
-    core = DecisionCore(make_config(elastic, concurrency=8, policy={"headroom": 0.25}))
+ELASTIC_PAIR = [
+    {"name": "copilot", "serviceClass": "elastic", "sloTargetMs": 500, "concurrency": 5},
+    {"name": "synth", "serviceClass": "elastic", "sloTargetMs": 30000, "concurrency": 5},
+]
+
+
+def test_near_full_pool_sheds_the_lower_priority_tenant_only_for_unmet_demand_above_it() -> None:
+    core = DecisionCore(make_config(ELASTIC_PAIR, concurrency=8, policy={"headroom": 0.25}))
     # Alone in the pool, synth fills it to capacity: a tenant never blocks itself.
     synth = [admit(core, "synth") for _ in range(8)]
-    for lease in synth[:4]:
-        core.release(lease.lease.lease_id, 0.0)
-    admit(core, "copilot")  # 5 in flight, uncontended (contended above 6)
-    admit(core, "synth")  # 6 in flight
-    r = reject(core, "synth")  # the 7th would be contended and copilot outranks synth
-    assert (r.reason, r.check) == (Reason.LOW_PRIORITY, Check.PRIORITY)
-    admit(core, "copilot")  # copilot passes the threshold (synth is the minimum)
+    for d in synth[:4]:
+        core.release(d.lease.lease_id, 0.0)
     admit(core, "copilot")
-    assert reject(core, "copilot").reason == Reason.POOL_FULL
+    admit(core, "synth")
+    # Near full (above 6 of 8), but copilot wants nothing more: synth is not shed.
+    admit(core, "synth")
+    admit(core, "copilot")
+    full = reject(core, "copilot", t=1.0)  # copilot's demand is now unmet
+    assert full.reason == Reason.POOL_FULL
+    core.release(synth[4].lease.lease_id, 1.0)
+    r = reject(core, "synth", t=1.5)
+    assert (r.reason, r.check) == (Reason.LOW_PRIORITY, Check.PRIORITY)
+    assert r.retry_after_s is not None
+    admit(core, "copilot", t=1.5)  # copilot takes the slot synth was refused
+    core.release(synth[5].lease.lease_id, 4.0)
+    # Beyond the contention window copilot's refusal is forgotten: synth may backfill again.
+    admit(core, "synth", t=4.0)
+
+
+def test_check_5_sheds_the_lowest_priority_in_flight_not_the_middle() -> None:
+    three = [
+        *ELASTIC_PAIR,
+        {"name": "reports", "serviceClass": "elastic", "sloTargetMs": 5000, "concurrency": 5},
+    ]
+    policy = {"headroom": 0.25, "elasticOversubscription": 2}
+    core = DecisionCore(make_config(three, concurrency=8, policy=policy))
+    held = [admit(core, n) for n in ("copilot",) * 4 + ("synth",) * 2 + ("reports",) * 2]
+    assert reject(core, "copilot", t=0.5).reason == Reason.POOL_FULL
+    core.release(held[0].lease.lease_id, 0.6)
+    # copilot (93.8) is refused; of the others in flight synth (20.3) is the lowest, so
+    # reports (60.4) passes check 5 and synth does not.
+    assert reject(core, "synth", t=0.7).reason == Reason.LOW_PRIORITY
+    admit(core, "reports", t=0.7)
 
 
 def test_capacity_shrink_evicts_preemptible_and_admits_nothing_beyond_it() -> None:

@@ -64,17 +64,17 @@ def test_reports_with_a_five_second_slo() -> None:
 
 def test_debt_driven_to_one_then_decays_below_003_within_ten_updates() -> None:
     policy = Policy()
-    starved = Observation(Resources(0.0, 0.0, 0.0), demand_tokens_per_s=300.0)
-    idle_served = Observation(Resources(150.0, 0.0, 0.0), demand_tokens_per_s=150.0)
+    starved = Observation(Resources(), demand_tokens_per_s=300.0, admitted_tokens_per_s=0.0)
+    served = Observation(Resources(), demand_tokens_per_s=150.0, admitted_tokens_per_s=150.0)
     assert service_gap(150.0, starved) == 1.0
-    assert service_gap(150.0, idle_served) == 0.0
+    assert service_gap(150.0, served) == 0.0
     debt = 0.0
     for _ in range(40):
         debt = ewma(debt, service_gap(150.0, starved), policy.gamma_debt)
     assert debt == pytest.approx(1.0, abs=1e-6)
     trajectory = []
     for _ in range(10):
-        debt = ewma(debt, service_gap(150.0, idle_served), policy.gamma_debt)
+        debt = ewma(debt, service_gap(150.0, served), policy.gamma_debt)
         trajectory.append(debt)
     assert trajectory[-1] < 0.03
     assert trajectory[0] == pytest.approx(0.7)

@@ -33,6 +33,7 @@ OPEN = ReservePlan(
     contended_concurrency=INF,
     contended_kv=INF,
     contended_bucket=-INF,
+    contention_window_s=2.0,
 )
 
 events = st.lists(

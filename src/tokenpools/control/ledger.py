@@ -10,11 +10,12 @@ from tokenpools.state.base import Window
 
 @dataclass(frozen=True, slots=True)
 class Observation:
-    """One update period's usage as rates: λ̂ (tokens/s), χ̂ (KV tokens), r̂ (sequences),
-    and the demand (tokens/s requested, admitted or not)."""
+    """One update period's usage as rates: λ̂ (settled tokens/s), χ̂ (KV tokens), r̂
+    (sequences); the demand (tokens/s requested, admitted or not) and the admitted tokens/s."""
 
     usage: Resources
     demand_tokens_per_s: float
+    admitted_tokens_per_s: float = 0.0
 
 
 def observe(window: Window) -> Observation:
@@ -24,6 +25,7 @@ def observe(window: Window) -> Observation:
     return Observation(
         Resources(window.settled_tokens / s, window.kv_seconds / s, window.concurrency_seconds / s),
         window.demand_tokens / s,
+        window.admitted_tokens / s,
     )
 
 
@@ -31,12 +33,15 @@ def service_gap(baseline_tokens_per_s: float, obs: Observation) -> float:
     """g_e = (min(λ_e, demand) − λ̂_e) / λ_e, clamped to [−1, 1].
 
     Demand-aware: a tenant that asked for less than its baseline is owed only what it asked
-    for, so idleness never turns into debt. Clamping bounds what one period can move.
+    for, so idleness never turns into debt. λ̂ here is what admission granted in the period,
+    counted at the same instant as the demand: settled tokens arrive a service time later,
+    and with a few completions per period that lag alone swings the gap by tens of percent.
+    Clamping bounds what one period can move.
     """
     if baseline_tokens_per_s <= 0:
         return 0.0
     owed = min(baseline_tokens_per_s, obs.demand_tokens_per_s)
-    gap = (owed - obs.usage.throughput) / baseline_tokens_per_s
+    gap = (owed - obs.admitted_tokens_per_s) / baseline_tokens_per_s
     return max(-1.0, min(1.0, gap))
 
 

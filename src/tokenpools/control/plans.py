@@ -77,6 +77,7 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         contended_concurrency=cap.concurrency * (1.0 - policy.headroom),
         contended_kv=cap.kv_tokens * (1.0 - policy.headroom),
         contended_bucket=policy.headroom * depth,
+        contention_window_s=policy.contention_window_s,
     )
 
 

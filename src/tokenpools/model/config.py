@@ -193,7 +193,8 @@ class PolicySpec(_Strict):
     gammaBurst: Fraction = 0.7
     updatePeriodS: Pos = 5.0
     burstWindowS: Pos = 10.0
-    headroom: Fraction = 0.2
+    headroom: Fraction = 0.25
+    contentionWindowS: Pos = 2.0
     overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
     elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
     defaultMaxTokens: Annotated[int, Field(ge=1)] = 256
@@ -220,6 +221,7 @@ class PolicySpec(_Strict):
             update_period_s=self.updatePeriodS,
             burst_window_s=self.burstWindowS,
             headroom=self.headroom,
+            contention_window_s=self.contentionWindowS,
             overcommit=self.overcommit,
             elastic_oversubscription=self.elasticOversubscription,
             default_max_tokens=self.defaultMaxTokens,

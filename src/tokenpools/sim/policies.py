@@ -96,7 +96,9 @@ class Policy:
     def tick(self, now: float) -> list[str]:
         return []
 
-    def capacity(self, fraction: float, now: float) -> list[str]:
+    def capacity(self, fraction: float, throughput_fraction: float, now: float) -> list[str]:
+        """Each replica now has `fraction` of its slots and KV, `throughput_fraction` of its
+        token throughput; returns in-flight requests to evict."""
         return []
 
     def scores(self) -> dict[str, tuple[float, float]]:
@@ -107,7 +109,7 @@ class Policy:
         """An entitlement is created (a tenant joins)."""
 
     def leave(self, entitlement: str, now: float) -> list[str]:
-        """An entitlement is deleted; returns in-flight requests that must end."""
+        """An entitlement ends; returns in-flight requests that must end with it."""
         return []
 
 
@@ -260,7 +262,7 @@ class TokenPools(Policy):
 
     def __init__(self, config: Config, now: float, absent: frozenset[str] = frozenset()) -> None:
         self.config = config
-        self.absent = set(absent)  # entitlements not created yet, or deleted
+        self.absent = set(absent)  # entitlements not created yet
         self.core = DecisionCore(self._current(), now=now)
         self.pool = next(iter(config.pools))
         self.per_replica = config.pools[self.pool].per_replica
@@ -275,7 +277,12 @@ class TokenPools(Policy):
         self.core.apply_config(self._current(), now)
 
     def leave(self, entitlement: str, now: float) -> list[str]:
-        self.absent.add(entitlement)
+        # Leaving = the entitlement expires now: it stops admitting and stops holding its
+        # baseline back at once, while its requests in flight finish and settle normally.
+        ent = replace(self.config.entitlements[entitlement], expires_at=now)
+        self.config = replace(
+            self.config, entitlements=self.config.entitlements | {entitlement: ent}
+        )
         return [lease.lease_id for lease in self.core.apply_config(self._current(), now)]
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
@@ -297,10 +304,14 @@ class TokenPools(Policy):
         result = self.core.tick(now)
         return [lease.lease_id for lease in result.expired]
 
-    def capacity(self, fraction: float, now: float) -> list[str]:
-        change = self.core.set_capacity(
-            self.pool, now, per_replica=self.per_replica.scale(fraction)
+    def capacity(self, fraction: float, throughput_fraction: float, now: float) -> list[str]:
+        base = self.per_replica
+        per_replica = Resources(
+            base.throughput * throughput_fraction,
+            base.kv_tokens * fraction,
+            base.concurrency * fraction,
         )
+        change = self.core.set_capacity(self.pool, now, per_replica=per_replica)
         return [lease.lease_id for lease in change.evict]
 
     def scores(self) -> dict[str, tuple[float, float]]:

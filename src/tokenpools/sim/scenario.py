@@ -113,8 +113,8 @@ class Tenant(_Strict):
     limits: Limits = Limits()
     sheddable: bool | None = None  # priority-shed; default: spot and preemptible are sheddable
     # The entitlement exists only while the tenant takes part: created when it joins
-    # (workload.start_s), deleted once it has left (workload.end_s) and its last request ended.
-    # The paper's "guaranteed-c joins at 30 s, leaves at 60 s".
+    # (workload.start_s), expired when it leaves (workload.end_s) — its requests in flight
+    # finish. The paper's "guaranteed-c joins at 30 s, leaves at 60 s".
     entitlement_while_active: bool = False
     # A change of workload from a time on (a reasoning burst, a rate change).
     changes: list[WorkloadChange] = []

@@ -114,7 +114,6 @@ class Simulation:
         self._joining = {
             t.name: t.entitlement or t.name for t in scenario.tenants if t.entitlement_while_active
         }
-        self._leaving: dict[str, str] = {}
         self.policy: Policy = make_policy(
             policy, self.config, limits, self, 0.0, frozenset(self._joining.values())
         )
@@ -131,7 +130,6 @@ class Simulation:
         self.gave_up: Counter[str] = Counter()
         self._rejected: Counter[str] = Counter()
         self._low_priority: Counter[str] = Counter()
-        self._capacity_fraction = 1.0
         self._phase_bounds = [(p.start_s, p.end_s, p.name) for p in scenario.phases]
 
     # -- the cluster, as policies see it ----------------------------------------------------
@@ -171,7 +169,7 @@ class Simulation:
             w = self.tenants[name].workload
             self._heap.insert(0, (w.start_s, -1, partial(self._join, ent)))
             if w.end_s is not None:
-                self.at(w.end_s, partial(self._leaving.__setitem__, name, ent))
+                self.at(w.end_s, partial(self._leave, ent))
         heapq.heapify(self._heap)
         for event in self.scenario.capacity:
             self.at(event.at_s, partial(self._capacity, event.fraction))
@@ -375,26 +373,28 @@ class Simulation:
     # -- timeline -----------------------------------------------------------------------------
 
     def _capacity(self, fraction: float) -> None:
-        self._capacity_fraction = fraction
+        """Every replica keeps `fraction` of its slots and KV. Its token throughput does not
+        scale the same way (a step has a fixed cost), so the pool's is scaled by what the
+        profile says the smaller batch delivers — what an operator would re-measure."""
+        seqs = max(1, round(self.profile.max_num_seqs * fraction))
         for engine in self.engines:
-            engine.resize(
-                max(1, round(self.profile.max_num_seqs * fraction)),
-                max(1, round(self.profile.kv_blocks * fraction)),
-            )
-        for req_id in self.policy.capacity(fraction, self.now):
+            engine.resize(seqs, max(1, round(self.profile.kv_blocks * fraction)))
+        smaller = self.profile.model_copy(update={"max_num_seqs": seqs})
+        throughput = smaller.output_tokens_per_s() / self.profile.output_tokens_per_s()
+        for req_id in self.policy.capacity(fraction, throughput, self.now):
             self._evict(req_id)
 
     def _join(self, entitlement: str) -> None:
         self.policy.join(entitlement, self.now)
 
+    def _leave(self, entitlement: str) -> None:
+        for req_id in self.policy.leave(entitlement, self.now):
+            self._evict(req_id)
+
     def _tick(self) -> None:
         for req_id in self.policy.tick(self.now):
             self._evict(req_id)
-        for name, ent in list(self._leaving.items()):
-            if not any(a.req.tenant == name for a in self.active.values()):
-                del self._leaving[name]
-                for req_id in self.policy.leave(ent, self.now):
-                    self._evict(req_id)
+
         self.at(self.now + 0.5, self._tick)
 
     def _sample(self) -> None:

@@ -83,6 +83,7 @@ class ReservePlan:
     contended_concurrency: float  # used + unused protected baselines above this: contended
     contended_kv: float
     contended_bucket: float  # pool minus protected bucket below this: contended
+    contention_window_s: float  # a refusal this recent counts as unmet demand
 
 
 # Counter snapshots are built on every rejected request: plain slotted classes, since a frozen
@@ -115,6 +116,7 @@ class Window:
     seconds: float
     settled_tokens: float
     demand_tokens: float  # requested, admitted or not
+    admitted_tokens: float  # reserved at admission (n_in + max_tokens, weighted)
     concurrency_seconds: float  # ∫ in-flight dt
     kv_seconds: float  # ∫ reserved KV dt
 

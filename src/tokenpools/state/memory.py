@@ -52,6 +52,7 @@ class _Bucket:
 
 class _Entitlement:
     __slots__ = (
+        "admitted",
         "base_concurrency",
         "base_kv",
         "burst",
@@ -84,6 +85,7 @@ class _Entitlement:
         self.debt = self.burst = self.priority = 0.0
         self.t_acc = self.window_start = now
         self.conc_seconds = self.kv_seconds = self.settled = self.demand = 0.0
+        self.admitted = 0.0
 
     def accumulate(self, now: float) -> None:
         dt = now - self.t_acc
@@ -109,6 +111,7 @@ class _Pool:
         "preemptible_by_ent",
         "protected",
         "protected_bucket",
+        "refused",
     )
 
     def __init__(self, bucket: _Bucket, protected_bucket: _Bucket) -> None:
@@ -124,6 +127,7 @@ class _Pool:
         self.low: list[tuple[float, str]] | None = None
         self.preemptible_by_ent: dict[str, dict[str, Lease]] = {}
         self.protected: set[str] = set()  # entitlements holding a reserved baseline
+        self.refused: dict[str, float] = {}  # entitlement → when it was last refused room
         self.last_period = -1
 
 
@@ -196,6 +200,7 @@ class MemoryStore:
         e.base_concurrency = e.base_kv = 0.0
         self._update_holdback(e, p)
         p.protected.discard(name)
+        p.refused.pop(name, None)
         del self._ents[name]
         return ended
 
@@ -251,12 +256,16 @@ class MemoryStore:
                 )
             else:
                 lc, lk, lf = plan.reserved_concurrency, plan.reserved_kv, plan.reserved_bucket_floor
+            short = None
             if used_c + 1 > lc:
-                return Shortfall.POOL_CONCURRENCY
-            if used_k + kv > lk:
-                return Shortfall.POOL_KV
-            if bucket.level - tokens < lf:
-                return Shortfall.POOL_THROUGHPUT
+                short = Shortfall.POOL_CONCURRENCY
+            elif used_k + kv > lk:
+                short = Shortfall.POOL_KV
+            elif bucket.level - tokens < lf:
+                short = Shortfall.POOL_THROUGHPUT
+            if short is not None:
+                p.refused[e.name] = now
+                return short
             own.level -= tokens
             pbucket.level -= tokens
             lease.reserved_path = lease.drew_own = True
@@ -267,30 +276,51 @@ class MemoryStore:
                 used_c + hold_c + 1 > plan.contended_concurrency
                 or used_k + hold_k + kv > plan.contended_kv
                 or unreserved < plan.contended_bucket
-            ) and e.priority < self._threshold(p, e.name):
+            ) and self._outranked(p, e, now - plan.contention_window_s):
+                p.refused[e.name] = now
                 return Shortfall.LOW_PRIORITY
             # What is held for protected baselines first: evicting preemptible work cannot
             # help there (its plan limit is infinite for preemptible requests).
+            short = None
             if used_c - pre_c + hold_c + 1 > plan.shared_np_concurrency:
-                return Shortfall.RESERVED_CONCURRENCY
-            if used_k - pre_k + hold_k + kv > plan.shared_np_kv:
-                return Shortfall.RESERVED_KV
-            if unreserved < plan.shared_np_bucket_floor:
-                return Shortfall.RESERVED_THROUGHPUT
-            if used_c + 1 > plan.shared_concurrency:
-                return Shortfall.POOL_CONCURRENCY
-            if used_k + kv > plan.shared_kv:
-                return Shortfall.POOL_KV
-            if bucket.level - tokens < plan.shared_bucket_floor:
-                return Shortfall.POOL_THROUGHPUT
+                short = Shortfall.RESERVED_CONCURRENCY
+            elif used_k - pre_k + hold_k + kv > plan.shared_np_kv:
+                short = Shortfall.RESERVED_KV
+            elif unreserved < plan.shared_np_bucket_floor:
+                short = Shortfall.RESERVED_THROUGHPUT
+            elif used_c + 1 > plan.shared_concurrency:
+                short = Shortfall.POOL_CONCURRENCY
+            elif used_k + kv > plan.shared_kv:
+                short = Shortfall.POOL_KV
+            elif bucket.level - tokens < plan.shared_bucket_floor:
+                short = Shortfall.POOL_THROUGHPUT
+            if short is not None:
+                p.refused[e.name] = now
+                return short
             if plan.own_required:
                 own.level -= tokens
                 lease.drew_own = True
         for victim in victims:
             self._finish(victim, now, bucket_used=victim.tokens, observed=0.0)
         bucket.level -= tokens
+        e.admitted += tokens
         self._book(lease, e, p, now)
         return None
+
+    def _outranked(self, p: _Pool, e: _Entitlement, since: float) -> bool:
+        """Check 5 for a request in a pool near full: refused when another entitlement of
+        higher priority was refused room since `since` (its demand is unmet), and this one's
+        priority is below the paper's threshold — the lowest priority in flight among the
+        others — so the lowest-priority work in flight is what gives way. Demand-awareness
+        keeps the pool work-conserving: nobody is shed for a tenant that wants nothing."""
+        w = e.priority
+        outranked = False
+        for name, t in list(p.refused.items()):
+            if t < since:
+                del p.refused[name]
+            elif name != e.name and self._ents[name].priority > w:
+                outranked = True
+        return outranked and w < self._threshold(p, e.name)
 
     def _threshold(self, p: _Pool, name: str) -> float:
         """The lowest priority among *other* entitlements' shared-path leases in flight: a
@@ -438,11 +468,12 @@ class MemoryStore:
             seconds=now - e.window_start,
             settled_tokens=e.settled,
             demand_tokens=e.demand,
+            admitted_tokens=e.admitted,
             concurrency_seconds=e.conc_seconds,
             kv_seconds=e.kv_seconds,
         )
         e.window_start = now
-        e.settled = e.demand = e.conc_seconds = e.kv_seconds = 0.0
+        e.settled = e.demand = e.admitted = e.conc_seconds = e.kv_seconds = 0.0
         return window
 
     def scores(self, name: str) -> Scores:
