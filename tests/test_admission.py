@@ -41,7 +41,7 @@ BATCH = {"name": "batch", "serviceClass": "preemptible"}
 
 
 def test_admit_then_settle_refunds_and_returns_every_counter_to_zero() -> None:
-    core = DecisionCore(make_config([GUARANTEED]))
+    core = DecisionCore(make_config([GUARANTEED], policy={"burstWindowS": 10}))
     d = admit(core, "gold")
     assert d.lease.tokens == 128 and d.lease.kv_tokens == 128 and not d.evict
     ent = core.store.entitlement_counters("gold", 0.0)
@@ -71,7 +71,7 @@ def test_guaranteed_concurrency_is_its_baseline_and_retry_after_is_computed() ->
 
 def test_guaranteed_throughput_is_rate_limited_by_its_own_bucket() -> None:
     # 180 tok/s, depth 1800: with 1000-token requests the second cannot fit at once.
-    core = DecisionCore(make_config([GUARANTEED]))
+    core = DecisionCore(make_config([GUARANTEED], policy={"burstWindowS": 10}))
     big = RequestCost(input_tokens=500, max_output_tokens=500)
     admit(core, "gold", cost=big)
     r = reject(core, "gold", cost=big)

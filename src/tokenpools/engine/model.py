@@ -45,7 +45,7 @@ class StepResult:
     first_tokens: list[str] = field(default_factory=list)  # produced their first token
     finished: list[Sequence] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    tokens_by_tag: Counter[str] = field(default_factory=Counter)  # output tokens this step
+    output_tokens: int = 0  # generated this step, all tags
 
 
 class Engine:
@@ -64,6 +64,10 @@ class Engine:
         # num_requests_waiting (arrivals since the step began are not counted yet).
         self.scheduled_waiting = 0
         self.decoding_by_tag: Counter[str] = Counter()
+        # Output tokens per tag, folded in lazily: a tag's decoding sequences each add one
+        # token per step, so only changes of their number need bookkeeping.
+        self._tokens_by_tag: Counter[str] = Counter()
+        self._tag_since: dict[str, int] = {}
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -100,6 +104,17 @@ class Engine:
         ):
             self._preempt_latest(result)
         return result.preempted
+
+    def output_tokens_by_tag(self) -> dict[str, int]:
+        """Output tokens generated so far, per tag."""
+        for tag in list(self._tag_since):
+            self._fold_tokens(tag)
+        return dict(self._tokens_by_tag)
+
+    def _fold_tokens(self, tag: str) -> None:
+        since = self._tag_since.get(tag, self.step_count)
+        self._tokens_by_tag[tag] += self.decoding_by_tag[tag] * (self.step_count - since)
+        self._tag_since[tag] = self.step_count
 
     def generated(self, req_id: str) -> int:
         seq = self._seqs.get(req_id)
@@ -175,7 +190,7 @@ class Engine:
         prefill_tokens = sum(chunk for _, chunk in chunks)
         result.duration_s = profile.step_time(prefill_tokens, decode_seqs, self.kv_tokens)
         result.prefill_tokens, result.decode_seqs = prefill_tokens, decode_seqs
-        result.tokens_by_tag.update(self.decoding_by_tag)
+        result.output_tokens = decode_seqs
 
         self.step_count += 1
         step = self.step_count
@@ -187,12 +202,14 @@ class Engine:
                 if seq.generated == 0:
                     result.first_tokens.append(seq.req_id)
                 seq.generated += 1
-                result.tokens_by_tag[seq.tag] += 1
+                result.output_tokens += 1
+                self._tokens_by_tag[seq.tag] += 1
                 if seq.generated >= seq.output_tokens:
                     self._finish(seq, result)
                 else:
                     seq.base_step = step
                     self._decoding[seq.req_id] = seq
+                    self._fold_tokens(seq.tag)
                     self.decoding_by_tag[seq.tag] += 1
                     finish_at = step + seq.output_tokens - seq.generated
                     heapq.heappush(self._finish_heap, (finish_at, seq.order, seq.req_id))
@@ -230,6 +247,7 @@ class Engine:
         """Take a running sequence out of the batch and free its KV."""
         if seq.req_id in self._decoding:
             del self._decoding[seq.req_id]
+            self._fold_tokens(seq.tag)
             self.decoding_by_tag[seq.tag] -= 1
         else:
             self._prefilling.remove(seq)

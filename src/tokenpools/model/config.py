@@ -192,9 +192,9 @@ class PolicySpec(_Strict):
     gammaDebt: Fraction = 0.7
     gammaBurst: Fraction = 0.7
     updatePeriodS: Pos = 5.0
-    burstWindowS: Pos = 10.0
+    burstWindowS: Pos = 60.0
     headroom: Fraction = 0.25
-    contentionWindowS: Pos = 2.0
+    contentionWindowS: Pos = 0.5
     overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
     elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
     defaultMaxTokens: Annotated[int, Field(ge=1)] = 256

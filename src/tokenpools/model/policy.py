@@ -20,9 +20,9 @@ class Policy:
     gamma_debt: float = 0.7  # the paper's hand-tuned value
     gamma_burst: float = 0.7
     update_period_s: float = 5.0  # debt/burst update; also the usage-observation window
-    burst_window_s: float = 10.0  # token-bucket depth = rate × this
+    burst_window_s: float = 60.0  # token-bucket depth = rate × this (TPM-like)
     headroom: float = 0.25  # near full: within this fraction of capacity
-    contention_window_s: float = 2.0  # a refusal this recent is unmet demand (check 5)
+    contention_window_s: float = 0.5  # a refusal this recent is unmet demand (check 5)
     overcommit: float = 0.1  # protected classes may exceed capacity by this fraction
     elastic_oversubscription: float = 1.5  # elastic baselines bind while Σ ≤ capacity × this
     default_max_tokens: int = 256

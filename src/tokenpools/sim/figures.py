@@ -12,6 +12,20 @@ from matplotlib.axes import Axes
 
 from tokenpools.sim.simulator import RunResult
 
+MAX_SERIES = 10  # above this many tenants, plot by service class instead
+
+
+def _groups(result: RunResult) -> dict[str, list[str]]:
+    """Series to draw: one per tenant, or one per service class for large scenarios."""
+    names = [t.name for t in result.scenario.tenants]
+    if len(names) <= MAX_SERIES:
+        return {n: [n] for n in names}
+    groups: dict[str, list[str]] = {}
+    for t in result.scenario.tenants:
+        cls = result.config.entitlements[t.entitlement or t.name].service_class.value
+        groups.setdefault(cls, []).append(t.name)
+    return groups
+
 
 def _phases(ax: Axes, result: RunResult) -> None:
     for phase in result.scenario.phases[1:]:
@@ -38,15 +52,17 @@ def latency(results: list[RunResult], path: Path) -> None:
     fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.4 * len(results)), sharex=True)
     axes = list(axes) if len(results) > 1 else [axes]
     for ax, r in zip(axes, results, strict=True):
-        for tenant in r.scenario.tenants:
+        for label, members in _groups(r).items():
+            wanted = set(members)
             points = [
                 (a.req.sent_at, a.first_token_at - a.req.sent_at)
                 for a in r.attempts
-                if a.req.tenant == tenant.name and a.first_token_at is not None
+                if a.req.tenant in wanted and a.first_token_at is not None
             ]
+            points = points[:: max(1, len(points) // 5000)]  # enough dots to see, no more
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.scatter(xs, ys, s=3, label=tenant.name)
+                ax.scatter(xs, ys, s=3, label=label)
         _phases(ax, r)
         ax.set_ylabel("TTFT (s)")
         ax.set_title(r.policy, fontsize=9)
@@ -59,11 +75,14 @@ def latency(results: list[RunResult], path: Path) -> None:
 
 def utilization(result: RunResult, path: Path) -> None:
     """Running sequences stacked by tenant, against the pool's slots (figure 4 style)."""
-    names = [t.name for t in result.scenario.tenants]
+    groups = _groups(result)
     ts = [s.t for s in result.samples]
-    stacks = [[s.running_by_tenant.get(n, 0) for s in result.samples] for n in names]
+    stacks = [
+        [sum(s.running_by_tenant.get(n, 0) for n in members) for s in result.samples]
+        for members in groups.values()
+    ]
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    ax.stackplot(ts, stacks, labels=names, alpha=0.85)
+    ax.stackplot(ts, stacks, labels=list(groups), alpha=0.85)
     ax.plot(ts, [s.slots for s in result.samples], color="black", linewidth=1, label="slots")
     _phases(ax, result)
     ax.set_xlabel("time (s)")
@@ -77,16 +96,24 @@ def utilization(result: RunResult, path: Path) -> None:
 
 def priority_dynamics(result: RunResult, path: Path) -> None:
     """The four-panel figure: slots held, debt, priority, low-priority denials per second."""
-    names = [t.name for t in result.scenario.tenants]
     ts = [s.t for s in result.samples]
     dt = result.scenario.sample_interval_s
     fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
-    for name in names:
-        axes[0].plot(ts, [s.running_by_tenant.get(name, 0) for s in result.samples], label=name)
-        axes[1].plot(ts, [s.scores.get(name, (0.0, 0.0))[0] for s in result.samples], label=name)
-        axes[2].plot(ts, [s.scores.get(name, (0.0, 0.0))[1] for s in result.samples], label=name)
+    for label, members in _groups(result).items():
+        n = len(members)  # groups show the sum of slots and denials, the mean debt and priority
+        samples = result.samples
+        axes[0].plot(
+            ts, [sum(s.running_by_tenant.get(m, 0) for m in members) for s in samples], label=label
+        )
+        axes[1].plot(
+            ts, [sum(s.scores.get(m, (0.0, 0.0))[0] for m in members) / n for s in samples]
+        )
+        axes[2].plot(
+            ts, [sum(s.scores.get(m, (0.0, 0.0))[1] for m in members) / n for s in samples]
+        )
         axes[3].plot(
-            ts, [s.low_priority_by_tenant.get(name, 0) / dt for s in result.samples], label=name
+            ts,
+            [sum(s.low_priority_by_tenant.get(m, 0) for m in members) / dt for s in samples],
         )
     for ax, label in zip(
         axes, ("slots held", "debt", "priority", "low-priority denials/s"), strict=True

@@ -80,6 +80,7 @@ class TenantLimits:
 
 class Policy:
     name = "none"
+    holds_requests = False  # keeps attempts and releases them through `dispatch`
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
         return Admitted()
@@ -223,6 +224,7 @@ class VirtualTokenCounter(Policy):
     backlogged is lifted to the smallest counter among the backlogged. Nothing is rejected."""
 
     name = "vtc"
+    holds_requests = True
 
     def __init__(self, w_in: float = 1.0, w_out: float = 2.0) -> None:
         self.w_in, self.w_out = w_in, w_out

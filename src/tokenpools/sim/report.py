@@ -15,27 +15,47 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
+MAX_COLUMNS = 6  # above this many tenants, the policy table groups them by service class
+
+
+def _column_groups(scenario: Scenario, summary: dict[str, Any]) -> dict[str, list[str]]:
+    names = [t.name for t in scenario.tenants]
+    if len(names) <= MAX_COLUMNS:
+        return {n: [n] for n in names}
+    block = next(iter(summary["policies"].values()))
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(block["tenants"][n]["class"], []).append(n)
+    return groups
+
+
 def policy_table(scenario: Scenario, summary: dict[str, Any]) -> str:
-    """One row per policy: utilisation per phase, the engine queue, and per tenant its worst
-    phase's P99 TTFT and the share of its demand throttled over the run."""
+    """One row per policy: utilisation per phase, the engine queue, and per tenant (or per
+    class, for many tenants) the worst phase's P99 TTFT, the share of demand throttled over
+    the run (for a class: of its summed demand) and the requests completed."""
     phases = [p.name for p in scenario.phases]
-    tenants = [t.name for t in scenario.tenants]
+    groups = _column_groups(scenario, summary)
     head = ["policy", *(f"util {p}" for p in phases), "max queue"]
-    for t in tenants:
-        head += [f"{t} P99 TTFT (worst phase)", f"{t} throttled", f"{t} done"]
+    for g in groups:
+        head += [f"{g} P99 TTFT (worst phase)", f"{g} throttled", f"{g} done"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for policy, block in summary["policies"].items():
         cells = [f"`{policy}`"]
         cells += [_pct(block["utilization"][p]) for p in phases]
         cells.append(str(block["engine"]["max_waiting"]))
-        for t in tenants:
-            data = block["tenants"][t]
+        for members in groups.values():
+            data = [block["tenants"][m] for m in members]
             worst = [
-                m["ttft_p99_s"] for m in data["phases"].values() if m["ttft_p99_s"] is not None
+                m["ttft_p99_s"]
+                for d in data
+                for m in d["phases"].values()
+                if m["ttft_p99_s"] is not None
             ]
+            new = sum(d["totals"]["new_requests"] for d in data)
+            admitted = sum(d["totals"]["admitted"] for d in data)
             cells.append(_fmt(max(worst) if worst else None, " s"))
-            cells.append(_pct(data["totals"]["throttled_fraction"]))
-            cells.append(str(data["totals"]["completed"]))
+            cells.append(_pct(max(0.0, 1 - admitted / new) if new else 0.0))
+            cells.append(str(sum(d["totals"]["completed"] for d in data)))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -175,6 +175,9 @@ class Simulation:
             self.at(event.at_s, partial(self._capacity, event.fraction))
         self.at(0.0, self._tick)
         self.at(0.0, self._sample)
+        for phase in self.scenario.phases:
+            self.at(phase.start_s, partial(self._phase_edge, phase.name, -1))
+            self.at(min(phase.end_s, end), partial(self._phase_edge, phase.name, 1))
         next_report = 0.0
         while self._heap:
             t, _, action = heapq.heappop(self._heap)
@@ -331,10 +334,6 @@ class Simulation:
 
     def _step_done(self, index: int, result: StepResult) -> None:
         now = self.now
-        phase = self.phase_at(now)
-        if phase is not None:
-            for tag, tokens in result.tokens_by_tag.items():
-                self.output_tokens[(tag, phase)] += tokens
         for req_id in result.first_tokens:
             attempt = self.active.get(req_id)
             if attempt is not None and attempt.first_token_at is None:
@@ -349,7 +348,8 @@ class Simulation:
             self.policy.finished(attempt.req, seq.generated, now)
             self._job_done(attempt.job)
         self._step(index)
-        self._dispatch_queued()
+        if self.policy.holds_requests:
+            self._dispatch_queued()
 
     def _evict(self, req_id: str) -> None:
         attempt = self.active.pop(req_id, None)
@@ -383,6 +383,13 @@ class Simulation:
         throughput = smaller.output_tokens_per_s() / self.profile.output_tokens_per_s()
         for req_id in self.policy.capacity(fraction, throughput, self.now):
             self._evict(req_id)
+
+    def _phase_edge(self, phase: str, sign: int) -> None:
+        """Output tokens of a phase = the engines' cumulative counts at its end minus at its
+        start (tokens of a step in progress at an edge count where the step began)."""
+        for engine in self.engines:
+            for tag, tokens in engine.output_tokens_by_tag().items():
+                self.output_tokens[(tag, phase)] += sign * tokens
 
     def _join(self, entitlement: str) -> None:
         self.policy.join(entitlement, self.now)
