@@ -198,7 +198,6 @@ class Engine:
         for seq, chunk in chunks:
             seq.computed += chunk
             if seq.computed == seq.total_tokens:  # prefill done: the step samples a token
-                self._prefilling.remove(seq)
                 if seq.generated == 0:
                     result.first_tokens.append(seq.req_id)
                 seq.generated += 1
@@ -207,6 +206,7 @@ class Engine:
                 if seq.generated >= seq.output_tokens:
                     self._finish(seq, result)
                 else:
+                    self._prefilling.remove(seq)
                     seq.base_step = step
                     self._decoding[seq.req_id] = seq
                     self._fold_tokens(seq.tag)
