@@ -1,0 +1,69 @@
+"""Simulator speed: wall time of paper-exp2 and of the scale scenario under `tokenpools`,
+with the `none` policy run alongside as the same-run baseline (the engine model and event
+loop without admission work), and simulated requests per wall second.
+
+    python benchmarks/simulator.py --json out/simulator.json [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tokenpools.sim.scenario import load_scenario
+from tokenpools.sim.simulator import simulate
+
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+GOALS_S = {"paper-exp2": 3.0, "beyond-scale": 60.0}
+
+
+def time_run(name: str, policy: str) -> tuple[float, int]:
+    scenario = load_scenario(EXPERIMENTS / f"{name}.yaml")
+    start = time.perf_counter()
+    result = simulate(scenario, policy)
+    return time.perf_counter() - start, len(result.attempts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = []
+    for name, goal in GOALS_S.items():
+        walls, base_walls = [], []
+        attempts = 0
+        for _ in range(args.repeats):
+            wall, attempts = time_run(name, "tokenpools")
+            walls.append(wall)
+            base_walls.append(time_run(name, "none")[0])
+        row = {
+            "scenario": name,
+            "policy": "tokenpools",
+            "wall_s": statistics.median(walls),
+            "wall_s_min": min(walls),
+            "wall_s_max": max(walls),
+            "simulated_requests": attempts,
+            "requests_per_wall_s": attempts / statistics.median(walls),
+            "baseline_none_wall_s": statistics.median(base_walls),
+            "ratio_to_none": statistics.median(walls) / statistics.median(base_walls),
+            "goal_s": goal,
+            "repeats": args.repeats,
+        }
+        rows.append(row)
+        print(
+            f"{name}: {row['wall_s']:.2f} s wall (min {row['wall_s_min']:.2f}, max "
+            f"{row['wall_s_max']:.2f}; goal {goal:g} s), {attempts:,} requests, "
+            f"{row['requests_per_wall_s']:,.0f} req/s; none {row['baseline_none_wall_s']:.2f} s",
+            file=sys.stderr,
+        )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The simulator: the paper's experiments reproduced with the real decision core, baselines
+that behave as their real counterparts do, determinism, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tokenpools.cli import app
+from tokenpools.sim.experiments import run_scenario
+from tokenpools.sim.metrics import summarize
+from tokenpools.sim.scenario import Scenario, load_scenario
+from tokenpools.sim.simulator import RunResult, simulate
+
+EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+
+
+@cache
+def run(name: str, policy: str) -> tuple[RunResult, dict[str, Any]]:
+    result = simulate(load_scenario(EXPERIMENTS / f"{name}.yaml"), policy)
+    return result, summarize(result)
+
+
+# -- paper experiment 1 ---------------------------------------------------------------------
+
+
+def test_exp1_tokenpools_protects_guaranteed_and_keeps_the_engine_queue_empty() -> None:
+    _, s = run("paper-exp1", "tokenpools")
+    for tenant in ("guaranteed-a", "guaranteed-c"):
+        for phase, m in s["tenants"][tenant]["phases"].items():
+            if m["completed"]:
+                assert m["ttft_p99_s"] <= 1.2, (tenant, phase, m["ttft_p99_s"])
+    assert s["engine"]["max_waiting"] <= 2
+    spot = s["tenants"]["spot-b"]["phases"]["overload"]
+    assert 0.3 <= spot["throttled_fraction"] <= 0.7
+    assert s["utilization"]["overload"] >= 0.90
+    assert min(s["utilization"].values()) >= 0.80
+
+
+def test_exp1_spot_gets_its_share_back_within_5_s_of_the_overload_ending() -> None:
+    result, _ = run("paper-exp1", "tokenpools")
+    before = [s.running_by_tenant.get("spot-b", 0) for s in result.samples if 10 <= s.t < 30]
+    share = sum(before) / len(before)
+    during = [s.running_by_tenant.get("spot-b", 0) for s in result.samples if 40 <= s.t < 60]
+    assert max(during) < 0.7 * share  # throttled while guaranteed-c is there
+    back = next(
+        s.t
+        for s in result.samples
+        if s.t >= 60 and s.running_by_tenant.get("spot-b", 0) >= 0.9 * share
+    )
+    assert back <= 65
+
+
+def test_exp1_without_admission_control_the_queue_and_latency_explode() -> None:
+    _, s = run("paper-exp1", "none")
+    assert s["engine"]["waiting_at_phase_end"]["overload"] >= 25
+    worst = max(
+        m["ttft_p99_s"]
+        for t in ("guaranteed-a", "guaranteed-c")
+        for m in s["tenants"][t]["phases"].values()
+        if m["ttft_p99_s"] is not None
+    )
+    assert worst >= 10
+
+
+# -- paper experiment 2 ---------------------------------------------------------------------
+
+
+def test_exp2_debt_shifts_share_to_the_under_served_and_decays_after_recovery() -> None:
+    result, s = run("paper-exp2", "tokenpools")
+    low = {t: s["tenants"][t]["totals"]["rejected_low_priority"] for t in s["tenants"]}
+    assert low["synth"] > 100
+    # The paper reports none for copilot; we see a few, when synth's debt-raised priority
+    # briefly crosses copilot's (BENCHMARKS.md and docs/experiments explain).
+    assert low["copilot"] < 0.05 * low["synth"]
+    outage = [x for x in result.samples if 30 <= x.t < 120]
+    peak = {t: max(x.scores[t][0] for x in outage) for t in ("copilot", "synth")}
+    assert 0 < peak["copilot"] < peak["synth"]
+    synth_priority = {round(x.scores["synth"][0], 3): x.scores["synth"][1] for x in outage}
+    assert synth_priority[round(peak["synth"], 3)] > 20.3 * 1.5  # it rises with its debt
+    recovered = next(
+        x.t for x in result.samples if x.t >= 120 and max(d for d, _ in x.scores.values()) < 0.05
+    )
+    assert recovered <= 180
+
+
+# -- determinism and the contract -----------------------------------------------------------
+
+
+def test_same_seed_gives_byte_identical_summaries_and_another_seed_does_not() -> None:
+    scenario = load_scenario(EXPERIMENTS / "paper-exp1.yaml")
+    first, _ = run_scenario(scenario, ["tokenpools", "vtc"], seed=7)
+    again, _ = run_scenario(scenario, ["tokenpools", "vtc"], seed=7)
+    other, _ = run_scenario(scenario, ["tokenpools", "vtc"], seed=8)
+    assert json.dumps(first) == json.dumps(again)
+    assert json.dumps(first) != json.dumps(other)
+
+
+def test_summary_has_the_documented_shape() -> None:
+    _, s = run("paper-exp1", "tokenpools")
+    metric_keys = {
+        "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p99_s", "submitted", "admitted",
+        "completed", "rejected", "rejected_low_priority", "evicted", "output_tok_s",
+        "goodput_rps",
+    }  # fmt: skip
+    for tenant in s["tenants"].values():
+        assert {"class", "peak_debt", "totals", "phases"} <= set(tenant)
+        assert metric_keys <= set(tenant["totals"])
+        assert set(tenant["phases"]) == {"before", "overload", "after"}
+    assert {"max_waiting", "waiting_at_phase_end"} <= set(s["engine"])
+    assert set(s["utilization"]) == {"before", "overload", "after"}
+    assert "jain_index" in s
+
+
+# -- baselines behave like the real thing ---------------------------------------------------
+
+
+def tiny(tenants: list[dict[str, Any]], ents: list[dict[str, Any]], **extra: Any) -> Scenario:
+    return Scenario.model_validate(
+        {
+            "name": "tiny",
+            "duration_s": extra.pop("duration_s", 60),
+            "engine": {"profile": "paper-dgx-spark-qwen3-8b"},
+            "tokenpools": {
+                "pools": [
+                    {
+                        "name": "p",
+                        "model": "Qwen3-8B",
+                        "perReplica": {
+                            "tokensPerSecond": 480,
+                            "kvTokens": 65536,
+                            "concurrency": 16,
+                        },
+                    }
+                ],
+                "entitlements": [{"tenantId": e["name"], "pool": "p", **e} for e in ents],
+            },
+            "phases": [{"name": "all", "start_s": 0, "end_s": extra.pop("duration_s", 60)}],
+            "tenants": tenants,
+            **extra,
+        }
+    )
+
+
+def load(name: str, rate: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "workload": {
+            "arrivals": {"kind": "poisson", "rate": rate},
+            "prompt": {"kind": "fixed", "value": 64},
+            "output": {"kind": "fixed", "value": 64},
+        },
+        **extra,
+    }
+
+
+def test_request_rate_caps_each_calendar_minute() -> None:
+    scenario = tiny(
+        [load("a", 3.0, limits={"rpm": 30})],
+        [{"name": "a", "serviceClass": "elastic", "concurrency": 4}],
+    )
+    result = simulate(scenario, "request-rate")
+    admitted = [a for a in result.attempts if a.outcome != "rejected"]
+    assert len(admitted) == 30
+    assert {a.reason for a in result.attempts if a.outcome == "rejected"} == {"rate_limited"}
+
+
+def test_token_rate_counted_after_the_response_overshoots_its_limit() -> None:
+    # 1,280 tokens per minute: about ten requests — but they all pass before any completes.
+    scenario = tiny(
+        [load("a", 4.0, limits={"tpm": 1280})],
+        [{"name": "a", "serviceClass": "elastic", "concurrency": 4}],
+    )
+    result = simulate(scenario, "token-rate")
+    served = sum(
+        a.req.prompt_tokens + a.output_tokens
+        for a in result.attempts
+        if a.outcome == "completed" and a.finished_at is not None and a.finished_at < 60
+    )
+    assert served > 2 * 1280
+
+
+def test_static_concurrency_never_exceeds_the_limit() -> None:
+    scenario = tiny(
+        [load("a", 3.0, limits={"concurrency": 3})],
+        [{"name": "a", "serviceClass": "elastic", "concurrency": 4}],
+    )
+    result = simulate(scenario, "concurrency")
+    assert max(s.running_by_tenant.get("a", 0) for s in result.samples) <= 3
+    assert any(a.reason == "concurrency_limit" for a in result.attempts)
+
+
+def test_priority_shed_rejects_only_sheddable_traffic_and_only_when_saturated() -> None:
+    scenario = tiny(
+        [load("gold", 2.0), load("spot", 6.0)],
+        [
+            {"name": "gold", "serviceClass": "guaranteed", "concurrency": 6},
+            {"name": "spot", "serviceClass": "spot"},
+        ],
+    )
+    result = simulate(scenario, "priority-shed")
+    rejected = [a for a in result.attempts if a.outcome == "rejected"]
+    assert rejected and {a.req.tenant for a in rejected} == {"spot"}
+    assert {a.reason for a in rejected} == {"shed"}
+
+
+def test_vtc_rejects_nothing_and_shares_service_fairly_between_backlogged_tenants() -> None:
+    scenario = tiny(
+        [load("a", 6.0), load("b", 6.0)],
+        [
+            {"name": "a", "serviceClass": "elastic", "concurrency": 8},
+            {"name": "b", "serviceClass": "elastic", "concurrency": 8},
+        ],
+    )
+    result = simulate(scenario, "vtc")
+    assert all(a.outcome != "rejected" for a in result.attempts)
+    assert summarize(result)["jain_index"] >= 0.95
+
+
+# -- the command line -----------------------------------------------------------------------
+
+
+def test_simulate_command_writes_summary_report_and_figures(tmp_path: Path) -> None:
+    out = tmp_path / "exp1"
+    cli = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            str(EXPERIMENTS / "paper-exp1.yaml"),
+            "-p",
+            "tokenpools",
+            "-p",
+            "none",
+            "--out",
+            str(out),
+        ],
+    )
+    assert cli.exit_code == 0, cli.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["policies"]) == {"tokenpools", "none"}
+    assert "| `tokenpools` |" in (out / "report.md").read_text()
+    assert (out / "paper-exp1-priority.png").stat().st_size > 10_000
+
+
+def test_simulate_command_rejects_an_unknown_policy_and_a_bad_scenario(tmp_path: Path) -> None:
+    cli = CliRunner().invoke(app, ["simulate", str(EXPERIMENTS / "paper-exp1.yaml"), "-p", "fifo"])
+    assert cli.exit_code == 1 and "unknown policy 'fifo'" in cli.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nduration_s: -1\n")
+    cli = CliRunner().invoke(app, ["simulate", str(bad)])
+    assert cli.exit_code == 1 and "duration_s" in cli.output
+
+
+@pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_scenario_is_valid(path: Path) -> None:
+    scenario = load_scenario(path)
+    scenario.config()
+    assert scenario.phases and scenario.tenants
