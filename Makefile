@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 CVENV := .venv-compiled
 SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
 
-.PHONY: demo test lint test-python test-compiled bench clean
+.PHONY: demo experiments test lint test-python test-compiled bench clean
 
 $(BIN)/tokenpools: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ $(CVENV)/.built: $(SOURCES)
 
 demo: $(BIN)/tokenpools
 	$(BIN)/tokenpools check-config examples/tokenpools.yaml
+	$(BIN)/tokenpools simulate experiments/paper-exp1.yaml -p tokenpools -p none --out out/demo
+
+experiments: $(BIN)/tokenpools
+	$(BIN)/tokenpools experiments --out docs/experiments
 
 lint: $(BIN)/tokenpools
 	$(BIN)/ruff check src tests benchmarks setup.py
@@ -44,6 +48,8 @@ test: lint test-python test-compiled
 bench: $(BIN)/tokenpools $(CVENV)/.built
 	$(BIN)/python benchmarks/admission.py --json out/admission-python.json
 	$(CVENV)/bin/python benchmarks/admission.py --json out/admission-compiled.json
+	$(BIN)/python benchmarks/simulator.py --json out/simulator-python.json
+	$(CVENV)/bin/python benchmarks/simulator.py --json out/simulator-compiled.json
 
 clean:
 	rm -rf $(VENV) $(CVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis

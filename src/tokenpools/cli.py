@@ -102,6 +102,7 @@ def simulate(
     """Simulate one scenario under one or more admission policies."""
     from tokenpools.sim.experiments import run_scenario, write_outputs
     from tokenpools.sim.policies import POLICIES
+    from tokenpools.sim.report import policy_table
     from tokenpools.sim.scenario import load_scenario
 
     policies = policy or list(POLICIES)
@@ -115,7 +116,8 @@ def simulate(
     except ConfigError as exc:
         _fail(str(exc))
     write_outputs(loaded, summary, results, out)
-    typer.echo(f"wrote {out / 'summary.json'}, {out / 'report.md'} and figures")
+    typer.echo(policy_table(loaded, summary))
+    typer.echo(f"\nwrote {out / 'summary.json'}, {out / 'report.md'} and figures")
 
 
 @app.command()
