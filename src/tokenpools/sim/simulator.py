@@ -130,7 +130,6 @@ class Simulation:
         self.gave_up: Counter[str] = Counter()
         self._rejected: Counter[str] = Counter()
         self._low_priority: Counter[str] = Counter()
-        self._phase_bounds = [(p.start_s, p.end_s, p.name) for p in scenario.phases]
 
     # -- the cluster, as policies see it ----------------------------------------------------
 
@@ -424,12 +423,6 @@ class Simulation:
         self._rejected.clear()
         self._low_priority.clear()
         self.at(self.now + self.scenario.sample_interval_s, self._sample)
-
-    def phase_at(self, t: float) -> str | None:
-        for start, end, name in self._phase_bounds:
-            if start <= t < end:
-                return name
-        return None
 
 
 def simulate(
