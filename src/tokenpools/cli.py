@@ -165,6 +165,48 @@ def _progress(total: float | None) -> Iterator[Callable[[str, float], None]]:
         yield advance
 
 
+@app.command()
+def serve(
+    config: Annotated[Path, typer.Option("--config", "-c", help="the YAML config file")],
+    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="listen port")] = 8080,
+    shutdown_timeout: Annotated[float, typer.Option(help="seconds for in-flight requests")] = 30,
+) -> None:
+    """Run the OpenAI-compatible admission gateway (reloads on SIGHUP and on file change)."""
+    from tokenpools.gateway.server import serve as run
+
+    try:
+        run(config, host, port, shutdown_timeout)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def emulate(
+    profile: Annotated[str, typer.Option(help="an engine profile name or YAML file")] = (
+        "paper-dgx-spark-qwen3-8b"
+    ),
+    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="listen port")] = 8000,
+    speed: Annotated[
+        float, typer.Option(help="time runs this many times faster; 0: no delay")
+    ] = 1.0,
+) -> None:
+    """Run an OpenAI-compatible server driven by the engine model in real time."""
+    from aiohttp import web
+
+    from tokenpools.emulator.server import make_app
+    from tokenpools.engine.profile import ProfileError, load_profile
+
+    try:
+        loaded = load_profile(profile)
+    except ProfileError as exc:
+        _fail(str(exc))
+    web.run_app(
+        make_app(loaded, speed), host=host, port=port, handler_cancellation=True, access_log=None
+    )
+
+
 @app.command("hash-key")
 def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash")]) -> None:
     """Print the sha256 hash of an API key, for the config's apiKeys."""

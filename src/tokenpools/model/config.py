@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.keys import is_key_hash
 from tokenpools.model.policy import Policy
-from tokenpools.model.pool import Pool
+from tokenpools.model.pool import Backend, Pool
 from tokenpools.model.profile import BUILTIN_PROFILES, ModelProfile
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
@@ -73,6 +73,11 @@ class ProfileSpec(_Strict):
     bytesPerElement: Pos = 2.0
 
 
+class BackendSpec(_Strict):
+    url: Annotated[str, Field(pattern=r"^https?://[^/\s]+(/.*)?$")]
+    timeoutS: Pos = 600.0
+
+
 class TokenWeights(_Strict):
     input: NonNeg = 1.0
     output: NonNeg = 1.0
@@ -87,6 +92,8 @@ class PoolSpec(_Strict):
     perReplica: _Quantity
     sloReferenceMs: Pos | None = None
     tokenWeights: TokenWeights = TokenWeights()
+    backends: list[BackendSpec] = []
+    servedModels: list[Annotated[str, Field(min_length=1)]] = []
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
@@ -124,6 +131,8 @@ class PoolSpec(_Strict):
             slo_reference_ms=self.sloReferenceMs,
             input_token_weight=self.tokenWeights.input,
             output_token_weight=self.tokenWeights.output,
+            backends=tuple(Backend(b.url.rstrip("/"), b.timeoutS) for b in self.backends),
+            served_models=tuple(self.servedModels),
         )
 
 
@@ -232,8 +241,22 @@ class PolicySpec(_Strict):
         )
 
 
+class GatewaySpec(_Strict):
+    adminKeys: list[str] = []  # sha256 hashes, as apiKeys
+    maxBodyBytes: Annotated[int, Field(gt=0)] = 1 << 20
+    charsPerToken: Pos = 4.0  # prompt-token estimate without a tokenizer
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySpec:
+        for key in self.adminKeys:
+            if not is_key_hash(key):
+                raise ValueError("adminKeys holds sha256 hashes only (`tokenpools hash-key`)")
+        return self
+
+
 class ConfigSpec(_Strict):
     policy: PolicySpec = PolicySpec()
+    gateway: GatewaySpec = GatewaySpec()
     pools: list[PoolSpec]
     entitlements: list[EntitlementSpec] = []
 
@@ -243,6 +266,15 @@ class ConfigSpec(_Strict):
         problems += _duplicates("pools", [p.name for p in self.pools])
         problems += _duplicates("entitlements", [e.name for e in self.entitlements])
         pools = {p.name for p in self.pools}
+        served: dict[str, str] = {}
+        for i, pool in enumerate(self.pools):
+            for model in pool.servedModels or [pool.name]:
+                if model in served:
+                    problems.append(
+                        f"pools[{i}].servedModels: model {model!r} is also served by pool "
+                        f"{served[model]!r}; a model name maps to one pool"
+                    )
+                served.setdefault(model, pool.name)
         seen_keys: dict[str, str] = {}
         for i, ent in enumerate(self.entitlements):
             if ent.pool not in pools:
@@ -273,10 +305,18 @@ def _duplicates(section: str, names: list[str]) -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    admin_key_hashes: tuple[str, ...] = ()
+    max_body_bytes: int = 1 << 20
+    chars_per_token: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     policy: Policy
     pools: dict[str, Pool]
     entitlements: dict[str, Entitlement]
+    gateway: GatewaySettings = GatewaySettings()
 
 
 def parse_config(data: Any) -> Config:
@@ -289,7 +329,13 @@ def parse_config(data: Any) -> Config:
         raise ConfigError(_format_errors(exc)) from None
     pools = {p.name: p.to_pool() for p in spec.pools}
     entitlements = {e.name: e.to_entitlement(pools[e.pool]) for e in spec.entitlements}
-    return Config(policy=spec.policy.to_policy(), pools=pools, entitlements=entitlements)
+    g = spec.gateway
+    return Config(
+        policy=spec.policy.to_policy(),
+        pools=pools,
+        entitlements=entitlements,
+        gateway=GatewaySettings(tuple(g.adminKeys), g.maxBodyBytes, g.charsPerToken),
+    )
 
 
 def load_config(path: str | Path) -> Config:

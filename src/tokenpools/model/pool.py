@@ -9,6 +9,15 @@ from tokenpools.model.resources import Resources
 
 
 @dataclass(frozen=True, slots=True)
+class Backend:
+    """One inference server of a pool (vLLM, llama.cpp, the emulator): an OpenAI-compatible
+    base URL such as http://127.0.0.1:8000."""
+
+    url: str
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
 class Pool:
     name: str
     model: ModelProfile
@@ -19,6 +28,12 @@ class Pool:
     slo_reference_ms: float | None = None  # pins ℓ̄*; None → mean over Bound entitlements
     input_token_weight: float = 1.0
     output_token_weight: float = 1.0
+    backends: tuple[Backend, ...] = ()
+    served_models: tuple[str, ...] = ()  # model names clients send; empty: the pool's name
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.served_models or (self.name,)
 
     @property
     def capacity(self) -> Resources:

@@ -112,6 +112,7 @@ class _Pool:
         "protected",
         "protected_bucket",
         "refused",
+        "refused_top",
     )
 
     def __init__(self, bucket: _Bucket, protected_bucket: _Bucket) -> None:
@@ -127,7 +128,9 @@ class _Pool:
         self.low: list[tuple[float, str]] | None = None
         self.preemptible_by_ent: dict[str, dict[str, Lease]] = {}
         self.protected: set[str] = set()  # entitlements holding a reserved baseline
-        self.refused: dict[str, float] = {}  # entitlement → when it was last refused room
+        # entitlement → (when it was last refused room, its priority then); the top of them
+        self.refused: dict[str, tuple[float, float]] = {}
+        self.refused_top: tuple[float, str, float] | None = None
         self.last_period = -1
 
 
@@ -201,6 +204,7 @@ class MemoryStore:
         self._update_holdback(e, p)
         p.protected.discard(name)
         p.refused.pop(name, None)
+        p.refused_top = None
         del self._ents[name]
         return ended
 
@@ -264,7 +268,7 @@ class MemoryStore:
             elif bucket.level - tokens < lf:
                 short = Shortfall.POOL_THROUGHPUT
             if short is not None:
-                p.refused[e.name] = now
+                self._refused(p, e, now, plan.contention_window_s)
                 return short
             own.level -= tokens
             pbucket.level -= tokens
@@ -277,7 +281,7 @@ class MemoryStore:
                 or used_k + hold_k + kv > plan.contended_kv
                 or unreserved < plan.contended_bucket
             ) and self._outranked(p, e, now - plan.contention_window_s):
-                p.refused[e.name] = now
+                self._refused(p, e, now, plan.contention_window_s)
                 return Shortfall.LOW_PRIORITY
             # What is held for protected baselines first: evicting preemptible work cannot
             # help there (its plan limit is infinite for preemptible requests).
@@ -295,7 +299,7 @@ class MemoryStore:
             elif bucket.level - tokens < plan.shared_bucket_floor:
                 short = Shortfall.POOL_THROUGHPUT
             if short is not None:
-                p.refused[e.name] = now
+                self._refused(p, e, now, plan.contention_window_s)
                 return short
             if plan.own_required:
                 own.level -= tokens
@@ -307,20 +311,41 @@ class MemoryStore:
         self._book(lease, e, p, now)
         return None
 
+    @staticmethod
+    def _refused(p: _Pool, e: _Entitlement, now: float, window: float) -> None:
+        """Remember that `e` was refused room: unmet demand, for check 5."""
+        p.refused[e.name] = (now, e.priority)
+        top = p.refused_top
+        if top is None or e.priority >= top[0] or top[2] < now - window:
+            p.refused_top = (e.priority, e.name, now)
+
     def _outranked(self, p: _Pool, e: _Entitlement, since: float) -> bool:
         """Check 5 for a request in a pool near full: refused when another entitlement of
         higher priority was refused room since `since` (its demand is unmet), and this one's
         priority is below the paper's threshold — the lowest priority in flight among the
         others — so the lowest-priority work in flight is what gives way. Demand-awareness
-        keeps the pool work-conserving: nobody is shed for a tenant that wants nothing."""
+        keeps the pool work-conserving: nobody is shed for a tenant that wants nothing.
+
+        The highest recent refusal is cached; the dict is scanned when that one has aged out,
+        or for the others' highest when it is the asker's own."""
         w = e.priority
-        outranked = False
-        for name, t in list(p.refused.items()):
-            if t < since:
-                del p.refused[name]
-            elif name != e.name and self._ents[name].priority > w:
-                outranked = True
-        return outranked and w < self._threshold(p, e.name)
+        top = p.refused_top
+        if top is None or top[2] < since:
+            top = None
+            for name, (t, priority) in list(p.refused.items()):
+                if t < since:
+                    del p.refused[name]
+                elif top is None or priority > top[0]:
+                    top = (priority, name, t)
+            p.refused_top = top
+        if top is not None and top[1] == e.name:  # the asker's own: the highest of the others
+            top = max(
+                ((pr, n, t) for n, (t, pr) in p.refused.items() if n != e.name and t >= since),
+                default=None,
+            )
+        if top is None or top[0] <= w:
+            return False
+        return w < self._threshold(p, e.name)
 
     def _threshold(self, p: _Pool, name: str) -> float:
         """The lowest priority among *other* entitlements' shared-path leases in flight: a

@@ -1,0 +1,1 @@
+"""An OpenAI-compatible server driven by the engine model in real time: a stand-in for vLLM."""

@@ -1,0 +1,223 @@
+"""`tokenpools emulate`: the engine model behind an OpenAI-compatible HTTP API, in real time.
+
+One task steps the engine and sleeps each step's duration (divided by `speed`); after each step
+every request gets the tokens it generated, streamed as SSE chunks or gathered into one
+response. A client that disconnects aborts its request in the engine. /metrics uses vLLM's
+names so the gateway's capacity feedback and dashboards read it as they would read vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+from tokenpools.engine.model import Engine
+from tokenpools.engine.profile import EngineProfile
+from tokenpools.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    BadRequest,
+    error_body,
+    estimate_prompt_tokens,
+    max_tokens,
+    parse_body,
+)
+
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class _Request:
+    req_id: str
+    prompt_tokens: int
+    sent_at: float
+    delivered: int = 0
+    done: bool = False
+    updates: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # tokens, -1 = done
+
+
+class EmulatedEngine:
+    def __init__(self, profile: EngineProfile, speed: float = 1.0) -> None:
+        self.engine = Engine(profile)
+        self.speed = speed
+        self.requests: dict[str, _Request] = {}
+        self._wake = asyncio.Event()
+        self._ids = itertools.count(1)
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Running", labels, registry=self.registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Waiting", labels, registry=self.registry)
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "KV usage", labels, registry=self.registry)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "TTFT",
+            labels,
+            registry=self.registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40),
+        )
+        self.model = profile.name
+
+    def submit(self, prompt_tokens: int, output_tokens: int) -> _Request:
+        req = _Request(f"emu-{next(self._ids)}", prompt_tokens, time.monotonic())
+        self.requests[req.req_id] = req
+        self.engine.add(req.req_id, prompt_tokens, output_tokens)
+        self._wake.set()
+        return req
+
+    def abort(self, req: _Request) -> None:
+        if not req.done:
+            self.engine.abort(req.req_id)
+            self.requests.pop(req.req_id, None)
+            req.done = True
+
+    async def run(self) -> None:
+        while True:
+            if not self.engine.has_work:
+                self._publish()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            result = self.engine.step()
+            if self.speed > 0:
+                await asyncio.sleep(result.duration_s / self.speed)
+            else:
+                await asyncio.sleep(0)
+            finished = {seq.req_id: seq.generated for seq in result.finished}
+            for req_id, req in list(self.requests.items()):
+                total = finished.get(req_id)
+                generated = total if total is not None else self.engine.generated(req_id)
+                if generated > req.delivered:
+                    if req.delivered == 0:
+                        self.ttft.labels(self.model).observe(time.monotonic() - req.sent_at)
+                    req.updates.put_nowait(generated - req.delivered)
+                    req.delivered = generated
+                if total is not None:
+                    req.done = True
+                    req.updates.put_nowait(-1)
+                    del self.requests[req_id]
+            self._publish()
+
+    def _publish(self) -> None:
+        self.running.labels(self.model).set(self.engine.num_running)
+        self.waiting.labels(self.model).set(self.engine.scheduled_waiting)
+        self.kv.labels(self.model).set(self.engine.kv_usage)
+
+
+def _chunk(kind: str, rid: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
+    emu: EmulatedEngine = request.app["emulator"]
+    try:
+        body = parse_body(await request.read(), CHAT if kind == "chat" else COMPLETIONS)
+    except BadRequest as exc:
+        return web.Response(
+            status=400,
+            body=error_body(str(exc), "invalid_request_error", None, exc.param),
+            content_type="application/json",
+        )
+    prompt = estimate_prompt_tokens(body, 4.0)
+    output = max_tokens(body) or DEFAULT_MAX_TOKENS
+    req = emu.submit(prompt, output)
+    rid = f"cmpl-{req.req_id}"
+    model = body["model"]
+    usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    if not body.get("stream"):
+        try:
+            while (n := await req.updates.get()) >= 0:
+                usage["completion_tokens"] += n
+        except asyncio.CancelledError:
+            emu.abort(req)
+            raise
+        usage["total_tokens"] = prompt + usage["completion_tokens"]
+        text = "tok " * usage["completion_tokens"]
+        payload = _chunk(kind, rid, model, text, "length")
+        if kind == "chat":
+            choice = payload["choices"][0]
+            choice["message"] = {"role": "assistant", "content": choice.pop("delta")["content"]}
+            payload["object"] = "chat.completion"
+        payload["usage"] = usage
+        return web.json_response(payload)
+
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    try:
+        while (n := await req.updates.get()) >= 0:
+            for _ in range(n):
+                usage["completion_tokens"] += 1
+                data = _chunk(kind, rid, model, "tok ", None)
+                await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+        await response.write(
+            b"data: " + json.dumps(_chunk(kind, rid, model, "", "length")).encode() + b"\n\n"
+        )
+        if include_usage:
+            usage["total_tokens"] = prompt + usage["completion_tokens"]
+            tail = _chunk(kind, rid, model, "", None) | {"choices": [], "usage": usage}
+            await response.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+    except (asyncio.CancelledError, ConnectionResetError):
+        emu.abort(req)
+        raise
+    return response
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "text")
+
+
+async def models(request: web.Request) -> web.Response:
+    emu: EmulatedEngine = request.app["emulator"]
+    return web.json_response({"object": "list", "data": [{"id": emu.model, "object": "model"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    emu: EmulatedEngine = request.app["emulator"]
+    emu._publish()
+    return web.Response(body=generate_latest(emu.registry), content_type="text/plain")
+
+
+def make_app(profile: EngineProfile, speed: float = 1.0) -> web.Application:
+    app = web.Application()
+    app["emulator"] = EmulatedEngine(profile, speed)
+    app.router.add_post(CHAT, chat)
+    app.router.add_post(COMPLETIONS, completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+
+    async def start_engine(app: web.Application) -> Any:
+        task = asyncio.create_task(app["emulator"].run())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(start_engine)
+    return app

@@ -1,0 +1,80 @@
+"""The pieces of the OpenAI HTTP API that the gateway and the emulator both speak."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+class BadRequest(ValueError):
+    """A request body the API would refuse with 400; the message names the problem."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    ).encode()
+
+
+def parse_body(raw: bytes, path: str) -> dict[str, Any]:
+    """Validate what admission needs of a request body; everything else passes through."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise BadRequest("'model' is required and must be a string", "model")
+    if path == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list", "messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("each message must be an object", "messages")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list):
+            raise BadRequest("'prompt' must be a string or a list", "prompt")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest("'stream' must be a boolean", "stream")
+    return body
+
+
+def max_tokens(body: dict[str, Any]) -> int | None:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return value if isinstance(value, int) else None
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        parts = []
+        for message in body["messages"]:
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):  # content parts: count the text ones
+                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
+        return "\n".join(parts)
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else " ".join(str(p) for p in prompt)
+
+
+def estimate_prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
+    """Without a tokenizer: characters / chars_per_token, plus 4 tokens of chat framing per
+    message. Settlement corrects the estimate with the backend's real usage."""
+    framing = 4 * len(body.get("messages", []))
+    return max(1, round(len(prompt_text(body)) / chars_per_token) + framing)
