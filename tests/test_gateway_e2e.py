@@ -17,9 +17,10 @@ import pytest
 import yaml
 
 from tests.servers import ServerThread, wait_until
+from tokenpools.emulator.server import EMULATOR
 from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.engine.profile import EngineProfile
-from tokenpools.gateway.app import Gateway, make_app
+from tokenpools.gateway.app import GATEWAY, Gateway, make_app
 from tokenpools.gateway.server import reload_from
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
@@ -97,7 +98,7 @@ def client(server: ServerThread, who: str = "gold", **kw: Any) -> openai.OpenAI:
 
 
 def emulator_running(emulator: ServerThread) -> int:
-    return int(emulator.call(lambda: emulator.app["emulator"].engine.num_running))
+    return int(emulator.call(lambda: emulator.app[EMULATOR].engine.num_running))
 
 
 def test_non_streaming_chat_and_completion(gateway: ServerThread) -> None:
@@ -274,7 +275,7 @@ def test_a_backend_killed_mid_stream_ends_the_stream_with_an_error(
 def test_hot_reload_valid_and_invalid(
     gateway: ServerThread, emulator: ServerThread, tmp_path: Path
 ) -> None:
-    gw: Gateway = gateway.app["gateway"]
+    gw = gateway.app[GATEWAY]
     data = config_data(emulator.url)
     data["entitlements"].append(
         {"name": "newbie", "tenantId": "n", "pool": "pool", "serviceClass": "spot",

@@ -110,6 +110,9 @@ class EmulatedEngine:
         self.kv.labels(self.model).set(self.engine.kv_usage)
 
 
+EMULATOR: web.AppKey[EmulatedEngine] = web.AppKey("emulator", EmulatedEngine)
+
+
 def _chunk(kind: str, rid: str, model: str, text: str, finish: str | None) -> dict[str, Any]:
     if kind == "chat":
         choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
@@ -127,7 +130,7 @@ def _chunk(kind: str, rid: str, model: str, text: str, finish: str | None) -> di
 
 
 async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
-    emu: EmulatedEngine = request.app["emulator"]
+    emu = request.app[EMULATOR]
     try:
         body = parse_body(await request.read(), CHAT if kind == "chat" else COMPLETIONS)
     except BadRequest as exc:
@@ -191,7 +194,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    emu: EmulatedEngine = request.app["emulator"]
+    emu = request.app[EMULATOR]
     return web.json_response({"object": "list", "data": [{"id": emu.model, "object": "model"}]})
 
 
@@ -200,14 +203,14 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    emu: EmulatedEngine = request.app["emulator"]
+    emu = request.app[EMULATOR]
     emu._publish()
     return web.Response(body=generate_latest(emu.registry), content_type="text/plain")
 
 
 def make_app(profile: EngineProfile, speed: float = 1.0) -> web.Application:
     app = web.Application()
-    app["emulator"] = EmulatedEngine(profile, speed)
+    app[EMULATOR] = EmulatedEngine(profile, speed)
     app.router.add_post(CHAT, chat)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_get("/v1/models", models)
@@ -215,7 +218,7 @@ def make_app(profile: EngineProfile, speed: float = 1.0) -> web.Application:
     app.router.add_get("/metrics", metrics)
 
     async def start_engine(app: web.Application) -> Any:
-        task = asyncio.create_task(app["emulator"].run())
+        task = asyncio.create_task(app[EMULATOR].run())
         yield
         task.cancel()
 

@@ -108,6 +108,9 @@ class Gateway:
         )
 
 
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+
+
 def _bearer(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
@@ -160,7 +163,7 @@ def _num(x: float) -> str:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    gw: Gateway = request.app["gateway"]
+    gw = request.app[GATEWAY]
     path = request.path
     settings = gw.config.gateway
     if request.content_length is not None and request.content_length > settings.max_body_bytes:
@@ -349,7 +352,7 @@ def _preempted_event() -> bytes:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    gw: Gateway = request.app["gateway"]
+    gw = request.app[GATEWAY]
     key = _bearer(request)
     entitlement = gw.core.entitlement_for_key(key) if key else None
     if entitlement is None:
@@ -364,7 +367,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    gw: Gateway = request.app["gateway"]
+    gw = request.app[GATEWAY]
     down = [name for name, pool in gw.pools.items() if pool.backends and pool.choose() is None]
     if down:
         return web.Response(status=503, text=f"no healthy backend for {', '.join(down)}")
@@ -372,12 +375,12 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    gw: Gateway = request.app["gateway"]
+    gw = request.app[GATEWAY]
     return web.Response(body=gw.metrics.render(), content_type="text/plain")
 
 
 async def admin_pools(request: web.Request) -> web.Response:
-    gw: Gateway = request.app["gateway"]
+    gw = request.app[GATEWAY]
     if not gw.is_admin(request):
         return _error(401, "admin key required", "invalid_request_error", "invalid_api_key")
     now = gw.clock()
@@ -407,7 +410,7 @@ async def admin_pools(request: web.Request) -> web.Response:
 
 
 async def admin_entitlements(request: web.Request) -> web.Response:
-    gw: Gateway = request.app["gateway"]
+    gw = request.app[GATEWAY]
     if not gw.is_admin(request):
         return _error(401, "admin key required", "invalid_request_error", "invalid_api_key")
     now = gw.clock()
@@ -448,7 +451,7 @@ def make_app(
     gateway: Gateway, tick_interval_s: float = 0.25, health_interval_s: float = 5.0
 ) -> web.Application:
     app = web.Application(client_max_size=gateway.config.gateway.max_body_bytes + 1)
-    app["gateway"] = gateway
+    app[GATEWAY] = gateway
     app.router.add_post(CHAT, completions)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_get("/v1/models", list_models)
