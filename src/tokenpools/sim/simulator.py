@@ -28,7 +28,7 @@ from tokenpools.sim.policies import (
     make_policy,
 )
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
-from tokenpools.sim.workload import backoff_s, next_gap, sample_length
+from tokenpools.sim.workload import backoff_s, next_gap, sample_length, workload_at
 
 
 @dataclass(slots=True)
@@ -202,24 +202,7 @@ class Simulation:
     # -- clients ------------------------------------------------------------------------------
 
     def _workload(self, tenant: Tenant) -> tuple[Workload, float]:
-        """The tenant's workload as changed up to now, and its rate factor."""
-        w = tenant.workload
-        factor = 1.0
-        for change in tenant.changes:
-            if change.at_s <= self.now:
-                factor *= change.rate_factor or 1.0
-                w = w.model_copy(
-                    update={
-                        k: v
-                        for k, v in (
-                            ("output", change.output),
-                            ("prompt", change.prompt),
-                            ("max_tokens", change.max_tokens),
-                        )
-                        if v is not None
-                    }
-                )
-        return w, factor
+        return workload_at(tenant, self.now)
 
     def _active_window(self, tenant: Tenant) -> bool:
         w = tenant.workload

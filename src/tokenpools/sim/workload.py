@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from tokenpools.sim.scenario import Lengths
+from tokenpools.sim.scenario import Lengths, Tenant, Workload
 
 
 def sample_length(spec: Lengths, rng: random.Random) -> int:
@@ -40,3 +40,22 @@ def backoff_s(
     client's exponential backoff (0.5 s doubling, capped at 8 s) with the same jitter."""
     base = retry_after_s if retry_after_s is not None else min(8.0, 0.5 * 2 ** (attempt - 1))
     return base * (1.0 + jitter * (2.0 * rng.random() - 1.0))
+
+
+def workload_at(tenant: Tenant, t: float) -> tuple[Workload, float]:
+    """The tenant's workload with every change up to time t applied, and its rate factor."""
+    w, factor = tenant.workload, 1.0
+    for change in tenant.changes:
+        if change.at_s <= t:
+            factor *= change.rate_factor or 1.0
+            updates = {
+                k: v
+                for k, v in (
+                    ("output", change.output),
+                    ("prompt", change.prompt),
+                    ("max_tokens", change.max_tokens),
+                )
+                if v is not None
+            }
+            w = w.model_copy(update=updates)
+    return w, factor
