@@ -26,7 +26,7 @@ $(CVENV)/.built: $(SOURCES)
 
 demo: $(BIN)/tokenpools
 	$(BIN)/tokenpools check-config examples/tokenpools.yaml
-	$(BIN)/tokenpools simulate experiments/paper-exp1.yaml -p tokenpools -p none --out out/demo
+	$(BIN)/tokenpools demo --out out/demo --json out/demo/headline.json
 
 experiments: $(BIN)/tokenpools
 	$(BIN)/tokenpools experiments --out docs/experiments

@@ -207,6 +207,38 @@ def emulate(
     )
 
 
+@app.command()
+def demo(
+    scenario: Annotated[Path, typer.Option(help="the scenario to replay")] = Path(
+        "experiments/paper-exp1.yaml"
+    ),
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("out/demo"),
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the headline")] = None,
+    speed: Annotated[float, typer.Option(help="emulated engines run this much faster")] = 1.0,
+) -> None:
+    """Replay a scenario over real HTTP through the gateway and, at the same time, straight to
+    an identical backend without admission control; compare."""
+    import asyncio
+
+    from tokenpools.demo import run_demo, write_demo
+    from tokenpools.sim.scenario import load_scenario
+
+    try:
+        loaded = load_scenario(scenario)
+    except ConfigError as exc:
+        _fail(str(exc))
+    typer.echo(
+        f"replaying {loaded.name} ({loaded.duration_s:g} s) through the tokenpools gateway and, "
+        "in parallel, straight to an identical emulated backend..."
+    )
+    with _progress(loaded.duration_s) as advance:
+        results = asyncio.run(run_demo(loaded, speed, lambda t: advance("over HTTP", t)))
+    typer.echo(write_demo(loaded, results, out, json_path))
+    typer.echo(
+        f"\nwrote {out / 'summary.json'} and figures" + (f", {json_path}" if json_path else "")
+    )
+
+
 @app.command("hash-key")
 def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash")]) -> None:
     """Print the sha256 hash of an API key, for the config's apiKeys."""

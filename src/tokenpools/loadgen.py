@@ -26,7 +26,7 @@ from tokenpools.engine.profile import EngineProfile
 from tokenpools.sim.policies import SimRequest
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
 from tokenpools.sim.simulator import Attempt, Job, RunResult, Sample
-from tokenpools.sim.workload import backoff_s, sample_length, workload_at
+from tokenpools.sim.workload import backoff_s, next_gap, sample_length, workload_at
 
 WAITING = re.compile(rb"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 RUNNING = re.compile(rb"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
