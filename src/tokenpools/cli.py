@@ -243,3 +243,7 @@ def demo(
 def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash")]) -> None:
     """Print the sha256 hash of an API key, for the config's apiKeys."""
     typer.echo(hash_key(key))
+
+
+if __name__ == "__main__":
+    app()

@@ -210,9 +210,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return _error(
                 503, f"no healthy backend for pool {pool_name!r}", "server_error", "no_backend"
             )
+        forward: bytes | None = raw  # unchanged bodies go upstream as they came
         if max_tokens(body) is None:  # the reservation assumed the default: make it true
             body["max_tokens"] = gw.core.entitlements[entitlement].default_max_tokens
-        return await _proxy(request, gw, backend, body, path, lease_id, prompt_tokens, handle)
+            forward = None
+        return await _proxy(
+            request, gw, backend, body, forward, path, lease_id, prompt_tokens, handle
+        )
     finally:
         gw.inflight.pop(lease_id, None)
 
@@ -228,6 +232,7 @@ async def _proxy(
     gw: Gateway,
     backend: BackendState,
     body: dict[str, Any],
+    raw: bytes | None,
     path: str,
     lease_id: str,
     prompt_tokens: int,
@@ -236,8 +241,10 @@ async def _proxy(
     assert gw.session is not None
     stream = bool(body.get("stream"))
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    if stream:  # always ask for usage, so a stream settles on real numbers
+    if stream and not wants_usage:  # always ask for usage, so a stream settles on real numbers
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        raw = None
+    data = raw if raw is not None else json.dumps(body).encode()
     backend.inflight += 1
     streamed = 0
     response: web.StreamResponse | None = None
@@ -257,7 +264,8 @@ async def _proxy(
     try:
         async with gw.session.post(
             backend.spec.url + path,
-            json=body,
+            data=data,
+            headers={"Content-Type": "application/json"},
             timeout=aiohttp.ClientTimeout(total=backend.spec.timeout_s),
         ) as upstream:
             if upstream.status != 200:
@@ -266,9 +274,17 @@ async def _proxy(
                 status = upstream.status if upstream.status < 500 else 502
                 return web.Response(status=status, body=text, content_type="application/json")
             if not stream:
-                payload = await upstream.json()
-                settle(_usage(payload.get("usage"), prompt_tokens))
-                return web.json_response(payload)
+                raw = await upstream.read()
+                try:
+                    payload = json.loads(raw)
+                except ValueError:
+                    payload = {}
+                settle(
+                    _usage(
+                        payload.get("usage") if isinstance(payload, dict) else None, prompt_tokens
+                    )
+                )
+                return web.Response(body=raw, content_type="application/json")
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
