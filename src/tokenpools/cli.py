@@ -239,6 +239,53 @@ def demo(
     )
 
 
+@app.command()
+def load(
+    scenario: Annotated[Path, typer.Argument(help="a scenario YAML file: its tenants' load")],
+    target: Annotated[str, typer.Option(help="base URL: the gateway, or a backend")],
+    key: Annotated[
+        list[str] | None, typer.Option(help="TENANT=API_KEY, repeatable; default sk-TENANT")
+    ] = None,
+    model: Annotated[str, typer.Option(help="the model name to send")] = "qwen3-8b",
+    metrics_url: Annotated[str | None, typer.Option(help="a backend's /metrics")] = None,
+    json_path: Annotated[Path, typer.Option("--json", help="where to write the summary")] = Path(
+        "out/load.json"
+    ),
+) -> None:
+    """Replay a scenario's tenants (open or closed loop, retries as configured) over HTTP and
+    measure TTFT, TPOT and E2E client-side; writes the simulator's summary.json shape."""
+    import asyncio
+    import json
+
+    from tokenpools.engine.profile import load_profile
+    from tokenpools.loadgen import LoadRun, Target, summary_json
+    from tokenpools.sim.report import policy_table
+    from tokenpools.sim.scenario import load_scenario
+
+    keys = {}
+    for item in key or []:
+        tenant, sep, value = item.partition("=")
+        if not sep or not value:
+            _fail(f"--key wants TENANT=API_KEY, got {item!r}")
+        keys[tenant] = value
+    try:
+        loaded = load_scenario(scenario)
+        profile = load_profile(loaded.engine.profile)
+    except (ConfigError, ValueError) as exc:
+        _fail(str(exc))
+    targets = {
+        t.name: Target(target.rstrip("/"), keys.get(t.name, f"sk-{t.name}")) for t in loaded.tenants
+    }
+    run = LoadRun(loaded, targets, model, profile, backend_metrics_url=metrics_url, label="load")
+    with _progress(loaded.duration_s) as advance:
+        result = asyncio.run(run.run(lambda t: advance("load", t)))
+    summary = summary_json(result)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    typer.echo(policy_table(loaded, summary))
+    typer.echo(f"\nwrote {json_path}")
+
+
 @app.command("hash-key")
 def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash")]) -> None:
     """Print the sha256 hash of an API key, for the config's apiKeys."""

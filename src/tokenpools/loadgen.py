@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import random
-import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -23,13 +22,11 @@ from typing import Any
 import aiohttp
 
 from tokenpools.engine.profile import EngineProfile
+from tokenpools.openai_api import vllm_gauges
 from tokenpools.sim.policies import SimRequest
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
 from tokenpools.sim.simulator import Attempt, Job, RunResult, Sample
 from tokenpools.sim.workload import backoff_s, next_gap, sample_length, workload_at
-
-WAITING = re.compile(rb"^vllm:num_requests_waiting(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
-RUNNING = re.compile(rb"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 
 
 @dataclass
@@ -254,8 +251,9 @@ class LoadRun:
                 try:
                     async with self._session.get(self.backend_metrics_url) as r:
                         text = await r.read()
-                    waiting = int(sum(float(x) for x in WAITING.findall(text)))
-                    running = int(sum(float(x) for x in RUNNING.findall(text)))
+                    gauges = vllm_gauges(text)
+                    waiting = int(gauges.get("vllm:num_requests_waiting", 0))
+                    running = int(gauges.get("vllm:num_requests_running", 0))
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     pass
             scores: dict[str, tuple[float, float]] = {}

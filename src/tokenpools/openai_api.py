@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 CHAT = "/v1/chat/completions"
@@ -78,3 +79,17 @@ def estimate_prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
     message. Settlement corrects the estimate with the backend's real usage."""
     framing = 4 * len(body.get("messages", []))
     return max(1, round(len(prompt_text(body)) / chars_per_token) + framing)
+
+
+_GAUGE = re.compile(rb"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+def vllm_gauges(text: bytes) -> dict[str, float]:
+    """Sum each `vllm:*` sample of a Prometheus page over its label sets (one per model)."""
+    out: dict[str, float] = {}
+    for name, value in _GAUGE.findall(text):
+        try:
+            out[name.decode()] = out.get(name.decode(), 0.0) + float(value)
+        except ValueError:
+            continue
+    return out

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Reason, Reject
+from tokenpools.control.feedback import next_fraction
 from tokenpools.gateway.backends import BackendPool, BackendState
 from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.model.config import Config
@@ -37,6 +38,7 @@ from tokenpools.openai_api import (
     estimate_prompt_tokens,
     max_tokens,
     parse_body,
+    vllm_gauges,
 )
 
 log = logging.getLogger("tokenpools.gateway")
@@ -66,6 +68,7 @@ class Gateway:
     inflight: dict[str, InFlight] = field(default_factory=dict)
     metrics: GatewayMetrics = field(init=False)
     session: aiohttp.ClientSession | None = None
+    capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
 
     def __post_init__(self) -> None:
         self.core = DecisionCore(self.config, now=self.clock())
@@ -95,6 +98,43 @@ class Gateway:
         if handle is not None and handle.task is not None and not handle.evicted:
             handle.evicted = True
             handle.task.cancel()
+
+    async def feedback(self, pool_name: str) -> None:
+        """One round of capacity feedback for a pool: read its backends' vLLM gauges and move
+        the pool's effective capacity by the control law."""
+        pool = self.config.pools[pool_name]
+        fb = pool.capacity_feedback
+        if fb is None or self.session is None:
+            return
+        waiting = kv = 0.0
+        for backend in self.pools[pool_name].backends:
+            if not backend.healthy:
+                continue
+            try:
+                async with self.session.get(
+                    f"{backend.spec.url}/metrics", timeout=aiohttp.ClientTimeout(total=2)
+                ) as r:
+                    gauges = vllm_gauges(await r.read())
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+            waiting = max(waiting, gauges.get("vllm:num_requests_waiting", 0.0))
+            kv = max(kv, gauges.get("vllm:kv_cache_usage_perc", 0.0))
+        current = self.capacity_fraction.get(pool_name, 1.0)
+        fraction = next_fraction(current, waiting, kv, fb)
+        if fraction != current:
+            self.capacity_fraction[pool_name] = fraction
+            change = self.core.set_capacity(
+                pool_name, self.clock(), per_replica=pool.per_replica.scale(fraction)
+            )
+            log.warning(
+                "pool %s: capacity at %.0f%% (engine waiting %g, KV %.2f)",
+                pool_name,
+                100 * fraction,
+                waiting,
+                kv,
+            )
+            for lease in change.evict:
+                self.evict(lease.lease_id)
 
     def tick(self) -> None:
         result = self.core.tick(self.clock())
@@ -417,6 +457,7 @@ async def admin_pools(request: web.Request) -> web.Response:
             "bucket_tokens": c.bucket,
             "slo_reference_ms": view.slo_reference_ms,
             "desired_replicas": gw.core.desired_replicas(name),
+            "capacity_fraction": gw.capacity_fraction.get(name, 1.0),
             "backends": [
                 {"url": b.spec.url, "healthy": b.healthy, "in_flight": b.inflight}
                 for b in gw.pools[name].backends
@@ -492,7 +533,21 @@ def make_app(
                 await asyncio.gather(*(p.check(gateway.session) for p in gateway.pools.values()))
                 await asyncio.sleep(health_interval_s)
 
-        tasks = [asyncio.create_task(ticking()), asyncio.create_task(health())]
+        async def feedback() -> None:
+            while True:
+                intervals = {
+                    name: pool.capacity_feedback.interval_s
+                    for name, pool in gateway.config.pools.items()
+                    if pool.capacity_feedback is not None
+                }
+                await asyncio.sleep(min(intervals.values(), default=5.0))
+                await asyncio.gather(*(gateway.feedback(name) for name in intervals))
+
+        tasks = [
+            asyncio.create_task(ticking()),
+            asyncio.create_task(health()),
+            asyncio.create_task(feedback()),
+        ]
         yield
         for task in tasks:
             task.cancel()

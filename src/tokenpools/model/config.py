@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.keys import is_key_hash
 from tokenpools.model.policy import Policy
-from tokenpools.model.pool import Backend, Pool
+from tokenpools.model.pool import Backend, CapacityFeedback, Pool
 from tokenpools.model.profile import BUILTIN_PROFILES, ModelProfile
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
@@ -78,6 +78,25 @@ class BackendSpec(_Strict):
     timeoutS: Pos = 600.0
 
 
+class FeedbackSpec(_Strict):
+    waitingThreshold: NonNeg = 1.0
+    kvThreshold: Annotated[float, Field(gt=0, le=1)] = 0.95
+    decrease: Annotated[float, Field(gt=0, lt=1)] = 0.1
+    increase: Annotated[float, Field(gt=0, le=1)] = 0.05
+    minFraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    intervalS: Pos = 2.0
+
+    def to_feedback(self) -> CapacityFeedback:
+        return CapacityFeedback(
+            self.waitingThreshold,
+            self.kvThreshold,
+            self.decrease,
+            self.increase,
+            self.minFraction,
+            self.intervalS,
+        )
+
+
 class TokenWeights(_Strict):
     input: NonNeg = 1.0
     output: NonNeg = 1.0
@@ -94,6 +113,7 @@ class PoolSpec(_Strict):
     tokenWeights: TokenWeights = TokenWeights()
     backends: list[BackendSpec] = []
     servedModels: list[Annotated[str, Field(min_length=1)]] = []
+    capacityFeedback: FeedbackSpec | None = None  # shrink capacity when the engines saturate
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
@@ -133,6 +153,9 @@ class PoolSpec(_Strict):
             output_token_weight=self.tokenWeights.output,
             backends=tuple(Backend(b.url.rstrip("/"), b.timeoutS) for b in self.backends),
             served_models=tuple(self.servedModels),
+            capacity_feedback=None
+            if self.capacityFeedback is None
+            else self.capacityFeedback.to_feedback(),
         )
 
 

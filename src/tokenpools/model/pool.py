@@ -18,6 +18,18 @@ class Backend:
 
 
 @dataclass(frozen=True, slots=True)
+class CapacityFeedback:
+    """Parameters of the capacity-feedback control law (control/feedback.py)."""
+
+    waiting_threshold: float = 1.0
+    kv_threshold: float = 0.95
+    decrease: float = 0.1
+    increase: float = 0.05
+    min_fraction: float = 0.5
+    interval_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class Pool:
     name: str
     model: ModelProfile
@@ -30,6 +42,7 @@ class Pool:
     output_token_weight: float = 1.0
     backends: tuple[Backend, ...] = ()
     served_models: tuple[str, ...] = ()  # model names clients send; empty: the pool's name
+    capacity_feedback: CapacityFeedback | None = None
 
     @property
     def models(self) -> tuple[str, ...]:
