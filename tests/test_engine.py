@@ -107,6 +107,11 @@ def test_abort_frees_the_slot_and_its_kv() -> None:
     engine.step()
     assert engine.num_running == 4 and engine.num_waiting == 0
     assert engine.abort("r0") is None
+    engine.add("r5", 16, 50)
+    engine.step()
+    assert engine.scheduled_waiting == 1
+    assert engine.abort("r5") is not None  # a waiting one: the queue vLLM reports empties too
+    assert engine.scheduled_waiting == 0
     assert engine.abort("r4") is not None  # running one
     while engine.has_work:
         engine.step()

@@ -1,7 +1,7 @@
 """`tokenpools demo`: paper experiment 1 over real HTTP, with and without tokenpools.
 
-Two emulated backends run the paper's engine profile in real time. The scenario's tenants send
-the same load to both at once: through the gateway (which holds the scenario's entitlements,
+Two emulated backends, each its own process, run the paper's engine profile in real time. The
+scenario's tenants send the same load to both at once: through the gateway (which holds the scenario's entitlements,
 guaranteed-c's created when it joins and expired when it leaves) to the first, and straight to
 the second — no admission control. Then the comparison table, figures and JSON.
 """
@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
-from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.engine.profile import load_profile
 from tokenpools.gateway.app import Gateway
 from tokenpools.gateway.app import make_app as make_gateway
@@ -33,6 +36,48 @@ from tokenpools.sim.simulator import RunResult
 
 ADMIN_KEY = "sk-demo-admin"
 MODEL = "demo-model"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _emulator(profile: str, speed: float) -> tuple[subprocess.Popen[bytes], str]:
+    """An emulated backend in its own process, so its steps keep time whatever the load
+    generator and the gateway do in this one."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenpools.cli",
+            "emulate",
+            "--profile",
+            profile,
+            "--speed",
+            str(speed),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):
+            try:
+                async with session.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return proc, url
+            except aiohttp.ClientError:
+                pass
+            if proc.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the emulator on port {port} did not start")
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -70,8 +115,8 @@ async def run_demo(
 ) -> tuple[RunResult, RunResult]:
     profile = load_profile(scenario.engine.profile)
     keys = {t.name: f"sk-demo-{t.name}" for t in scenario.tenants}
-    emu_with, url_with = await _serve(make_emulator(profile, speed))
-    emu_without, url_without = await _serve(make_emulator(profile, speed))
+    emu_with, url_with = await _emulator(scenario.engine.profile, speed)
+    emu_without, url_without = await _emulator(scenario.engine.profile, speed)
     if speed > 0 and speed != 1.0:  # demand in slots follows the engines' effective pace
         profile = profile.model_copy(
             update={
@@ -124,8 +169,10 @@ async def run_demo(
     try:
         results = await asyncio.gather(with_tp.run(progress), without.run())
     finally:
-        for runner in (gw_runner, emu_with, emu_without):
-            await runner.cleanup()
+        await gw_runner.cleanup()
+        for proc in (emu_with, emu_without):
+            proc.terminate()
+            proc.wait(10)
     return results[0], results[1]
 
 

@@ -88,6 +88,7 @@ class Engine:
             return None
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self.scheduled_waiting = min(self.scheduled_waiting, len(self.waiting))
         else:
             self._release(seq)
         return seq
