@@ -1,9 +1,10 @@
 """`tokenpools demo`: paper experiment 1 over real HTTP, with and without tokenpools.
 
 Two emulated backends, each its own process, run the paper's engine profile in real time. The
-scenario's tenants send the same load to both at once: through the gateway (which holds the scenario's entitlements,
-guaranteed-c's created when it joins and expired when it leaves) to the first, and straight to
-the second — no admission control. Then the comparison table, figures and JSON.
+scenario's tenants send the same load to both at once: through the gateway (which holds the
+scenario's entitlements, guaranteed-c's created when it joins and expired when it leaves) to
+the first, and straight to the second — no admission control. Then the comparison table,
+figures and JSON.
 """
 
 from __future__ import annotations
