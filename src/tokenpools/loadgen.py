@@ -23,10 +23,9 @@ import aiohttp
 
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.openai_api import vllm_gauges
-from tokenpools.sim.policies import SimRequest
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
-from tokenpools.sim.simulator import Attempt, Job, RunResult, Sample
-from tokenpools.sim.workload import backoff_s, next_gap, sample_length, workload_at
+from tokenpools.sim.simulator import Attempt, Job, RunResult, Sample, new_job
+from tokenpools.sim.workload import backoff_s, next_gap, workload_at
 
 
 @dataclass
@@ -145,12 +144,8 @@ class LoadRun:
         return w.start_s <= self.now() and (w.end_s is None or self.now() < w.end_s)
 
     async def _job(self, tenant: Tenant) -> None:
-        w, _ = self._workload(tenant)
         rng = self._rng[tenant.name]
-        output = sample_length(w.output, rng)
-        job = Job(
-            tenant.name, sample_length(w.prompt, rng), output, max(w.max_tokens or output, output)
-        )
+        job = new_job(tenant, rng, self.now())
         while True:
             job.tries += 1
             retry_after = await self._attempt(tenant, job)
@@ -171,14 +166,8 @@ class LoadRun:
         """One HTTP request; returns None when done, else the Retry-After to wait (0: none)."""
         target = self.targets[tenant.name]
         sent = self.now()
-        req = SimRequest(
-            f"{tenant.name}-{next(self._ids)}",
-            tenant.name,
-            tenant.entitlement or tenant.name,
-            job.prompt_tokens,
-            job.output_tokens,
-            job.max_tokens,
-            sent,
+        req = job.request(
+            f"{tenant.name}-{next(self._ids)}", tenant.entitlement or tenant.name, sent
         )
         attempt = Attempt(req, job, job.tries)
         self.attempts.append(attempt)

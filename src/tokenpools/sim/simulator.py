@@ -42,6 +42,30 @@ class Job:
     tries: int = 0
     client: int | None = None  # closed-loop client that sent it
 
+    def request(self, req_id: str, entitlement: str, sent_at: float) -> SimRequest:
+        return SimRequest(
+            req_id,
+            self.tenant,
+            entitlement,
+            self.prompt_tokens,
+            self.output_tokens,
+            self.max_tokens,
+            sent_at,
+        )
+
+
+def new_job(tenant: Tenant, rng: random.Random, t: float, client: int | None = None) -> Job:
+    """A tenant's next logical request, drawn from its workload as it is at time t."""
+    w, _ = workload_at(tenant, t)
+    output = sample_length(w.output, rng)
+    return Job(
+        tenant.name,
+        sample_length(w.prompt, rng),
+        output,
+        max(w.max_tokens or output, output),
+        client=client,
+    )
+
 
 @dataclass(slots=True)
 class Attempt:
@@ -228,31 +252,14 @@ class Simulation:
 
     def _new_job(self, name: str, client: int | None) -> None:
         tenant = self.tenants[name]
-        if not self._active_window(tenant):
-            return
-        w, _ = self._workload(tenant)
-        rng = self.rng[name]
-        output = sample_length(w.output, rng)
-        job = Job(
-            name,
-            sample_length(w.prompt, rng),
-            output,
-            max(w.max_tokens or output, output),
-            client=client,
-        )
-        self._send(job)
+        if self._active_window(tenant):
+            self._send(new_job(tenant, self.rng[name], self.now, client))
 
     def _send(self, job: Job) -> None:
         job.tries += 1
         tenant = self.tenants[job.tenant]
-        req = SimRequest(
-            f"{job.tenant}-{next(self._ids)}",
-            job.tenant,
-            tenant.entitlement or tenant.name,
-            job.prompt_tokens,
-            job.output_tokens,
-            job.max_tokens,
-            self.now,
+        req = job.request(
+            f"{job.tenant}-{next(self._ids)}", tenant.entitlement or tenant.name, self.now
         )
         attempt = Attempt(req, job, job.tries)
         self.attempts.append(attempt)
