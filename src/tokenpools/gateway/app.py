@@ -334,7 +334,13 @@ async def _proxy(
                 if data == b"[DONE]":
                     await response.write(b"data: [DONE]\n\n")
                     break
-                chunk = json.loads(data)
+                try:
+                    chunk = json.loads(data)
+                except ValueError:  # not ours to judge: pass it on
+                    await response.write(b"data: " + data + b"\n\n")
+                    continue
+                if not isinstance(chunk, dict):
+                    chunk = {}
                 if chunk.get("usage") and not chunk.get("choices"):
                     usage = _usage(chunk["usage"], prompt_tokens)
                     if not wants_usage:
