@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,36 +26,10 @@ import aiohttp
 import yaml
 
 from tokenpools.model.keys import hash_key
+from tokenpools.processes import free_port, spawn, stop, wait_ready
 
 KEY = "sk-bench"
 MODEL = "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tokenpools.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
-async def wait_ready(url: str) -> None:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(200):
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def body(stream: bool) -> dict[str, Any]:
@@ -133,15 +105,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
-    procs = [
-        start(
-            ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "0", "--port", str(emu_port)]
-        ),
-        start(["serve", "--config", f.name, "--port", str(gw_port)]),
-    ]
+    emulator = spawn(
+        ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "0", "--port", str(emu_port)]
+    )
+    gateway = spawn(["serve", "--config", f.name, "--port", str(gw_port)])
     try:
-        await wait_ready(f"{emu_url}/health")
-        await wait_ready(f"{gw_url}/readyz")
+        await wait_ready(f"{emu_url}/health", emulator)
+        await wait_ready(f"{gw_url}/readyz", gateway)
         rows = []
         for stream in (False, True):
             mode = "streaming" if stream else "non-streaming"
@@ -180,9 +150,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "direct_max_rps": statistics.median(direct),
         }
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        stop(emulator, gateway)
         Path(f.name).unlink()
 
 

@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from tokenpools.engine.profile import load_profile
@@ -29,6 +26,7 @@ from tokenpools.gateway.app import make_app as make_gateway
 from tokenpools.loadgen import LoadRun, Target
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
+from tokenpools.processes import free_port, spawn, stop, wait_ready
 from tokenpools.sim import figures
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.report import policy_table
@@ -39,46 +37,14 @@ ADMIN_KEY = "sk-demo-admin"
 MODEL = "demo-model"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _emulator(profile: str, speed: float) -> tuple[subprocess.Popen[bytes], str]:
     """An emulated backend in its own process, so its steps keep time whatever the load
     generator and the gateway do in this one."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenpools.cli",
-            "emulate",
-            "--profile",
-            profile,
-            "--speed",
-            str(speed),
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    port = free_port()
+    proc = spawn(["emulate", "--profile", profile, "--speed", str(speed), "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
-    async with aiohttp.ClientSession() as session:
-        for _ in range(300):
-            try:
-                async with session.get(f"{url}/health") as r:
-                    if r.status == 200:
-                        return proc, url
-            except aiohttp.ClientError:
-                pass
-            if proc.poll() is not None:
-                break
-            await asyncio.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"the emulator on port {port} did not start")
+    await wait_ready(f"{url}/health", proc)
+    return proc, url
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -118,13 +84,7 @@ async def run_demo(
     keys = {t.name: f"sk-demo-{t.name}" for t in scenario.tenants}
     emu_with, url_with = await _emulator(scenario.engine.profile, speed)
     emu_without, url_without = await _emulator(scenario.engine.profile, speed)
-    if speed > 0 and speed != 1.0:  # demand in slots follows the engines' effective pace
-        profile = profile.model_copy(
-            update={
-                k: getattr(profile, k) / speed
-                for k in ("t0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_read_s_per_token")
-            }
-        )
+    profile = profile.faster(speed)  # demand in slots follows the engines' pace
     data = gateway_config(scenario, url_with, keys)
     joining = {t.entitlement or t.name: t for t in scenario.tenants if t.entitlement_while_active}
     absent = set(joining)
@@ -171,9 +131,7 @@ async def run_demo(
         results = await asyncio.gather(with_tp.run(progress), without.run())
     finally:
         await gw_runner.cleanup()
-        for proc in (emu_with, emu_without):
-            proc.terminate()
-            proc.wait(10)
+        stop(emu_with, emu_without)
     return results[0], results[1]
 
 

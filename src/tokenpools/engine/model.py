@@ -45,7 +45,6 @@ class StepResult:
     first_tokens: list[str] = field(default_factory=list)  # produced their first token
     finished: list[Sequence] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    output_tokens: int = 0  # generated this step, all tags
 
 
 class Engine:
@@ -191,7 +190,6 @@ class Engine:
         prefill_tokens = sum(chunk for _, chunk in chunks)
         result.duration_s = profile.step_time(prefill_tokens, decode_seqs, self.kv_tokens)
         result.prefill_tokens, result.decode_seqs = prefill_tokens, decode_seqs
-        result.output_tokens = decode_seqs
 
         self.step_count += 1
         step = self.step_count
@@ -202,7 +200,6 @@ class Engine:
                 if seq.generated == 0:
                     result.first_tokens.append(seq.req_id)
                 seq.generated += 1
-                result.output_tokens += 1
                 self._tokens_by_tag[seq.tag] += 1
                 if seq.generated >= seq.output_tokens:
                     self._finish(seq, result)

@@ -47,6 +47,14 @@ class EngineProfile(BaseModel):
         prefill = self.prefill_s_per_token * prompt_tokens
         return prefill + step * output_tokens
 
+    def faster(self, speed: float) -> EngineProfile:
+        """The same engine with time running `speed` times faster (what `emulate --speed`
+        serves), so demand in slots converts at the pace clients will see."""
+        if speed <= 0 or speed == 1.0:
+            return self
+        times = ("t0_s", "prefill_s_per_token", "decode_s_per_seq", "kv_read_s_per_token")
+        return self.model_copy(update={k: getattr(self, k) / speed for k in times})
+
     def output_tokens_per_s(self) -> float:
         """Total decode throughput with every slot busy."""
         return self.max_num_seqs / self.step_time(0, self.max_num_seqs, 0)

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,9 +223,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = parse_body(raw, path)
     except BadRequest as exc:
         return _error(400, str(exc), "invalid_request_error", None, exc.param)
-    ent = gw.core.entitlements[entitlement].ent
+    view = gw.core.entitlements[entitlement]
     pool_name = gw.model_pool.get(body["model"])
-    if pool_name is None or pool_name != ent.pool:
+    if pool_name is None or pool_name != view.ent.pool:
         return _error(
             404,
             f"model {body['model']!r} does not exist or this key has no access to it",
@@ -234,7 +234,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "model",
         )
     prompt_tokens = estimate_prompt_tokens(body, settings.chars_per_token)
-    decision = gw.core.admit(entitlement, RequestCost(prompt_tokens, max_tokens(body)), gw.clock())
+    requested = max_tokens(body)
+    decision = gw.core.admit(entitlement, RequestCost(prompt_tokens, requested), gw.clock())
     gw.metrics.decided(entitlement, decision)
     if isinstance(decision, Reject):
         return _rejection(gw, entitlement, decision)
@@ -251,8 +252,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 503, f"no healthy backend for pool {pool_name!r}", "server_error", "no_backend"
             )
         forward: bytes | None = raw  # unchanged bodies go upstream as they came
-        if max_tokens(body) is None:  # the reservation assumed the default: make it true
-            body["max_tokens"] = gw.core.entitlements[entitlement].default_max_tokens
+        if requested is None:  # the reservation assumed the default: make it true
+            body["max_tokens"] = view.default_max_tokens
             forward = None
         return await _proxy(
             request, gw, backend, body, forward, path, lease_id, prompt_tokens, handle
@@ -441,10 +442,21 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=gw.metrics.render(), content_type="text/plain")
 
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def admin_only(handler: Handler) -> Handler:
+    async def guarded(request: web.Request) -> web.Response:
+        if not request.app[GATEWAY].is_admin(request):
+            return _error(401, "admin key required", "invalid_request_error", "invalid_api_key")
+        return await handler(request)
+
+    return guarded
+
+
+@admin_only
 async def admin_pools(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    if not gw.is_admin(request):
-        return _error(401, "admin key required", "invalid_request_error", "invalid_api_key")
     now = gw.clock()
     out = {}
     for name, view in gw.core.pools.items():
@@ -472,10 +484,9 @@ async def admin_pools(request: web.Request) -> web.Response:
     return web.json_response(out)
 
 
+@admin_only
 async def admin_entitlements(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    if not gw.is_admin(request):
-        return _error(401, "admin key required", "invalid_request_error", "invalid_api_key")
     now = gw.clock()
     out = {}
     for name, view in gw.core.entitlements.items():

@@ -23,9 +23,6 @@ class ModelProfile:
     def kv_tokens_for_gib(self, gib: float) -> float:
         return gib * GIB / self.kv_bytes_per_token
 
-    def gib_for_kv_tokens(self, tokens: float) -> float:
-        return tokens * self.kv_bytes_per_token / GIB
-
 
 # Architecture numbers from each model's published config.json; KV cache in 16-bit.
 BUILTIN_PROFILES: dict[str, ModelProfile] = {

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DIMENSIONS = ("throughput", "kv_tokens", "concurrency")
-
 
 @dataclass(frozen=True, slots=True)
 class Resources:
@@ -50,16 +48,6 @@ class Resources:
             and self.concurrency <= limit.concurrency
         )
 
-    def exceeded(self, limit: Resources) -> tuple[str, ...]:
-        """The names of the dimensions in which this vector is above `limit`."""
-        return tuple(
-            name
-            for name, mine, theirs in zip(
-                DIMENSIONS, self.as_tuple(), limit.as_tuple(), strict=True
-            )
-            if mine > theirs
-        )
-
     def is_nonnegative(self) -> bool:
         return self.throughput >= 0 and self.kv_tokens >= 0 and self.concurrency >= 0
 
@@ -71,13 +59,3 @@ class Resources:
             if theirs > 0
         ]
         return max(ratios, default=0.0)
-
-    def elementwise_max(self, other: Resources) -> Resources:
-        return Resources(
-            max(self.throughput, other.throughput),
-            max(self.kv_tokens, other.kv_tokens),
-            max(self.concurrency, other.concurrency),
-        )
-
-
-ZERO = Resources()

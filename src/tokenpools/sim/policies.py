@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.decisions import Admit, Reason
+from tokenpools.control.decisions import Admit
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.request import RequestCost, Usage
@@ -335,7 +335,6 @@ POLICIES = (
     "vtc",
     "tokenpools",
 )
-LOW_PRIORITY_REASONS = frozenset({Reason.LOW_PRIORITY.value})
 
 
 def derive_limits(
