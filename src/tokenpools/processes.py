@@ -4,9 +4,13 @@ their own processes, so each keeps time whatever the others do."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
 import aiohttp
 
@@ -48,3 +52,35 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
         proc.terminate()
     for proc in procs:
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def redis_server(port: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A throwaway redis-server on loopback, no persistence: yields (url, process)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, proc)
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """Poll until something accepts connections on `port`; fail early if `proc` died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    raise RuntimeError(f"nothing listens on port {port}")

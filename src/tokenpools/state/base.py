@@ -16,6 +16,11 @@ from typing import Protocol
 INF = float("inf")
 
 
+class StoreUnavailable(Exception):
+    """The shared store did not answer in time. Whether the call took effect is unknown: a
+    reservation it made without telling us expires with its lease."""
+
+
 class Shortfall(StrEnum):
     """Which comparison of `reserve` failed, in the order they are made."""
 
@@ -167,6 +172,11 @@ class Store(Protocol):
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None: ...
 
     def renew(self, lease_id: str, expires_at: float) -> bool: ...
+
+    def adopt(self, lease: Lease, now: float) -> bool:
+        """Book a lease admitted elsewhere (a replica's local fallback while the store was
+        unreachable) with no checks; False if the store already holds it."""
+        ...
 
     def expire(self, now: float) -> list[Lease]: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from tokenpools.state.base import (
     INF,
@@ -268,7 +269,7 @@ class MemoryStore:
             elif bucket.level - tokens < lf:
                 short = Shortfall.POOL_THROUGHPUT
             if short is not None:
-                self._refused(p, e, now, plan.contention_window_s)
+                self._refused(p, e, now)
                 return short
             own.level -= tokens
             pbucket.level -= tokens
@@ -281,7 +282,7 @@ class MemoryStore:
                 or used_k + hold_k + kv > plan.contended_kv
                 or unreserved < plan.contended_bucket
             ) and self._outranked(p, e, now - plan.contention_window_s):
-                self._refused(p, e, now, plan.contention_window_s)
+                self._refused(p, e, now)
                 return Shortfall.LOW_PRIORITY
             # What is held for protected baselines first: evicting preemptible work cannot
             # help there (its plan limit is infinite for preemptible requests).
@@ -299,7 +300,7 @@ class MemoryStore:
             elif bucket.level - tokens < plan.shared_bucket_floor:
                 short = Shortfall.POOL_THROUGHPUT
             if short is not None:
-                self._refused(p, e, now, plan.contention_window_s)
+                self._refused(p, e, now)
                 return short
             if plan.own_required:
                 own.level -= tokens
@@ -312,12 +313,17 @@ class MemoryStore:
         return None
 
     @staticmethod
-    def _refused(p: _Pool, e: _Entitlement, now: float, window: float) -> None:
-        """Remember that `e` was refused room: unmet demand, for check 5."""
+    def _refused(p: _Pool, e: _Entitlement, now: float) -> None:
+        """Remember that `e` was refused room: unmet demand, for check 5. The cached top stays
+        the highest entry of the dict, or None (rebuilt when next asked)."""
         p.refused[e.name] = (now, e.priority)
         top = p.refused_top
-        if top is None or e.priority >= top[0] or top[2] < now - window:
+        if top is None:
+            return
+        if e.priority >= top[0]:
             p.refused_top = (e.priority, e.name, now)
+        elif top[1] == e.name:  # the top entry itself went down
+            p.refused_top = None
 
     def _outranked(self, p: _Pool, e: _Entitlement, since: float) -> bool:
         """Check 5 for a request in a pool near full: refused when another entitlement of
@@ -326,8 +332,8 @@ class MemoryStore:
         others — so the lowest-priority work in flight is what gives way. Demand-awareness
         keeps the pool work-conserving: nobody is shed for a tenant that wants nothing.
 
-        The highest recent refusal is cached; the dict is scanned when that one has aged out,
-        or for the others' highest when it is the asker's own."""
+        The highest refusal is cached; the dict is scanned (dropping aged entries) when that
+        one has aged out, or for the others' highest when it is the asker's own."""
         w = e.priority
         top = p.refused_top
         if top is None or top[2] < since:
@@ -455,6 +461,22 @@ class MemoryStore:
         if lease is not None:
             self._finish(lease, now, bucket_used=0.0 if refund else lease.tokens, observed=0.0)
         return lease
+
+    def adopt(self, lease: Lease, now: float) -> bool:
+        """Book a lease admitted elsewhere, with no checks (the request is already running):
+        charged to the pool bucket like a shared-path lease. False if it is already here."""
+        if lease.lease_id in self._leases:
+            return False
+        e = self._ents.get(lease.entitlement)
+        if e is None:
+            return False
+        p = self._pools[lease.pool]
+        lease = replace(lease, reserved_path=False, drew_own=False)
+        p.bucket.refill(now)
+        p.bucket.level -= lease.tokens
+        e.admitted += lease.tokens
+        self._book(lease, e, p, now)
+        return True
 
     def renew(self, lease_id: str, expires_at: float) -> bool:
         lease = self._leases.get(lease_id)
