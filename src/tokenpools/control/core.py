@@ -7,6 +7,7 @@ caches; everything that changes per request lives in the store.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -26,6 +27,7 @@ from tokenpools.control.decisions import (
     Reject,
     TickResult,
 )
+from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.ledger import Observation, burst_excess, ewma, observe, service_gap
 from tokenpools.control.priority import priority, slo_reference
 from tokenpools.control.retry import expected_wait_s, jittered
@@ -45,6 +47,7 @@ from tokenpools.state.base import (
     Scores,
     Shortfall,
     Store,
+    StoreUnavailable,
 )
 from tokenpools.state.memory import MemoryStore
 
@@ -85,6 +88,7 @@ class PoolView:
     mean_service_s: float  # EWMA of lease durations, for Retry-After
     members: list[str]
     last_period: int = -1
+    scores_pending: bool = False  # another replica's update of this period is not read yet
     preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
     per_replica_override: Resources | None = None  # set by set_capacity; outlives reloads
 
@@ -102,6 +106,7 @@ class DecisionCore:
         self._next_expiry = math.inf  # earliest expiresAt of an entitlement not yet Expired
         self.observations: dict[str, Observation] = {}
         self.config = config
+        self.fallback = LocalFallback(config.state.fallback_fraction, config.state.retry_interval_s)
         self.apply_config(config, now)
 
     # -- configuration -------------------------------------------------------------------
@@ -111,11 +116,14 @@ class DecisionCore:
         leases of removed entitlements: the host must end those requests."""
         self.config = config
         self.policy = config.policy
+        self.fallback.fraction = config.state.fallback_fraction
+        self.fallback.retry_after_s = config.state.retry_interval_s
         ended: list[Lease] = []
         for name, view in list(self._ents.items()):
             new = config.entitlements.get(name)
             if new is None or new.pool != view.ent.pool:  # gone, or moved: start afresh
-                ended += self.store.remove_entitlement(name)
+                with contextlib.suppress(StoreUnavailable):  # its leases then expire there
+                    ended += self.store.remove_entitlement(name)
                 del self._ents[name]
         pools: dict[str, PoolView] = {}
         for name, pool in config.pools.items():
@@ -195,7 +203,7 @@ class DecisionCore:
                     max_tokens=max_tokens,
                     max_kv=max_kv,
                 )
-                self._refresh_priority(ent.name, self.store.scores(ent.name))
+                self._refresh_priority(ent.name)
             self._order_preemptible(view)
         self._next_expiry = min(
             (
@@ -222,11 +230,16 @@ class DecisionCore:
             self.policy,
         )
 
-    def _refresh_priority(self, name: str, scores: Scores) -> None:
+    def _refresh_priority(self, name: str) -> None:
         view = self._ents[name]
+        try:
+            scores = self.store.scores(name)
+        except StoreUnavailable:
+            scores = Scores(priority=view.priority)
         view.priority = w = self._priority_of(view, scores)
         if w != scores.priority:
-            self.store.set_scores(name, replace(scores, priority=w))
+            with contextlib.suppress(StoreUnavailable):
+                self.store.set_scores(name, replace(scores, priority=w))
 
     # -- lookups -------------------------------------------------------------------------
 
@@ -269,14 +282,8 @@ class DecisionCore:
         if tokens > view.max_tokens or kv > view.max_kv:
             # Not counted as demand: no capacity could ever serve it, so it is owed nothing.
             return self._too_big(view, pool_view, tokens, kv)
-        plan = view.plan
 
-        if request_id is None:
-            lease_id = f"{self._replica}-{next(self._seq)}"
-        elif store.get_lease(request_id) is not None:
-            raise ValueError(f"request id {request_id!r} already holds a lease")
-        else:
-            lease_id = request_id
+        lease_id = f"{self._replica}-{next(self._seq)}" if request_id is None else request_id
         lease = Lease(
             lease_id,
             pool.name,
@@ -287,10 +294,31 @@ class DecisionCore:
             now + self.policy.lease_ttl_s,
             view.preemptible,
         )
+        try:
+            if request_id is not None and store.get_lease(request_id) is not None:
+                raise ValueError(f"request id {request_id!r} already holds a lease")
+            return self._reserve(view, pool_view, lease, tokens, kv, now)
+        except StoreUnavailable:
+            if self.fallback.store.get_lease(lease_id) is not None:
+                raise ValueError(f"request id {request_id!r} already holds a lease") from None
+            return self.fallback.admit(ent, view.own_bucket, view.priority, lease, now)
+
+    def _reserve(
+        self,
+        view: EntitlementView,
+        pool_view: PoolView,
+        lease: Lease,
+        tokens: float,
+        kv: float,
+        now: float,
+    ) -> Decision:
+        store = self.store
+        plan = view.plan
+        pool = pool_view.pool.name
         short = store.reserve(lease, plan, now, demand=tokens)
         if short is None:
             return Admit(lease, view.priority)
-        counters = store.pool_counters(pool.name, now)
+        counters = store.pool_counters(pool, now)
         if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV):
             victims = self._choose_victims(view, pool_view, counters, kv)
             if (
@@ -299,12 +327,12 @@ class DecisionCore:
             ):
                 return Admit(lease, view.priority, evict=tuple(victims))
         if (
-            ent.protected
+            view.ent.protected
             and short in _POOL_SHORTFALLS
             and store.reserve(lease, plan, now, overcommit=True) is None
         ):
             return Admit(lease, view.priority, overcommit=True)
-        return self._reject(short, view, pool_view, counters, tokens, kv, lease_id, now)
+        return self._reject(short, view, pool_view, counters, tokens, kv, lease.lease_id, now)
 
     def _too_big(
         self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float
@@ -390,16 +418,23 @@ class DecisionCore:
 
     def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
         """The request finished; charge what it really used and refund the rest."""
-        lease = self.store.get_lease(lease_id)
-        if lease is None:
+        store: Store = self.fallback.store if lease_id in self.fallback.leases else self.store
+        try:
+            lease = store.get_lease(lease_id)
+            if lease is None:
+                return None
+            pool_view = self._pools[lease.pool]
+            pool = pool_view.pool
+            used = (
+                pool.input_token_weight * usage.input_tokens
+                + pool.output_token_weight * usage.output_tokens
+            )
+            if store is self.store:
+                store.settle(lease_id, used, now)
+            else:
+                self.fallback.settle(lease_id, used, now)
+        except StoreUnavailable:  # it expires in the store, charged in full
             return None
-        pool_view = self._pools[lease.pool]
-        pool = pool_view.pool
-        used = (
-            pool.input_token_weight * usage.input_tokens
-            + pool.output_token_weight * usage.output_tokens
-        )
-        self.store.settle(lease_id, used, now)
         duration = now - lease.started_at
         pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * max(0.0, duration)
         return lease
@@ -407,21 +442,43 @@ class DecisionCore:
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         """The request ended without usage (backend down, cancelled before it ran: refund;
         cut off mid-way with unknown usage: refund=False charges the whole reservation)."""
-        return self.store.release(lease_id, now, refund=refund)
+        if lease_id in self.fallback.leases:
+            return self.fallback.release(lease_id, now, refund=refund)
+        try:
+            return self.store.release(lease_id, now, refund=refund)
+        except StoreUnavailable:  # it expires in the store, charged in full
+            return None
 
     def renew(self, lease_id: str, now: float) -> bool:
-        """Push a long-running request's lease expiry out by one TTL from now."""
-        return self.store.renew(lease_id, now + self.policy.lease_ttl_s)
+        """Push a long-running request's lease expiry out by one TTL from now. False: the
+        lease has ended (evicted by another replica, or expired) and its request must end."""
+        expires_at = now + self.policy.lease_ttl_s
+        if lease_id in self.fallback.leases:
+            return self.fallback.renew(lease_id, expires_at)
+        try:
+            return self.store.renew(lease_id, expires_at)
+        except StoreUnavailable:  # keep running; the store is asked again next time
+            return True
 
     # -- time and capacity ---------------------------------------------------------------
 
     def tick(self, now: float) -> TickResult:
         """Expire lost leases and expired entitlements; once per update period (once per pool
         across every replica sharing the store) update debt, burst and priority."""
-        expired = tuple(self.store.expire(now))
+        expired = tuple(self.fallback.expire(now))
         states: dict[str, BindingState] = {}
         if now >= self._next_expiry:
             states = self._rebind(now)
+        try:
+            if self.fallback.leases:
+                self.fallback.hand_over(self.store, now)
+            expired += tuple(self.store.expire(now))
+            updated = self._update_pools(now)
+        except StoreUnavailable:
+            updated = []
+        return TickResult(expired, tuple(updated), states)
+
+    def _update_pools(self, now: float) -> list[str]:
         period = int(now // self.policy.update_period_s)
         updated = []
         for name, pool_view in self._pools.items():
@@ -430,11 +487,15 @@ class DecisionCore:
                 if self.store.claim_update(name, period):
                     self._update_scores(pool_view, now)
                     updated.append(name)
-                else:
-                    for member in pool_view.members:
-                        self._ents[member].priority = self.store.scores(member).priority
+                    self._order_preemptible(pool_view)
+                else:  # another replica updates them: read them once it has, next tick
+                    pool_view.scores_pending = True
+            elif pool_view.scores_pending:
+                pool_view.scores_pending = False
+                for member in pool_view.members:
+                    self._ents[member].priority = self.store.scores(member).priority
                 self._order_preemptible(pool_view)
-        return TickResult(expired, tuple(updated), states)
+        return updated
 
     def _update_scores(self, pool_view: PoolView, now: float) -> None:
         policy = self.policy
@@ -480,17 +541,20 @@ class DecisionCore:
         view.bucket = plans.pool_bucket(view.pool, self.policy)
         states = self._rebind(now)
         cap = view.pool.capacity
-        counters = self.store.pool_counters(pool_name, now)
-        over_c = counters.concurrency - cap.concurrency
-        over_k = counters.kv_tokens - cap.kv_tokens
         evicted: list[Lease] = []
-        for lease in self._eviction_order(pool_name, below=math.inf):
-            if over_c <= 0 and over_k <= 0:
-                break
-            self.store.release(lease.lease_id, now, refund=False)
-            evicted.append(lease)
-            over_c -= 1
-            over_k -= lease.kv_tokens
+        try:  # unreachable store: admissions already use the new capacity; nothing evicted
+            counters = self.store.pool_counters(pool_name, now)
+            over_c = counters.concurrency - cap.concurrency
+            over_k = counters.kv_tokens - cap.kv_tokens
+            for lease in self._eviction_order(pool_name, below=math.inf):
+                if over_c <= 0 and over_k <= 0:
+                    break
+                self.store.release(lease.lease_id, now, refund=False)
+                evicted.append(lease)
+                over_c -= 1
+                over_k -= lease.kv_tokens
+        except StoreUnavailable:
+            pass
         return CapacityChange(tuple(evicted), states)
 
     def desired_replicas(self, pool_name: str) -> int:

@@ -21,6 +21,7 @@ class Reason(StrEnum):
     KV_LIMIT = "kv_limit"
     LOW_PRIORITY = "low_priority"
     POOL_FULL = "pool_full"
+    STORE_UNAVAILABLE = "store_unavailable"  # the shared store is unreachable: fail closed
 
 
 class Check(StrEnum):

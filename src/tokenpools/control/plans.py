@@ -93,3 +93,37 @@ def size_limits(
     if plan.own_required:
         max_tokens = min(max_tokens, own.depth)
     return max_tokens, min(plan.ent_kv, plan.shared_kv * over)
+
+
+def fallback_limits(
+    ent: Entitlement, own: BucketSpec, fraction: float
+) -> tuple[ReservePlan, BucketSpec]:
+    """A protected entitlement's budget on one replica while the shared store is unreachable:
+    `fraction` of its baseline (at least one sequence), with nothing else to check against."""
+    base = ent.baseline
+    concurrency = max(1.0, float(int(base.concurrency * fraction))) if base.concurrency else 0.0
+    kv = base.kv_tokens * fraction
+    plan = ReservePlan(
+        ent_concurrency=concurrency,
+        ent_kv=kv,
+        own_required=True,
+        base_concurrency=concurrency,
+        base_kv=kv,
+        reserved_concurrency=INF,
+        reserved_kv=INF,
+        reserved_bucket_floor=-INF,
+        overcommit_concurrency=INF,
+        overcommit_kv=INF,
+        overcommit_bucket_floor=-INF,
+        shared_concurrency=0.0,  # never reached: within the budget is the reserved path
+        shared_kv=0.0,
+        shared_np_concurrency=0.0,
+        shared_np_kv=0.0,
+        shared_bucket_floor=INF,
+        shared_np_bucket_floor=INF,
+        contended_concurrency=INF,
+        contended_kv=INF,
+        contended_bucket=-INF,
+        contention_window_s=0.0,
+    )
+    return plan, BucketSpec(own.rate * fraction, own.depth * fraction)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -277,9 +277,21 @@ class GatewaySpec(_Strict):
         return self
 
 
+class StateSpec(_Strict):
+    """Where the ledger lives: this process (memory) or a Redis shared by gateway replicas."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: Annotated[str, Field(pattern=r"^rediss?://\S+$")] = "redis://127.0.0.1:6379/0"
+    keyPrefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$")] = "tokenpools"
+    timeoutMs: Annotated[float, Field(gt=0, le=10000)] = 50.0
+    retryIntervalS: Pos = 1.0
+    fallbackFraction: Annotated[float, Field(ge=0, le=1)] = 0.5
+
+
 class ConfigSpec(_Strict):
     policy: PolicySpec = PolicySpec()
     gateway: GatewaySpec = GatewaySpec()
+    state: StateSpec = StateSpec()
     pools: list[PoolSpec]
     entitlements: list[EntitlementSpec] = []
 
@@ -335,11 +347,22 @@ class GatewaySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class StateSettings:
+    backend: str = "memory"
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "tokenpools"
+    timeout_s: float = 0.05  # one call to Redis waits at most this long
+    retry_interval_s: float = 1.0  # after a failure, Redis is not tried again for this long
+    fallback_fraction: float = 0.5  # of a protected baseline, per replica, while Redis is away
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     policy: Policy
     pools: dict[str, Pool]
     entitlements: dict[str, Entitlement]
     gateway: GatewaySettings = GatewaySettings()
+    state: StateSettings = StateSettings()
 
 
 def parse_config(data: Any) -> Config:
@@ -352,12 +375,20 @@ def parse_config(data: Any) -> Config:
         raise ConfigError(_format_errors(exc)) from None
     pools = {p.name: p.to_pool() for p in spec.pools}
     entitlements = {e.name: e.to_entitlement(pools[e.pool]) for e in spec.entitlements}
-    g = spec.gateway
+    g, st = spec.gateway, spec.state
     return Config(
         policy=spec.policy.to_policy(),
         pools=pools,
         entitlements=entitlements,
         gateway=GatewaySettings(tuple(g.adminKeys), g.maxBodyBytes, g.charsPerToken),
+        state=StateSettings(
+            backend=st.backend,
+            url=st.url,
+            key_prefix=st.keyPrefix,
+            timeout_s=st.timeoutMs / 1000,
+            retry_interval_s=st.retryIntervalS,
+            fallback_fraction=st.fallbackFraction,
+        ),
     )
 
 

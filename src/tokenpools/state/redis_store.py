@@ -13,6 +13,7 @@ the pool's epoch changed — the leases this replica still holds are booked agai
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -210,10 +211,8 @@ class RedisStore:
         ]
         self._ent_args[name] = args
         self._ent_pool[name] = pool
-        try:
+        with contextlib.suppress(StoreUnavailable):  # replayed when Redis answers again
             self._call(pool, "configure_entitlement", now, name, *args)
-        except StoreUnavailable:
-            pass  # replayed when Redis answers again
 
     def remove_entitlement(self, name: str) -> list[Lease]:
         pool = self._ent_pool.pop(name, None)
