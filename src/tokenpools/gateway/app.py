@@ -14,9 +14,12 @@ import contextlib
 import json
 import logging
 import math
+import os
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -27,7 +30,7 @@ from tokenpools.control.decisions import Reason, Reject
 from tokenpools.control.feedback import next_fraction
 from tokenpools.gateway.backends import BackendPool, BackendState
 from tokenpools.gateway.metrics import GatewayMetrics
-from tokenpools.model.config import Config
+from tokenpools.model.config import Config, StateSettings
 from tokenpools.model.keys import key_matches
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.openai_api import (
@@ -40,6 +43,8 @@ from tokenpools.openai_api import (
     parse_body,
     vllm_gauges,
 )
+from tokenpools.state.base import Store, StoreUnavailable
+from tokenpools.state.memory import MemoryStore
 
 log = logging.getLogger("tokenpools.gateway")
 
@@ -59,10 +64,30 @@ class InFlight:
     evicted: bool = False
 
 
+def open_store(settings: StateSettings) -> Store:
+    if settings.backend == "memory":
+        return MemoryStore()
+    from tokenpools.state.redis_store import RedisStore  # redis-py only where it is used
+
+    return RedisStore(
+        settings.url,
+        timeout_s=settings.timeout_s,
+        retry_interval_s=settings.retry_interval_s,
+        prefix=settings.key_prefix,
+    )
+
+
+def replica_name() -> str:
+    """Unique per process start: lease ids begin with it, and a restarted replica must not
+    reuse the ids its previous life left in a shared store."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
 @dataclass
 class Gateway:
     config: Config
     clock: Callable[[], float] = time.time
+    replica: str = field(default_factory=replica_name)
     core: DecisionCore = field(init=False)
     pools: dict[str, BackendPool] = field(init=False)
     inflight: dict[str, InFlight] = field(default_factory=dict)
@@ -71,7 +96,11 @@ class Gateway:
     capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
 
     def __post_init__(self) -> None:
-        self.core = DecisionCore(self.config, now=self.clock())
+        self.store = open_store(self.config.state)
+        self.core = DecisionCore(
+            self.config, store=self.store, now=self.clock(), replica=self.replica
+        )
+        self._next_renewal = 0.0
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.metrics = GatewayMetrics(self)
         self.model_pool = self._models(self.config)
@@ -81,7 +110,11 @@ class Gateway:
         return {m: p.name for p in config.pools.values() for m in p.models}
 
     def reload(self, config: Config) -> None:
-        """Adopt a validated config; leases of removed entitlements end their requests."""
+        """Adopt a validated config; leases of removed entitlements end their requests. The
+        state backend is chosen at start: a change of it waits for a restart."""
+        if config.state != self.config.state:
+            log.warning("the state section changed: it takes effect at the next restart")
+            config = replace(config, state=self.config.state)
         for lease in self.core.apply_config(config, self.clock()):
             self.evict(lease.lease_id)
         old = self.pools
@@ -137,9 +170,15 @@ class Gateway:
                 self.evict(lease.lease_id)
 
     def tick(self) -> None:
-        result = self.core.tick(self.clock())
+        now = self.clock()
+        result = self.core.tick(now)
         for lease in result.expired:
             self.evict(lease.lease_id)
+        if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
+            self._next_renewal = now + self.core.policy.lease_ttl_s / 4
+            for lease_id in list(self.inflight):
+                if not self.core.renew(lease_id, now):
+                    self.evict(lease_id)
 
     def is_admin(self, request: web.Request) -> bool:
         key = _bearer(request)
@@ -176,25 +215,33 @@ def _error(
 def _rejection(gw: Gateway, entitlement: str, decision: Reject) -> web.Response:
     status = NOT_RETRYABLE.get(decision.reason)
     message = f"{decision.message} ({decision.reason.value})"
+    if decision.reason == Reason.STORE_UNAVAILABLE:
+        wait = decision.retry_after_s or 1.0
+        headers = {
+            "Retry-After": str(max(1, math.ceil(wait))),
+            "retry-after-ms": str(round(wait * 1000)),
+        }
+        return _error(503, message, "server_error", decision.reason.value, headers=headers)
     if status is not None:
         kind = "invalid_request_error" if status == 400 else "permission_error"
         param = "max_tokens" if status == 400 else None
         return _error(status, message, kind, decision.reason.value, param)
     wait = decision.retry_after_s if decision.retry_after_s is not None else 60.0
     view = gw.core.entitlements[entitlement]
-    counters = gw.core.store.entitlement_counters(entitlement, gw.clock())
-    plan = view.plan
-    limit_requests = plan.ent_concurrency
+    limit_requests = view.plan.ent_concurrency
     headers = {
         "Retry-After": str(max(1, math.ceil(wait))),
         "retry-after-ms": str(round(wait * 1000)),
         "x-ratelimit-limit-requests": _num(limit_requests),
-        "x-ratelimit-remaining-requests": _num(max(0.0, limit_requests - counters.concurrency)),
         "x-ratelimit-reset-requests": f"{wait:.3f}s",
         "x-ratelimit-limit-tokens": _num(view.own_bucket.depth),
-        "x-ratelimit-remaining-tokens": _num(max(0.0, counters.bucket)),
         "x-ratelimit-reset-tokens": f"{wait:.3f}s",
     }
+    with contextlib.suppress(StoreUnavailable):  # the remaining counts need the store
+        counters = gw.core.store.entitlement_counters(entitlement, gw.clock())
+        remaining = max(0.0, limit_requests - counters.concurrency)
+        headers["x-ratelimit-remaining-requests"] = _num(remaining)
+        headers["x-ratelimit-remaining-tokens"] = _num(max(0.0, counters.bucket))
     return _error(429, message, "rate_limit_exceeded", decision.reason.value, headers=headers)
 
 
@@ -449,7 +496,12 @@ def admin_only(handler: Handler) -> Handler:
     async def guarded(request: web.Request) -> web.Response:
         if not request.app[GATEWAY].is_admin(request):
             return _error(401, "admin key required", "invalid_request_error", "invalid_api_key")
-        return await handler(request)
+        try:
+            return await handler(request)
+        except StoreUnavailable as exc:
+            return _error(
+                503, f"state store unreachable: {exc}", "server_error", "store_unavailable"
+            )
 
     return guarded
 

@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenpools.control.decisions import Admit, Decision
+from tokenpools.state.base import StoreUnavailable
 
 if TYPE_CHECKING:
     from tokenpools.gateway.app import Gateway
@@ -72,6 +73,21 @@ class _StateCollector(Collector):
                 ("pool_reserved", "Pool reserved", ["pool", "dimension"]),
             )
         }
+        up = GaugeMetricFamily("tokenpools_store_up", "1 while the state store answers")
+        fallback = GaugeMetricFamily(
+            "tokenpools_fallback_in_flight",
+            "Requests admitted on this replica's local budget while the store was unreachable",
+        )
+        fallback.add_metric([], len(gw.core.fallback.leases))
+        try:
+            self._collect_state(families, now)
+            up.add_metric([], 1)
+        except StoreUnavailable:
+            up.add_metric([], 0)
+        yield from (*families.values(), up, fallback)
+
+    def _collect_state(self, families: dict[str, GaugeMetricFamily], now: float) -> None:
+        gw = self.gateway
         for name, view in gw.core.entitlements.items():
             labels = [view.ent.pool, name, view.ent.service_class.value]
             c = gw.core.store.entitlement_counters(name, now)
@@ -102,4 +118,3 @@ class _StateCollector(Collector):
             families["pool_reserved"].add_metric(
                 [name, "bucket_tokens"], pc.bucket if math.isfinite(pc.bucket) else 0.0
             )
-        yield from families.values()

@@ -1,0 +1,25 @@
+"""Fixtures for tests that need a real Redis server: one per test session, on a free loopback
+port, started and stopped here (`.ci/run` installs redis-server)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from tokenpools.processes import redis_server
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with redis_server() as (url, _):
+        yield url
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.close()
