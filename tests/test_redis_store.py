@@ -252,7 +252,7 @@ def test_unreachable_redis_fails_closed_except_a_local_protected_budget(
     second = core.admit("gold-a", RequestCost(10, 10), 1.0)
     assert isinstance(second, Reject) and second.reason == Reason.CONCURRENCY_LIMIT
     assert "local budget" in second.message
-    with redis_server(port) as (url, _):
+    with redis_server(port):
         assert core.tick(1.5).expired == ()  # still within the retry interval: not tried
         assert core.fallback.leases
         clock.t += cfg.state.retry_interval_s
@@ -336,9 +336,9 @@ def test_no_counter_goes_negative_when_ends_arrive_twice(redis_url: str, redis_c
 def test_bad_redis_url_is_a_config_error() -> None:
     from tokenpools.model.config import ConfigError, parse_config
 
-    with pytest.raises(ConfigError, match="state.url"):
+    with pytest.raises(ConfigError, match=r"state\.url"):
         parse_config({"pools": [], "state": {"backend": "redis", "url": "localhost:6379"}})
-    with pytest.raises(ConfigError, match="state.backend"):
+    with pytest.raises(ConfigError, match=r"state\.backend"):
         parse_config({"pools": [], "state": {"backend": "etcd"}})
 
 
