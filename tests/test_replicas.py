@@ -1,0 +1,345 @@
+"""Three gateway processes on one Redis enforce one pool as one process would, and survive the
+loss of a replica, of Redis, and a stalled Redis.
+
+Real processes on loopback: redis-server, an emulator backend, three `tokenpools serve`. The
+load generator runs here, closed loop from many keys, and a sampler reads the pool's counters
+in Redis and the backend's own count of requests every 20 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis
+import yaml
+
+from tokenpools.model.keys import hash_key
+from tokenpools.openai_api import vllm_gauges
+from tokenpools.processes import free_port, redis_server, spawn, stop, wait_port, wait_ready
+
+MODEL = "m"
+SLOTS = 8
+OVERCOMMIT = 0.1
+TTL_S = 3.0
+TIMEOUT_S = 0.05
+BURST_WINDOW_S = 2.0
+ELASTIC_RATE = 300.0  # each elastic entitlement's burst ceiling, tokens/s
+ENTS = ["gold", "e1", "e2", "e3", "e4", "spot"]
+KEYS = {name: [f"sk-{name}-{i}" for i in range(2)] for name in ENTS}
+
+
+def gateway_config(backend: str, redis_url: str) -> dict[str, Any]:
+    ents: list[dict[str, Any]] = [
+        {"name": "gold", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 2},
+        *(
+            {
+                "name": f"e{i}",
+                "serviceClass": "elastic",
+                "sloTargetMs": 2000,
+                "concurrency": 1,
+                "burst": {"concurrency": 4, "tokensPerSecond": ELASTIC_RATE},
+            }
+            for i in range(1, 5)
+        ),
+        {"name": "spot", "serviceClass": "spot"},
+    ]
+    for e in ents:
+        e.update(tenantId=e["name"], pool="p", apiKeys=[hash_key(k) for k in KEYS[e["name"]]])
+    return {
+        "state": {
+            "backend": "redis",
+            "url": redis_url,
+            "timeoutMs": TIMEOUT_S * 1000,
+            "retryIntervalS": 0.5,
+            "fallbackFraction": 0.5,
+        },
+        "policy": {
+            "leaseTtlS": TTL_S,
+            "overcommit": OVERCOMMIT,
+            "burstWindowS": BURST_WINDOW_S,
+            "retryAfterMinS": 0.2,
+        },
+        "pools": [
+            {
+                "name": "p",
+                "model": "Llama-3.1-8B",
+                "servedModels": [MODEL],
+                "backends": [{"url": backend, "timeoutS": 30}],
+                "perReplica": {"tokensPerSecond": 3000, "kvTokens": 1e6, "concurrency": SLOTS},
+            }
+        ],
+        "entitlements": ents,
+    }
+
+
+@dataclass
+class Reply:
+    gateway: int
+    entitlement: str
+    start: float
+    end: float
+    status: int
+    code: str | None
+    tokens: int  # prompt + completion tokens settled (200s only)
+
+
+@dataclass
+class Cluster:
+    redis_port: int
+    redis_proc: subprocess.Popen[bytes]
+    backend: str
+    gateways: list[str]
+    procs: list[subprocess.Popen[bytes]]
+    replies: list[Reply] = field(default_factory=list)
+    max_backend: float = 0.0  # requests running + waiting at the backend
+    max_reserved: float = 0.0  # concurrency reserved in Redis
+    negative: list[str] = field(default_factory=list)  # counters seen below zero
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis.Redis(port=self.redis_port, socket_timeout=1)
+
+    def restart_redis(self) -> None:
+        self.redis_proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1"]
+            + ["--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        wait_port(self.redis_port, self.redis_proc)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with redis_server() as (redis_url, redis_proc):
+        port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        emu_port = free_port()
+        backend = f"http://127.0.0.1:{emu_port}"
+        path = tmp_path / "gateway.yaml"
+        path.write_text(yaml.safe_dump(gateway_config(backend, redis_url)))
+        emulator = spawn(
+            ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "1", "--port", str(emu_port)]
+        )
+        ports = [free_port() for _ in range(3)]
+        procs = [spawn(["serve", "--config", str(path), "--port", str(p)]) for p in ports]
+        gateways = [f"http://127.0.0.1:{p}" for p in ports]
+        c = Cluster(port, redis_proc, backend, gateways, procs)
+
+        async def ready() -> None:
+            await wait_ready(f"{backend}/health", emulator)
+            for url, proc in zip(gateways, procs, strict=True):
+                await wait_ready(f"{url}/readyz", proc)
+
+        try:
+            asyncio.run(ready())
+            yield c
+        finally:
+            stop(emulator, *(p for p in procs if p.poll() is None))
+            if c.redis_proc is not redis_proc:
+                c.redis_proc.kill()
+                c.redis_proc.wait()
+
+
+async def drive(c: Cluster, seconds: float, events: list[tuple[float, Any]] = ()) -> float:
+    """Closed-loop load from every key through every live gateway for `seconds`, sampling as
+    it goes; `events` are (at_s, fn) run at those offsets. Returns the load's start time."""
+    t0 = time.monotonic()
+    end = t0 + seconds
+    dead: set[int] = set()
+    sampler_redis = c.redis
+
+    async def worker(session: aiohttp.ClientSession, ent: str, key: str, n: int) -> None:
+        i = n
+        while time.monotonic() < end:
+            i += 1
+            g = i % len(c.gateways)
+            if g in dead:
+                continue
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "count to twenty " * 8}],
+                "max_tokens": 24,
+            }
+            start = time.monotonic()
+            try:
+                async with session.post(
+                    f"{c.gateways[g]}/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as r:
+                    data = await r.json(content_type=None)
+                    status = r.status
+            except aiohttp.ClientError:
+                status, data = 0, {}
+            tokens = 0
+            code = None
+            if status == 200:
+                usage = data.get("usage") or {}
+                tokens = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+            elif isinstance(data, dict) and isinstance(data.get("error"), dict):
+                code = data["error"].get("code")
+            c.replies.append(Reply(g, ent, start, time.monotonic(), status, code, tokens))
+            if status in (429, 503):
+                await asyncio.sleep(0.05)  # a client backing off, briefly
+
+    async def sampler(session: aiohttp.ClientSession) -> None:
+        while time.monotonic() < end + 0.5:
+            try:
+                async with session.get(f"{c.backend}/metrics") as r:
+                    g = vllm_gauges(await r.read())
+                running = g.get("vllm:num_requests_running", 0) + g.get(
+                    "vllm:num_requests_waiting", 0
+                )
+                c.max_backend = max(c.max_backend, running)
+            except aiohttp.ClientError:
+                pass
+            try:
+                reserved = await asyncio.to_thread(sampler_redis.hget, "tokenpools:{p}", "conc")
+                if reserved is not None:
+                    c.max_reserved = max(c.max_reserved, float(reserved))
+                c.negative += await asyncio.to_thread(negative_counters, sampler_redis)
+            except redis.RedisError:
+                pass
+            await asyncio.sleep(0.02)
+
+    async def timeline() -> None:
+        for at, fn in events:
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+            killed = fn()
+            if isinstance(killed, int):
+                dead.add(killed)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        workers = [
+            worker(session, ent, key, n)
+            for ent in ENTS
+            for key in KEYS[ent]
+            for n in range(3 if ent != "gold" else 1)
+        ]
+        await asyncio.gather(sampler(session), timeline(), *workers)
+    return t0
+
+
+def negative_counters(r: redis.Redis) -> list[str]:
+    bad = []
+    for key in r.scan_iter("tokenpools:{p}*"):
+        if r.type(key) != b"hash" or b":l:" in key or key.endswith(b":inf"):
+            continue
+        values = r.hmget(key, "conc", "kv", "leases")
+        for name, value in zip(("conc", "kv", "leases"), values, strict=True):
+            if value is not None and float(value) < -1e-9:
+                bad.append(f"{key.decode()} {name}={value.decode()}")
+    return bad
+
+
+def wait_for(condition: Any, timeout_s: float) -> float:
+    """Poll until `condition()` holds; returns when it did (monotonic)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+def pool_leases(c: Cluster) -> int:
+    value = c.redis.hget("tokenpools:{p}", "leases")
+    return int(float(value)) if value is not None else 0
+
+
+def test_three_replicas_enforce_one_pool(cluster: Cluster) -> None:
+    seconds = 6.0
+    asyncio.run(drive(cluster, seconds))
+    replies = cluster.replies
+    assert not [r for r in replies if r.status not in (200, 429)], "only 200s and 429s"
+    assert {r.gateway for r in replies if r.status == 200} == {0, 1, 2}
+    assert sum(r.status == 429 for r in replies) > 0, "the load must exceed the pool"
+    # Concurrency: never more in flight than the pool's slots plus the overcommit.
+    assert cluster.max_reserved <= SLOTS * (1 + OVERCOMMIT)
+    assert cluster.max_backend <= SLOTS * (1 + OVERCOMMIT)
+    assert cluster.max_reserved >= SLOTS - 1, "the pool was driven to its capacity"
+    # Throughput: settled tokens within each elastic entitlement's burst ceiling.
+    for ent in ("e1", "e2", "e3", "e4"):
+        settled = sum(r.tokens for r in replies if r.entitlement == ent)
+        assert settled <= ELASTIC_RATE * (seconds + BURST_WINDOW_S), (ent, settled)
+    assert not cluster.negative
+    wait_for(lambda: pool_leases(cluster) == 0, 5)
+
+
+def test_a_killed_replicas_leases_come_back_within_the_ttl(cluster: Cluster) -> None:
+    killed_at = 0.0
+
+    def kill() -> int:
+        nonlocal killed_at
+        killed_at = time.monotonic()
+        cluster.procs[0].send_signal(signal.SIGKILL)
+        return 0
+
+    asyncio.run(drive(cluster, 5.0, [(2.0, kill)]))
+    after = [r for r in cluster.replies if r.start > killed_at + 0.1]
+    assert sum(r.status == 200 and r.gateway in (1, 2) for r in after) > 10
+    reclaimed = wait_for(lambda: pool_leases(cluster) == 0, TTL_S + 3)
+    assert reclaimed - killed_at <= TTL_S + 1.0  # the TTL plus one tick and renewal slack
+    assert not cluster.negative
+
+
+def test_a_redis_restart_follows_the_outage_policy(cluster: Cluster) -> None:
+    phases: dict[str, float] = {}
+
+    def down() -> None:
+        phases["down"] = time.monotonic()
+        cluster.redis_proc.kill()
+        cluster.redis_proc.wait()
+
+    def up() -> None:
+        cluster.restart_redis()
+        phases["up"] = time.monotonic()
+
+    asyncio.run(drive(cluster, 7.0, [(2.0, down), (4.0, up)]))
+    replies = cluster.replies
+    assert not [r for r in replies if r.status not in (200, 429, 503)]
+    outage = [r for r in replies if phases["down"] + 0.1 < r.start and r.end < phases["up"]]
+    spot = [r for r in outage if r.entitlement == "spot"]
+    assert spot and all(r.status == 503 and r.code == "store_unavailable" for r in spot)
+    assert any(r.status == 200 for r in outage if r.entitlement == "gold"), "gold keeps flowing"
+    recovered = [r for r in replies if r.start > phases["up"] + 1.0]
+    assert any(r.status == 200 and r.entitlement != "gold" for r in recovered)
+    assert not cluster.negative
+    wait_for(lambda: pool_leases(cluster) == 0, TTL_S + 3)
+    assert not negative_counters(cluster.redis)
+
+
+def test_a_stalled_redis_delays_no_request_beyond_the_timeout(cluster: Cluster) -> None:
+    stalled: dict[str, float] = {}
+
+    def sigstop() -> None:
+        stalled["from"] = time.monotonic()
+        os.kill(cluster.redis_proc.pid, signal.SIGSTOP)
+
+    def sigcont() -> None:
+        os.kill(cluster.redis_proc.pid, signal.SIGCONT)
+        stalled["to"] = time.monotonic()
+
+    try:
+        asyncio.run(drive(cluster, 6.0, [(2.0, sigstop), (4.0, sigcont)]))
+    finally:
+        os.kill(cluster.redis_proc.pid, signal.SIGCONT)
+    replies = cluster.replies
+    assert not [r for r in replies if r.status not in (200, 429, 503)]
+    during = [r for r in replies if stalled["from"] <= r.start and r.end <= stalled["to"]]
+    refused = [r for r in during if r.status == 503]
+    assert refused, "spot is refused while Redis is stalled"
+    slowest = max(r.end - r.start for r in refused)
+    # One timeout, plus this loaded 2-core machine's scheduling noise.
+    assert slowest <= TIMEOUT_S + 0.25, slowest
+    wait_for(lambda: pool_leases(cluster) == 0, TTL_S + 3)
+    assert not negative_counters(cluster.redis)
