@@ -25,7 +25,7 @@ import yaml
 
 from tokenpools.model.keys import hash_key
 from tokenpools.openai_api import vllm_gauges
-from tokenpools.processes import free_port, redis_server, spawn, stop, wait_port, wait_ready
+from tokenpools.processes import free_port, redis_server, spawn, start_redis, stop, wait_ready
 
 MODEL = "m"
 SLOTS = 8
@@ -110,12 +110,7 @@ class Cluster:
         return redis.Redis(port=self.redis_port, socket_timeout=1)
 
     def restart_redis(self) -> None:
-        self.redis_proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1"]
-            + ["--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-        )
-        wait_port(self.redis_port, self.redis_proc)
+        self.redis_proc = start_redis(self.redis_port)
 
 
 @pytest.fixture

@@ -54,20 +54,26 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
-@contextlib.contextmanager
-def redis_server(port: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A throwaway redis-server on loopback, no persistence: yields (url, process)."""
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    """redis-server on loopback `port`, no persistence, ready when this returns."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    port = port or free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    wait_port(port, proc)
+    return proc
+
+
+@contextlib.contextmanager
+def redis_server(port: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A throwaway redis-server: yields (url, process) and kills it afterwards."""
+    port = port or free_port()
+    proc = start_redis(port)
     try:
-        wait_port(port, proc)
         yield f"redis://127.0.0.1:{port}/0", proc
     finally:
         proc.kill()
