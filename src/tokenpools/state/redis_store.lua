@@ -28,24 +28,37 @@ local function fmt(x)
   return x
 end
 
+-- A loaded hash remembers what it held (t.__o), so that saving writes only what changed.
 local function load(key)
   local raw = redis.call('HGETALL', key)
   if #raw == 0 then return nil end
-  local t = {}
+  local t, o = {}, {}
   for i = 1, #raw, 2 do
     local f, v = raw[i], raw[i + 1]
-    if STRINGS[f] then t[f] = v else t[f] = tonumber(v) end
+    if not STRINGS[f] then v = tonumber(v) end
+    t[f] = v
+    o[f] = v
   end
+  t.__o = o
   return t
 end
 
 local function save(key, t, fields)
+  local o = t.__o
+  if o == nil then
+    o = {}
+    t.__o = o
+  end
   local args = {}
   for _, f in ipairs(fields) do
-    args[#args + 1] = f
-    args[#args + 1] = fmt(t[f])
+    local v = t[f]
+    if v ~= o[f] then
+      args[#args + 1] = f
+      args[#args + 1] = fmt(v)
+      o[f] = v
+    end
   end
-  redis.call('HSET', key, unpack(args))
+  if #args > 0 then redis.call('HSET', key, unpack(args)) end
 end
 
 local POOL_FIELDS = { 'conc', 'kv', 'pre_c', 'pre_k', 'hold_c', 'hold_k', 'leases',
@@ -249,10 +262,13 @@ end
 
 -- operations
 
-local function check_epoch(p)
-  if p == nil then return redis.error_reply('TPEPOCH none') end
-  if p.epoch ~= ARGV[2] then return redis.error_reply('TPEPOCH ' .. p.epoch) end
-  return nil
+local function pool_counters(p)
+  return { fmt(p.conc), fmt(p.kv), fmt(p.pre_c), fmt(p.pre_k), fmt(p.hold_c), fmt(p.hold_k),
+    fmt(p.b_level), fmt(p.pb_level), fmt(p.leases) }
+end
+
+local function ent_counters(e)
+  return { fmt(e.conc), fmt(e.kv), fmt(e.o_level), fmt(e.leases) }
 end
 
 local function reserve(p, now)
@@ -271,8 +287,10 @@ local function reserve(p, now)
   local ekey = ent_key(name)
   local e = load(ekey)
   if e == nil then return redis.error_reply('TPUNKNOWN entitlement ' .. name) end
-  local done = load(lease_key(id))
-  if done ~= nil then return { 'ok', fmt(done.reserved), fmt(done.own) } end -- a retried call
+  if redis.call('EXISTS', lease_key(id)) == 1 then -- a retried call that had succeeded
+    local done = load(lease_key(id))
+    return { 'ok', fmt(done.reserved), fmt(done.own) }
+  end
   e.demand = e.demand + demand
   local used_c, used_k, pre_c, pre_k = p.conc, p.kv, p.pre_c, p.pre_k
   local victims = {}
@@ -286,28 +304,24 @@ local function reserve(p, now)
       pre_k = pre_k - v.kv
     end
   end
-  local function refuse(short)
-    refused(name, e.priority, now)
+  -- A refusal answers with the counters the caller reads next (Retry-After, victims), read
+  -- as the memory store's pool_counters and entitlement_counters would: one round trip.
+  local function refuse(short, contended)
+    if contended then refused(name, e.priority, now) end
+    refill(e, 'o_', now)
+    refill(p, 'b_', now)
+    refill(p, 'pb_', now)
     save(ekey, e, ENT_FIELDS)
     save(P, p, POOL_FIELDS)
-    return short
+    return { short, pool_counters(p), ent_counters(e) }
   end
   local conc_after = e.conc + 1
-  if conc_after > ent_c then
-    redis.call('HSET', ekey, 'demand', fmt(e.demand))
-    return 'entitlement_concurrency'
-  end
+  if conc_after > ent_c then return refuse('entitlement_concurrency', false) end
   refill(e, 'o_', now)
   local own_ok = e.o_level >= tokens
-  if own_required and not own_ok then
-    save(ekey, e, ENT_FIELDS)
-    return 'entitlement_throughput'
-  end
+  if own_required and not own_ok then return refuse('entitlement_throughput', false) end
   local kv_after = e.kv + kv
-  if kv_after > ent_k then
-    save(ekey, e, ENT_FIELDS)
-    return 'entitlement_kv'
-  end
+  if kv_after > ent_k then return refuse('entitlement_kv', false) end
   refill(p, 'b_', now)
   refill(p, 'pb_', now)
 
@@ -316,9 +330,9 @@ local function reserve(p, now)
   if own_ok and conc_after <= base_c and kv_after <= base_k then
     local lc, lk, lf = res_c, res_k, res_f
     if overcommit then lc, lk, lf = oc_c, oc_k, oc_f end
-    if used_c + 1 > lc then return refuse('pool_concurrency') end
-    if used_k + kv > lk then return refuse('pool_kv') end
-    if p.b_level - tokens < lf then return refuse('pool_throughput') end
+    if used_c + 1 > lc then return refuse('pool_concurrency', true) end
+    if used_k + kv > lk then return refuse('pool_kv', true) end
+    if p.b_level - tokens < lf then return refuse('pool_throughput', true) end
     e.o_level = e.o_level - tokens
     p.pb_level = p.pb_level - tokens
     l.reserved, l.own = 1, 1
@@ -327,14 +341,14 @@ local function reserve(p, now)
     local unreserved = p.b_level - p.pb_level - tokens
     if (used_c + hold_c + 1 > ct_c or used_k + hold_k + kv > ct_k or unreserved < ct_b)
         and outranked(name, e.priority, now - window) then
-      return refuse('low_priority')
+      return refuse('low_priority', true)
     end
-    if used_c - pre_c + hold_c + 1 > np_c then return refuse('reserved_concurrency') end
-    if used_k - pre_k + hold_k + kv > np_k then return refuse('reserved_kv') end
-    if unreserved < np_f then return refuse('reserved_throughput') end
-    if used_c + 1 > sh_c then return refuse('pool_concurrency') end
-    if used_k + kv > sh_k then return refuse('pool_kv') end
-    if p.b_level - tokens < sh_f then return refuse('pool_throughput') end
+    if used_c - pre_c + hold_c + 1 > np_c then return refuse('reserved_concurrency', true) end
+    if used_k - pre_k + hold_k + kv > np_k then return refuse('reserved_kv', true) end
+    if unreserved < np_f then return refuse('reserved_throughput', true) end
+    if used_c + 1 > sh_c then return refuse('pool_concurrency', true) end
+    if used_k + kv > sh_k then return refuse('pool_kv', true) end
+    if p.b_level - tokens < sh_f then return refuse('pool_throughput', true) end
     if own_required then
       e.o_level = e.o_level - tokens
       l.own = 1
@@ -477,11 +491,57 @@ local function set_scores()
   return 'ok'
 end
 
-local p = load(P)
 local now = tonumber(ARGV[3])
 if op == 'configure_pool' then return configure_pool(now) end
-local stale = check_epoch(p)
-if stale ~= nil then return stale end
+-- the operations that change the pool's counters read its whole hash, epoch included
+local p = nil
+if op == 'reserve' or op == 'finish' then
+  p = load(P)
+  if p == nil or p.epoch ~= ARGV[2] then
+    return redis.error_reply('TPEPOCH ' .. tostring(p and p.epoch))
+  end
+else
+  local epoch = redis.call('HGET', P, 'epoch')
+  if epoch ~= ARGV[2] then return redis.error_reply('TPEPOCH ' .. tostring(epoch)) end
+end
+
+if op == 'renew' then
+  local key = lease_key(ARGV[4])
+  if redis.call('EXISTS', key) == 0 then return 0 end
+  redis.call('HSET', key, 'expires', ARGV[5])
+  redis.call('ZADD', P .. ':exp', ARGV[5], ARGV[4])
+  return 1
+end
+if op == 'get_lease' then
+  local l = load(lease_key(ARGV[4]))
+  if l == nil then return nil end
+  return lease_reply(ARGV[4], l)
+end
+if op == 'scores' then
+  return redis.call('HMGET', ent_key(ARGV[4]), 'debt', 'burst', 'priority')
+end
+if op == 'set_scores' then return set_scores() end
+if op == 'take_window' then return take_window(now) end
+if op == 'entitlement_counters' then
+  local key = ent_key(ARGV[4])
+  local e = load(key)
+  refill(e, 'o_', now)
+  save(key, e, { 'o_level', 'o_t' })
+  return ent_counters(e)
+end
+if op == 'claim_update' then
+  if tonumber(ARGV[4]) <= tonumber(redis.call('HGET', P, 'last_period')) then return 0 end
+  redis.call('HSET', P, 'last_period', ARGV[4])
+  return 1
+end
+if op == 'preemptible' then
+  local out = {}
+  for _, id in ipairs(redis.call('ZRANGE', P .. ':pre', 0, -1)) do
+    local l = load(lease_key(id))
+    if l ~= nil then out[#out + 1] = lease_reply(id, l) end
+  end
+  return out
+end
 
 if op == 'reserve' then return reserve(p, now) end
 if op == 'finish' then
@@ -492,52 +552,15 @@ if op == 'finish' then
   save(P, p, POOL_FIELDS)
   return lease_reply(ARGV[4], l)
 end
+p = load(P)
 if op == 'configure_entitlement' then return configure_entitlement(p, now) end
 if op == 'remove_entitlement' then return remove_entitlement(p) end
 if op == 'adopt' then return adopt(p, now) end
-if op == 'renew' then
-  local key = lease_key(ARGV[4])
-  if redis.call('EXISTS', key) == 0 then return 0 end
-  redis.call('HSET', key, 'expires', ARGV[5])
-  redis.call('ZADD', P .. ':exp', ARGV[5], ARGV[4])
-  return 1
-end
 if op == 'expire' then return expire(p, now) end
-if op == 'get_lease' then
-  local l = load(lease_key(ARGV[4]))
-  if l == nil then return nil end
-  return lease_reply(ARGV[4], l)
-end
-if op == 'preemptible' then
-  local out = {}
-  for _, id in ipairs(redis.call('ZRANGE', P .. ':pre', 0, -1)) do
-    local l = load(lease_key(id))
-    if l ~= nil then out[#out + 1] = lease_reply(id, l) end
-  end
-  return out
-end
-if op == 'take_window' then return take_window(now) end
-if op == 'scores' then
-  return redis.call('HMGET', ent_key(ARGV[4]), 'debt', 'burst', 'priority')
-end
-if op == 'set_scores' then return set_scores() end
-if op == 'claim_update' then
-  if tonumber(ARGV[4]) <= p.last_period then return 0 end
-  redis.call('HSET', P, 'last_period', ARGV[4])
-  return 1
-end
 if op == 'pool_counters' then
   refill(p, 'b_', now)
   refill(p, 'pb_', now)
   save(P, p, POOL_FIELDS)
-  return { fmt(p.conc), fmt(p.kv), fmt(p.pre_c), fmt(p.pre_k), fmt(p.hold_c), fmt(p.hold_k),
-    fmt(p.b_level), fmt(p.pb_level), fmt(p.leases) }
-end
-if op == 'entitlement_counters' then
-  local key = ent_key(ARGV[4])
-  local e = load(key)
-  refill(e, 'o_', now)
-  save(key, e, { 'o_level', 'o_t' })
-  return { fmt(e.conc), fmt(e.kv), fmt(e.o_level), fmt(e.leases) }
+  return pool_counters(p)
 end
 return redis.error_reply('TPUNKNOWN operation ' .. op)

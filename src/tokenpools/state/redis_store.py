@@ -96,6 +96,9 @@ class RedisStore:
         self._mine: dict[str, Lease] = {}  # leases booked by this replica and not seen ended
         self._unsent: list[tuple[str, list[str]]] = []  # ends of leases Redis has not heard of
         self._now = 0.0
+        # The counters a refused reserve answered with, valid until the next call: the core
+        # reads them right after a refusal, and this saves that round trip.
+        self._refusal: tuple[str, str, float, PoolCounters, EntitlementCounters] | None = None
 
     @property
     def available(self) -> bool:
@@ -110,6 +113,7 @@ class RedisStore:
         if self._clock() < self._down_until:
             raise StoreUnavailable("redis is unreachable; retrying later")
         self._now = now
+        self._refusal = None
         try:
             if self._unsent:
                 self._send_unsent()
@@ -252,8 +256,15 @@ class RedisStore:
             *_plan_args(plan),
             *evict,
         )
-        if isinstance(reply, bytes):
-            return Shortfall(reply.decode())
+        if reply[0] != b"ok":
+            self._refusal = (
+                lease.pool,
+                lease.entitlement,
+                now,
+                _pool_counters(reply[1]),
+                _entitlement_counters(reply[2]),
+            )
+            return Shortfall(reply[0].decode())
         lease.reserved_path = reply[1] == b"1"
         lease.drew_own = reply[2] == b"1"
         self._mine[lease.lease_id] = lease
@@ -356,12 +367,28 @@ class RedisStore:
         return bool(self._call(pool, "claim_update", self._now, str(period)) == 1)
 
     def pool_counters(self, pool: str, now: float) -> PoolCounters:
-        c = [float(x) for x in self._call(pool, "pool_counters", now)]
-        return PoolCounters(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], int(c[8]))
+        refusal = self._refusal
+        if refusal is not None and refusal[0] == pool and refusal[2] == now:
+            return refusal[3]
+        return _pool_counters(self._call(pool, "pool_counters", now))
 
     def entitlement_counters(self, name: str, now: float) -> EntitlementCounters:
-        c = [float(x) for x in self._call(self._ent_pool[name], "entitlement_counters", now, name)]
-        return EntitlementCounters(c[0], c[1], c[2], int(c[3]))
+        refusal = self._refusal
+        if refusal is not None and refusal[1] == name and refusal[2] == now:
+            return refusal[4]
+        return _entitlement_counters(
+            self._call(self._ent_pool[name], "entitlement_counters", now, name)
+        )
+
+
+def _pool_counters(reply: Sequence[bytes]) -> PoolCounters:
+    c = [float(x) for x in reply]
+    return PoolCounters(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], int(c[8]))
+
+
+def _entitlement_counters(reply: Sequence[bytes]) -> EntitlementCounters:
+    c = [float(x) for x in reply]
+    return EntitlementCounters(c[0], c[1], c[2], int(c[3]))
 
 
 _plan_cache: dict[ReservePlan, list[str]] = {}

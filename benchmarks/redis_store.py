@@ -1,0 +1,226 @@
+"""The shared Redis store: admission latency, and gateway throughput with one and three replicas.
+
+1. Admission: `DecisionCore.admit` + `settle` on a RedisStore against a redis-server on
+   loopback, 100 entitlements of every class in one pool, a mix that is admitted and rejected.
+   Latency per call, several runs; the memory store is measured in the same run as baseline.
+2. Gateway: closed loop, 64 concurrent non-streaming requests, against one gateway process on
+   Redis, then three (the client spreads its requests over them), with an emulator (no step
+   delay) as backend; one gateway on the memory store is the baseline. The machine has 2 cores
+   shared by every process: read ratios, not absolutes.
+
+    python benchmarks/redis_store.py --json out/redis_store.json [--seconds 5] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import yaml
+
+from gateway import KEY, MODEL, closed_loop, pct
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit
+from tokenpools.model.config import parse_config
+from tokenpools.model.keys import hash_key
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
+from tokenpools.state.redis_store import RedisStore
+
+CLASSES = ["guaranteed", "dedicated", "elastic", "spot", "preemptible"]
+
+
+def core_config() -> dict[str, Any]:
+    ents = []
+    for i in range(100):
+        cls = CLASSES[i % len(CLASSES)]
+        ent: dict[str, Any] = {"name": f"t{i}", "tenantId": f"t{i}", "pool": "p"}
+        ent["serviceClass"] = cls
+        if cls in ("guaranteed", "dedicated", "elastic"):
+            ent.update(sloTargetMs=1000, concurrency=2)
+        ents.append(ent)
+    pool = {
+        "name": "p",
+        "model": "Llama-3.1-8B",
+        "replicas": 4,
+        "perReplica": {"tokensPerSecond": 20000, "kvTokens": 500000, "concurrency": 64},
+    }
+    return {"pools": [pool], "entitlements": ents}
+
+
+def admission_run(core: DecisionCore, n: int, seed: int) -> tuple[list[float], list[float]]:
+    """n arrivals with a bounded number in flight; returns admit and settle latencies (s)."""
+    rng = random.Random(seed)
+    names = list(core.entitlements)
+    live: list[str] = []
+    admit_s, settle_s = [], []
+    t = 1000.0 * seed
+    for _ in range(n):
+        t += 0.002
+        cost = RequestCost(rng.randint(50, 800), rng.randint(16, 256))
+        start = time.perf_counter()
+        decision = core.admit(rng.choice(names), cost, t)
+        admit_s.append(time.perf_counter() - start)
+        if isinstance(decision, Admit):
+            live.append(decision.lease.lease_id)
+        if len(live) > 200 or (live and rng.random() < 0.5):
+            lease_id = live.pop(rng.randrange(len(live)))
+            start = time.perf_counter()
+            core.settle(lease_id, Usage(cost.input_tokens, 32), t)
+            settle_s.append(time.perf_counter() - start)
+        if rng.random() < 0.01:
+            core.tick(t)
+    for lease_id in live:
+        core.release(lease_id, t)
+    return admit_s, settle_s
+
+
+def ping_ms(url: str, n: int) -> tuple[float, float]:
+    """The floor: p50 and p99 of a bare PING round trip to the same server."""
+    client = redis.Redis.from_url(url)
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        client.ping()
+        times.append(time.perf_counter() - start)
+    client.close()
+    return pct(times, 50) * 1000, pct(times, 99) * 1000
+
+
+def admission(url: str, repeats: int, n: int) -> dict[str, Any]:
+    config = parse_config(core_config())
+    rows: dict[str, list[dict[str, float]]] = {"redis": [], "memory": [], "ping": []}
+    for run in range(repeats):
+        p50, p99 = ping_ms(url, n)
+        rows["ping"].append({"p50_ms": p50, "p99_ms": p99})
+        for backend in ("memory", "redis"):
+            store = (
+                RedisStore(url, timeout_s=1.0, prefix=f"bench{run}") if backend == "redis" else None
+            )
+            core = DecisionCore(config, store=store, now=1000.0 * run)
+            admit_s, settle_s = admission_run(core, n, run)
+            rows[backend].append(
+                {
+                    "admit_p50_ms": pct(admit_s, 50) * 1000,
+                    "admit_p99_ms": pct(admit_s, 99) * 1000,
+                    "settle_p50_ms": pct(settle_s, 50) * 1000,
+                    "settle_p99_ms": pct(settle_s, 99) * 1000,
+                }
+            )
+            last = rows[backend][-1]
+            print(
+                f"admission {backend:6s} run {run}: admit p50 {last['admit_p50_ms']:.3f} ms "
+                f"p99 {last['admit_p99_ms']:.3f} ms, settle p50 {last['settle_p50_ms']:.3f} ms "
+                f"(PING p50 {p50:.3f} ms, p99 {p99:.3f} ms)",
+                file=sys.stderr,
+            )
+    return rows
+
+
+def gateway_config(backend: str, state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "state": state,
+        "pools": [
+            {
+                "name": "bench",
+                "model": "Llama-3.1-8B",
+                "servedModels": [MODEL],
+                "backends": [{"url": backend}],
+                "perReplica": {"tokensPerSecond": 1e9, "kvTokens": 1e9, "concurrency": 1e6},
+            }
+        ],
+        "entitlements": [
+            {"name": "bench", "tenantId": "bench", "pool": "bench", "serviceClass": "elastic",
+             "concurrency": 1e5, "apiKeys": [hash_key(KEY)]}
+        ],
+    }  # fmt: skip
+
+
+async def gateways_rps(
+    emu_url: str, state: dict[str, Any], replicas: int, seconds: float, repeats: int
+) -> list[float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(gateway_config(emu_url, state), f)
+    ports = [free_port() for _ in range(replicas)]
+    procs = [spawn(["serve", "--config", f.name, "--port", str(p)]) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url, proc in zip(urls, procs, strict=True):
+            await wait_ready(f"{url}/readyz", proc)
+        runs = []
+        for _ in range(repeats):
+            # 64 clients in all, spread evenly over the replicas
+            rates = await asyncio.gather(
+                *(closed_loop(url, 64 // replicas, seconds) for url in urls)
+            )
+            runs.append(sum(rates))
+        return runs
+    finally:
+        stop(*procs)
+        Path(f.name).unlink()
+
+
+async def gateway(url: str, seconds: float, repeats: int) -> dict[str, list[float]]:
+    emu_port = free_port()
+    emu_url = f"http://127.0.0.1:{emu_port}"
+    emulator = spawn(
+        ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "0", "--port", str(emu_port)]
+    )
+    redis_state = {"backend": "redis", "url": url, "keyPrefix": "gwbench"}
+    try:
+        await wait_ready(f"{emu_url}/health", emulator)
+        out = {
+            "memory_1": await gateways_rps(emu_url, {}, 1, seconds, repeats),
+            "redis_1": await gateways_rps(emu_url, redis_state, 1, seconds, repeats),
+            "redis_3": await gateways_rps(emu_url, redis_state, 3, seconds, repeats),
+        }
+        for name, runs in out.items():
+            print(f"gateway {name}: {', '.join(f'{r:.0f}' for r in runs)} req/s", file=sys.stderr)
+        return out
+    finally:
+        stop(emulator)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decisions", type=int, default=20000)
+    args = parser.parse_args()
+    with redis_server() as (url, _):
+        adm = admission(url, args.repeats, args.decisions)
+        gw = asyncio.run(gateway(url, args.seconds, args.repeats))
+
+    def med(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    result = {
+        "admission_p50_ms": med(adm["redis"], "admit_p50_ms"),
+        "admission_p99_ms": med(adm["redis"], "admit_p99_ms"),
+        "gateway_rps_1_replica": statistics.median(gw["redis_1"]),
+        "gateway_rps_3_replicas": statistics.median(gw["redis_3"]),
+        "settle_p50_ms": med(adm["redis"], "settle_p50_ms"),
+        "settle_p99_ms": med(adm["redis"], "settle_p99_ms"),
+        "redis_ping_p50_ms": med(adm["ping"], "p50_ms"),
+        "redis_ping_p99_ms": med(adm["ping"], "p99_ms"),
+        "memory_admission_p50_ms": med(adm["memory"], "admit_p50_ms"),
+        "memory_admission_p99_ms": med(adm["memory"], "admit_p99_ms"),
+        "memory_gateway_rps_1_replica": statistics.median(gw["memory_1"]),
+        "runs": {"admission": adm, "gateway_rps": gw},
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
