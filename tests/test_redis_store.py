@@ -10,6 +10,7 @@ import random
 import signal
 import time
 from collections import Counter
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -67,12 +68,12 @@ def close(x: float, y: float) -> bool:
 
 def assert_same_state(a: DecisionCore, b: DecisionCore, t: float, where: Any) -> None:
     pa, pb = a.store.pool_counters("p", t), b.store.pool_counters("p", t)
-    for f in pa.__slots__:
-        assert close(getattr(pa, f), getattr(pb, f)), (where, f, pa, pb)
+    for f in fields(pa):
+        assert close(getattr(pa, f.name), getattr(pb, f.name)), (where, f.name, pa, pb)
     for name in NAMES:
         ea, eb = a.store.entitlement_counters(name, t), b.store.entitlement_counters(name, t)
-        for f in ea.__slots__:
-            assert close(getattr(ea, f), getattr(eb, f)), (where, name, f, ea, eb)
+        for f in fields(ea):
+            assert close(getattr(ea, f.name), getattr(eb, f.name)), (where, name, f.name, ea, eb)
         assert a.store.scores(name) == b.store.scores(name), (where, name)
 
 
