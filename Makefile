@@ -50,6 +50,7 @@ bench: $(BIN)/tokenpools $(CVENV)/.built
 	$(CVENV)/bin/python benchmarks/admission.py --json out/admission-compiled.json
 	$(BIN)/python benchmarks/simulator.py --json out/simulator-python.json
 	$(CVENV)/bin/python benchmarks/simulator.py --json out/simulator-compiled.json
+	$(BIN)/python benchmarks/redis_store.py --json out/redis_store.json
 
 clean:
 	rm -rf $(VENV) $(CVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -184,3 +184,22 @@ def test_check_config_fails_with_a_clear_message(tmp_path: Path) -> None:
 def test_hash_key_command() -> None:
     result = CliRunner().invoke(app, ["hash-key", "sk-x"])
     assert result.output.strip() == hash_key("sk-x")
+
+
+def test_state_section_defaults_to_memory_and_converts_units() -> None:
+    assert parse_config(base()).state.backend == "memory"
+    state = parse_config(
+        {**base(), "state": {"backend": "redis", "url": "redis://db:6380/2", "timeoutMs": 20}}
+    ).state
+    assert (state.backend, state.url, state.timeout_s) == ("redis", "redis://db:6380/2", 0.02)
+    assert state.fallback_fraction == 0.5
+    assert "state.fallbackFraction" in error_of({**base(), "state": {"fallbackFraction": 2}})
+    assert "state.timeoutMs" in error_of({**base(), "state": {"timeoutMs": 0}})
+
+
+def test_check_config_does_not_need_redis(tmp_path: Path) -> None:
+    path = tmp_path / "redis.yaml"
+    path.write_text(EXAMPLE.read_text() + "state: {backend: redis, url: 'redis://127.0.0.1:1/0'}\n")
+    result = CliRunner().invoke(app, ["check-config", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "state: shared in Redis at redis://127.0.0.1:1/0" in result.output

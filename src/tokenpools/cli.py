@@ -87,6 +87,13 @@ def check_config(
     unbound = [n for n, v in core.entitlements.items() if v.state != BindingState.BOUND]
     if unbound:
         console.print(f"[yellow]not bound:[/] {', '.join(unbound)}")
+    state = config.state
+    if state.backend == "redis":  # not contacted here: checking a file needs no Redis
+        console.print(
+            f"state: shared in Redis at {state.url} (timeout {state.timeout_s * 1000:g} ms; "
+            f"while unreachable, protected classes get {state.fallback_fraction:g} of their "
+            "baseline per replica, the others 503)"
+        )
     console.print(f"[green]ok[/]: {len(core.pools)} pools, {len(core.entitlements)} entitlements")
 
 

@@ -299,7 +299,7 @@ class DecisionCore:
                 raise ValueError(f"request id {request_id!r} already holds a lease")
             return self._reserve(view, pool_view, lease, tokens, kv, now)
         except StoreUnavailable:
-            if self.fallback.store.get_lease(lease_id) is not None:
+            if request_id is not None and request_id in self.fallback.leases:
                 raise ValueError(f"request id {request_id!r} already holds a lease") from None
             return self.fallback.admit(ent, view.own_bucket, view.priority, lease, now)
 
@@ -418,9 +418,9 @@ class DecisionCore:
 
     def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
         """The request finished; charge what it really used and refund the rest."""
-        store: Store = self.fallback.store if lease_id in self.fallback.leases else self.store
+        local = lease_id in self.fallback.leases
         try:
-            lease = store.get_lease(lease_id)
+            lease = (self.fallback.store if local else self.store).get_lease(lease_id)
             if lease is None:
                 return None
             pool_view = self._pools[lease.pool]
@@ -429,11 +429,8 @@ class DecisionCore:
                 pool.input_token_weight * usage.input_tokens
                 + pool.output_token_weight * usage.output_tokens
             )
-            if store is self.store:
-                store.settle(lease_id, used, now)
-            else:
-                self.fallback.settle(lease_id, used, now)
-        except StoreUnavailable:  # it expires in the store, charged in full
+            (self.fallback if local else self.store).settle(lease_id, used, now)
+        except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
         duration = now - lease.started_at
         pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * max(0.0, duration)
@@ -446,7 +443,7 @@ class DecisionCore:
             return self.fallback.release(lease_id, now, refund=refund)
         try:
             return self.store.release(lease_id, now, refund=refund)
-        except StoreUnavailable:  # it expires in the store, charged in full
+        except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
 
     def renew(self, lease_id: str, now: float) -> bool:
