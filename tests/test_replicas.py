@@ -3,7 +3,8 @@ loss of a replica, of Redis, and a stalled Redis.
 
 Real processes on loopback: redis-server, an emulator backend, three `tokenpools serve`. The
 load generator runs here, closed loop from many keys, and a sampler reads the pool's counters
-in Redis and the backend's own count of requests every 20 ms.
+in Redis and the backend's own count of requests every 20 ms. Each test prints what it
+measured (`pytest tests/test_replicas.py -rP` shows it).
 """
 
 from __future__ import annotations
@@ -268,6 +269,17 @@ def test_three_replicas_enforce_one_pool(cluster: Cluster) -> None:
         assert settled <= ELASTIC_RATE * (seconds + BURST_WINDOW_S), (ent, settled)
     assert not cluster.negative
     wait_for(lambda: pool_leases(cluster) == 0, 5)
+    print(
+        f"max reserved concurrency {cluster.max_reserved:g}, max at the backend "
+        f"{cluster.max_backend:g} (capacity {SLOTS}, overcommit {OVERCOMMIT}); settled tokens "
+        + ", ".join(
+            f"{e} {sum(r.tokens for r in replies if r.entitlement == e)}"
+            for e in ("e1", "e2", "e3", "e4")
+        )
+        + f" (ceiling {ELASTIC_RATE * (seconds + BURST_WINDOW_S):g} each); "
+        f"{sum(r.status == 200 for r in replies)} admitted, "
+        f"{sum(r.status == 429 for r in replies)} shed"
+    )
 
 
 def test_a_killed_replicas_leases_come_back_within_the_ttl(cluster: Cluster) -> None:
@@ -285,6 +297,11 @@ def test_a_killed_replicas_leases_come_back_within_the_ttl(cluster: Cluster) -> 
     reclaimed = wait_for(lambda: pool_leases(cluster) == 0, TTL_S + 3)
     assert reclaimed - killed_at <= TTL_S + 1.0  # the TTL plus one tick and renewal slack
     assert not cluster.negative
+    print(
+        f"after the kill: {len(after)} requests to the others, "
+        f"{sum(r.status == 200 for r in after)} admitted; every lease back "
+        f"{reclaimed - killed_at:.2f} s after the kill (leaseTtlS {TTL_S:g})"
+    )
 
 
 def test_a_redis_restart_follows_the_outage_policy(cluster: Cluster) -> None:
@@ -311,6 +328,12 @@ def test_a_redis_restart_follows_the_outage_policy(cluster: Cluster) -> None:
     assert not cluster.negative
     wait_for(lambda: pool_leases(cluster) == 0, TTL_S + 3)
     assert not negative_counters(cluster.redis)
+    print(
+        f"outage: spot {len(spot)} requests, all 503; gold "
+        f"{sum(r.status == 200 for r in outage if r.entitlement == 'gold')} admitted of "
+        f"{sum(r.entitlement == 'gold' for r in outage)}; after: "
+        f"{sum(r.status == 200 for r in recovered)} admitted; no negative counter"
+    )
 
 
 def test_a_stalled_redis_delays_no_request_beyond_the_timeout(cluster: Cluster) -> None:
@@ -336,5 +359,10 @@ def test_a_stalled_redis_delays_no_request_beyond_the_timeout(cluster: Cluster) 
     slowest = max(r.end - r.start for r in refused)
     # One timeout, plus this loaded 2-core machine's scheduling noise.
     assert slowest <= TIMEOUT_S + 0.25, slowest
+    print(
+        f"stalled {stalled['to'] - stalled['from']:.1f} s: {len(refused)} refused, slowest "
+        f"{slowest * 1000:.0f} ms (timeoutMs {TIMEOUT_S * 1000:g}); "
+        f"{sum(r.status == 200 for r in during)} admitted on the local budget"
+    )
     wait_for(lambda: pool_leases(cluster) == 0, TTL_S + 3)
     assert not negative_counters(cluster.redis)
