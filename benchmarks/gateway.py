@@ -85,16 +85,16 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    emu_port, gw_port = free_port(), free_port()
-    emu_url, gw_url = f"http://127.0.0.1:{emu_port}", f"http://127.0.0.1:{gw_port}"
-    config = {
+def bench_config(backend: str, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One pool too large to ever refuse, one key: what is measured is the gateway itself."""
+    return {
+        "state": state or {},
         "pools": [
             {
                 "name": "bench",
                 "model": "Llama-3.1-8B",
                 "servedModels": [MODEL],
-                "backends": [{"url": emu_url}],
+                "backends": [{"url": backend}],
                 "perReplica": {"tokensPerSecond": 1e9, "kvTokens": 1e9, "concurrency": 1e6},
             }
         ],
@@ -103,6 +103,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
              "concurrency": 1e5, "apiKeys": [hash_key(KEY)]}
         ],
     }  # fmt: skip
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    emu_port, gw_port = free_port(), free_port()
+    emu_url, gw_url = f"http://127.0.0.1:{emu_port}", f"http://127.0.0.1:{gw_port}"
+    config = bench_config(emu_url)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     emulator = spawn(

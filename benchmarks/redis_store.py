@@ -27,11 +27,10 @@ from typing import Any
 import redis
 import yaml
 
-from gateway import KEY, MODEL, closed_loop, pct
+from gateway import bench_config, closed_loop, pct
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
-from tokenpools.model.keys import hash_key
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
 from tokenpools.state.redis_store import RedisStore
@@ -126,30 +125,11 @@ def admission(url: str, repeats: int, n: int) -> dict[str, Any]:
     return rows
 
 
-def gateway_config(backend: str, state: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "state": state,
-        "pools": [
-            {
-                "name": "bench",
-                "model": "Llama-3.1-8B",
-                "servedModels": [MODEL],
-                "backends": [{"url": backend}],
-                "perReplica": {"tokensPerSecond": 1e9, "kvTokens": 1e9, "concurrency": 1e6},
-            }
-        ],
-        "entitlements": [
-            {"name": "bench", "tenantId": "bench", "pool": "bench", "serviceClass": "elastic",
-             "concurrency": 1e5, "apiKeys": [hash_key(KEY)]}
-        ],
-    }  # fmt: skip
-
-
 async def gateways_rps(
     emu_url: str, state: dict[str, Any], replicas: int, seconds: float, repeats: int
 ) -> list[float]:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(gateway_config(emu_url, state), f)
+        yaml.safe_dump(bench_config(emu_url, state), f)
     ports = [free_port() for _ in range(replicas)]
     procs = [spawn(["serve", "--config", f.name, "--port", str(p)]) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]

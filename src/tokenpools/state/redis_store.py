@@ -155,7 +155,7 @@ class RedisStore:
         for lease in list(self._mine.values()):
             if lease.pool == pool:
                 self._script(
-                    keys=[self.key(pool)], args=["adopt", epoch, _num(now), *_adopt_args(lease)]
+                    keys=[self.key(pool)], args=["adopt", epoch, _num(now), *_lease_args(lease)]
                 )
 
     def _send_unsent(self) -> None:
@@ -244,13 +244,7 @@ class RedisStore:
             lease.pool,
             "reserve",
             now,
-            lease.lease_id,
-            lease.entitlement,
-            _num(lease.tokens),
-            _num(lease.kv_tokens),
-            _num(lease.started_at),
-            _num(lease.expires_at),
-            "1" if lease.preemptible else "0",
+            *_lease_args(lease),
             "1" if overcommit else "0",
             _num(demand),
             *_plan_args(plan),
@@ -307,7 +301,7 @@ class RedisStore:
         return False
 
     def adopt(self, lease: Lease, now: float) -> bool:
-        if self._call(lease.pool, "adopt", now, *_adopt_args(lease)) != 1:
+        if self._call(lease.pool, "adopt", now, *_lease_args(lease)) != 1:
             return False
         self._mine[lease.lease_id] = lease
         return True
@@ -403,7 +397,8 @@ def _plan_args(plan: ReservePlan) -> list[str]:
     return args
 
 
-def _adopt_args(lease: Lease) -> list[str]:
+def _lease_args(lease: Lease) -> list[str]:
+    """A new lease as the script takes it: id, entitlement, tokens, kv, started, expires, pre."""
     return [
         lease.lease_id,
         lease.entitlement,
