@@ -27,6 +27,58 @@ from tokenpools.sim.scenario import Scenario, Tenant, Workload
 from tokenpools.sim.simulator import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.workload import backoff_s, next_gap, workload_at
 
+# Short words that real tokenizers (BPE with a leading space) make one token each, and that are
+# ~4 characters with their space: the gateway's and the emulator's estimate.
+WORDS = [
+    "the",
+    "and",
+    "for",
+    "you",
+    "not",
+    "are",
+    "but",
+    "all",
+    "any",
+    "can",
+    "had",
+    "her",
+    "was",
+    "one",
+    "our",
+    "out",
+    "day",
+    "get",
+    "has",
+    "him",
+    "his",
+    "how",
+    "man",
+    "new",
+    "now",
+    "old",
+    "see",
+    "two",
+    "way",
+    "who",
+    "boy",
+    "did",
+    "its",
+    "let",
+    "put",
+    "say",
+    "she",
+    "too",
+    "use",
+]
+FRAMING_TOKENS = 4  # what the chat template adds around one user message, roughly
+
+
+def prompt_text(tokens: int, seed: str) -> str:
+    """About `tokens` tokens of words drawn from `seed` (the request id): prompts share no
+    prefix, so a real engine's prompt cache cannot hide the prefill."""
+    rng = random.Random(seed)
+    return " ".join(rng.choices(WORDS, k=max(1, tokens - FRAMING_TOKENS)))
+
 
 @dataclass
 class Target:
@@ -44,6 +96,7 @@ class LoadRun:
     admin_url: str | None = None  # gateway admin API, for debt and priority
     admin_key: str | None = None
     label: str = "http"
+    extra_body: dict[str, Any] = field(default_factory=dict)  # e.g. {"ignore_eos": True}
     timeline: list[tuple[float, Callable[[], Awaitable[None] | None]]] = field(default_factory=list)
 
     attempts: list[Attempt] = field(default_factory=list)
@@ -172,9 +225,9 @@ class LoadRun:
         attempt = Attempt(req, job, job.tries)
         self.attempts.append(attempt)
         body = {
+            **self.extra_body,
             "model": self.model,
-            # ~4 characters per token, the gateway's and the emulator's estimate
-            "messages": [{"role": "user", "content": "x" * max(1, 4 * job.prompt_tokens - 16)}],
+            "messages": [{"role": "user", "content": prompt_text(job.prompt_tokens, req.req_id)}],
             "max_tokens": job.max_tokens,
             "stream": True,
         }

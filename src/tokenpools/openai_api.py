@@ -81,15 +81,23 @@ def estimate_prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
     return max(1, round(len(prompt_text(body)) / chars_per_token) + framing)
 
 
-_GAUGE = re.compile(rb"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+_GAUGE = re.compile(rb"^((?:vllm|llamacpp):[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+# llama.cpp's server names for what vLLM calls running and waiting (it has no KV gauge)
+_LLAMACPP = {
+    "llamacpp:requests_processing": "vllm:num_requests_running",
+    "llamacpp:requests_deferred": "vllm:num_requests_waiting",
+}
 
 
 def vllm_gauges(text: bytes) -> dict[str, float]:
-    """Sum each `vllm:*` sample of a Prometheus page over its label sets (one per model)."""
+    """Sum each `vllm:*` sample of a Prometheus page over its label sets (one per model);
+    a llama.cpp server's running and waiting counts come under vLLM's names."""
     out: dict[str, float] = {}
-    for name, value in _GAUGE.findall(text):
+    for raw_name, value in _GAUGE.findall(text):
+        name = raw_name.decode()
+        name = _LLAMACPP.get(name, name)
         try:
-            out[name.decode()] = out.get(name.decode(), 0.0) + float(value)
+            out[name] = out.get(name, 0.0) + float(value)
         except ValueError:
             continue
     return out
