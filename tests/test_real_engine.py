@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
@@ -15,12 +14,10 @@ import pytest
 from tests.servers import ServerThread
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
-from tokenpools.model.keys import hash_key
 from tokenpools.real_engines.llamacpp import LlamaCppServer
-from tokenpools.real_engines.protection import MODEL, Load, protection
+from tokenpools.real_engines.protection import KEYS, MODEL, Load, gateway_config, protection
 
 pytestmark = pytest.mark.real_engine
-KEYS = {"gold": "sk-gold", "spot": "sk-spot"}
 SLOTS = 4
 
 
@@ -31,31 +28,9 @@ def llama() -> Iterator[str]:
     server.stop()
 
 
-def config(backend: str) -> dict[str, Any]:
-    return {
-        "policy": {"retryAfterMinS": 0.5, "overcommit": 0.1},
-        "pools": [
-            {
-                "name": "smollm2",
-                "model": "SmolLM2-135M",
-                "servedModels": [MODEL],
-                "backends": [{"url": backend, "timeoutS": 60}],
-                # the engine's 4 slots; tokens/s and KV generous: slots are what binds here
-                "perReplica": {"tokensPerSecond": 5000, "kvTokens": 4096, "concurrency": SLOTS},
-            }
-        ],
-        "entitlements": [
-            {"name": "gold", "tenantId": "g", "pool": "smollm2", "serviceClass": "guaranteed",
-             "sloTargetMs": 1000, "concurrency": 1, "apiKeys": [hash_key(KEYS["gold"])]},
-            {"name": "spot", "tenantId": "s", "pool": "smollm2", "serviceClass": "spot",
-             "apiKeys": [hash_key(KEYS["spot"])]},
-        ],
-    }  # fmt: skip
-
-
 @pytest.fixture
 def gateway(llama: str) -> Iterator[tuple[ServerThread, Gateway]]:
-    gw = Gateway(parse_config(config(llama)))
+    gw = Gateway(parse_config(gateway_config(llama, SLOTS)))
     server = ServerThread(make_app(gw, health_interval_s=0.5))
     yield server, gw
     server.stop()

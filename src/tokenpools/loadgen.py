@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import json
 import random
+import secrets
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -107,6 +108,7 @@ class LoadRun:
     async def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
         self._t0 = time.monotonic()
         self._ids = itertools.count(1)
+        self._prompts = secrets.token_hex(4)  # a real engine's prompt cache must not hit
         self._rng = {
             t.name: random.Random(f"{self.scenario.seed}/{t.name}") for t in self.scenario.tenants
         }
@@ -227,7 +229,12 @@ class LoadRun:
         body = {
             **self.extra_body,
             "model": self.model,
-            "messages": [{"role": "user", "content": prompt_text(job.prompt_tokens, req.req_id)}],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": prompt_text(job.prompt_tokens, f"{self._prompts}-{req.req_id}"),
+                }
+            ],
             "max_tokens": job.max_tokens,
             "stream": True,
         }

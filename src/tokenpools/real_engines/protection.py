@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import secrets
 import statistics
 import time
 from collections import Counter
@@ -18,8 +20,33 @@ from typing import Any
 import aiohttp
 
 from tokenpools.loadgen import prompt_text
+from tokenpools.model.keys import hash_key
 
 MODEL = "smollm2"
+KEYS = {"gold": "sk-gold", "spot": "sk-spot"}
+
+
+def gateway_config(backend: str, slots: int) -> dict[str, Any]:
+    """One pool over the engine's `slots`: gold guaranteed one of them, spot the rest."""
+    return {
+        "policy": {"retryAfterMinS": 0.5, "overcommit": 0.1},
+        "pools": [
+            {
+                "name": "smollm2",
+                "model": "SmolLM2-135M",
+                "servedModels": [MODEL],
+                "backends": [{"url": backend, "timeoutS": 60}],
+                # tokens/s and KV generous: the engine's slots are what binds here
+                "perReplica": {"tokensPerSecond": 5000, "kvTokens": 4096, "concurrency": slots},
+            }
+        ],
+        "entitlements": [
+            {"name": "gold", "tenantId": "g", "pool": "smollm2", "serviceClass": "guaranteed",
+             "sloTargetMs": 1000, "concurrency": 1, "apiKeys": [hash_key(KEYS["gold"])]},
+            {"name": "spot", "tenantId": "s", "pool": "smollm2", "serviceClass": "spot",
+             "apiKeys": [hash_key(KEYS["spot"])]},
+        ],
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -56,20 +83,26 @@ class Outcome:
         }
 
 
+@dataclass(frozen=True)
+class Timing:
+    status: int
+    ttft_s: float | None = None  # at the first content chunk
+    tpot_s: float | None = None  # (end − first) / (chunks − 1)
+    retry_after_s: float = 0.0
+    gaps_s: tuple[float, ...] = ()  # between consecutive content chunks: decode steps
+    prompt_tokens: int | None = None  # as the engine counted them (template included)
+
+
 async def stream(
-    session: aiohttp.ClientSession,
-    base_url: str,
-    key: str,
-    prompt: int,
-    output: int,
-    seed: str,
-) -> tuple[int, float | None, float]:
-    """One streaming request: (status, TTFT or None, Retry-After)."""
+    session: aiohttp.ClientSession, base_url: str, key: str, prompt: int, output: int, seed: str
+) -> Timing:
+    """One streaming chat request of ~`prompt` tokens for exactly `output` tokens."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt_text(prompt, seed)}],
         "max_tokens": output,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "ignore_eos": True,  # exactly `output` tokens, whatever the model would say
     }
     start = time.monotonic()
@@ -78,40 +111,53 @@ async def stream(
     ) as r:
         if r.status != 200:
             await r.read()
-            return r.status, None, float(r.headers.get("Retry-After", "0") or 0)
-        ttft = None
+            return Timing(r.status, retry_after_s=float(r.headers.get("Retry-After", "0") or 0))
+        arrivals = []
+        prompt_tokens = None
         async for line in r.content:
-            if ttft is None and line.startswith(b"data:") and b'"content":"' in line:
-                ttft = time.monotonic() - start
-        return 200, ttft, 0.0
+            if not line.startswith(b"data:"):
+                continue
+            if b'"content":"' in line:
+                arrivals.append(time.monotonic() - start)
+            elif b'"prompt_tokens"' in line:
+                usage = json.loads(line[5:]).get("usage") or {}
+                prompt_tokens = usage.get("prompt_tokens")
+        end = time.monotonic() - start
+    if not arrivals:
+        return Timing(200)
+    first = arrivals[0]
+    tpot = (end - first) / (len(arrivals) - 1) if len(arrivals) > 1 else None
+    gaps = tuple(b - a for a, b in itertools.pairwise(arrivals))
+    return Timing(200, first, tpot, gaps_s=gaps, prompt_tokens=prompt_tokens)
 
 
 async def protection(base_url: str, keys: dict[str, str], load: Load) -> Outcome:
     """`keys` holds "gold" and, unless load.spot_workers is 0, "spot"."""
     out = Outcome()
     end = time.monotonic() + load.seconds
-    ids = itertools.count()
+    run = secrets.token_hex(4)  # no prompt repeats an earlier run's: the cache would hit
+    ids = (f"{run}-{i}" for i in itertools.count())
 
     async def gold(session: aiohttp.ClientSession) -> None:
         while time.monotonic() < end:
-            status, ttft, _ = await stream(
+            t = await stream(
                 session, base_url, keys["gold"], load.gold_prompt, load.gold_output,
                 f"gold-{next(ids)}",
             )  # fmt: skip
-            out.statuses["gold", status] += 1
-            if ttft is not None:
-                out.gold_ttft_s.append(ttft)
+            out.statuses["gold", t.status] += 1
+            if t.ttft_s is not None:
+                out.gold_ttft_s.append(t.ttft_s)
             await asyncio.sleep(load.gold_gap_s)
 
     async def spot(session: aiohttp.ClientSession) -> None:
         while time.monotonic() < end:
-            status, _, retry_after = await stream(
+            t = await stream(
                 session, base_url, keys["spot"], load.spot_prompt, load.spot_output,
                 f"spot-{next(ids)}",
             )  # fmt: skip
-            out.statuses["spot", status] += 1
-            if status != 200:
-                await asyncio.sleep(min(retry_after, 1.0) or 0.2)
+            out.statuses["spot", t.status] += 1
+            if t.status != 200:
+                await asyncio.sleep(min(t.retry_after_s, 1.0) or 0.2)
 
     timeout = aiohttp.ClientTimeout(total=120)
     # llama.cpp's server closes idle keep-alive connections without notice: one per request

@@ -1,0 +1,145 @@
+"""tokenpools in front of a real llama.cpp server (SmolLM2-135M, 4 slots, this machine's CPUs).
+
+1. Protection: a guaranteed tenant (1 slot's baseline) sends a request every second while spot
+   floods with 6 clients — through a `tokenpools serve` process, and straight to the engine.
+   Its TTFT against its unloaded value; several runs.
+2. Calibration: fit the `cpu-smollm2-135m` engine profile to the server, then compare the
+   simulator with the server at ~50 % and ~90 % load (tokenpools.real_engines.calibrate).
+
+    python benchmarks/real_llamacpp.py --json out/real_llamacpp.json [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tokenpools.engine.profile import load_profile
+from tokenpools.processes import free_port, spawn, stop, wait_ready
+from tokenpools.real_engines.calibrate import check, fit
+from tokenpools.real_engines.llamacpp import LlamaCppServer
+from tokenpools.real_engines.protection import KEYS, Load, gateway_config, protection
+
+SLOTS = 4
+
+
+def spread(runs: list[dict[str, float]], key: str) -> dict[str, float]:
+    values = [r[key] for r in runs]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+async def protection_runs(llama: str, repeats: int, seconds: float) -> dict[str, Any]:
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(gateway_config(llama, SLOTS), f)
+    gateway = spawn(["serve", "--config", f.name, "--port", str(port)])
+    gw = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(f"{gw}/readyz", gateway)
+        load = Load(seconds=seconds)
+        unloaded, with_tp, without = [], [], []
+        for run in range(repeats):
+            unloaded.append(
+                (await protection(llama, KEYS, Load(seconds=8, spot_workers=0))).summary()
+            )
+            with_tp.append((await protection(gw, KEYS, load)).summary())
+            without.append((await protection(llama, KEYS, load)).summary())
+            print(
+                f"run {run}: unloaded p50 {unloaded[-1]['guaranteed_ttft_p50_s']:.3f} s; "
+                f"with tokenpools p50 {with_tp[-1]['guaranteed_ttft_p50_s']:.3f} "
+                f"p99 {with_tp[-1]['guaranteed_ttft_p99_s']:.3f} s, spot refused "
+                f"{with_tp[-1]['spot_rejected_fraction']:.0%}; without p50 "
+                f"{without[-1]['guaranteed_ttft_p50_s']:.3f} "
+                f"p99 {without[-1]['guaranteed_ttft_p99_s']:.3f} s",
+                file=sys.stderr,
+            )
+        return {"unloaded": unloaded, "with_tokenpools": with_tp, "without": without}
+    finally:
+        stop(gateway)
+        Path(f.name).unlink()
+
+
+async def calibration(llama: str, seconds: float) -> dict[str, Any]:
+    fitted = await fit(llama, SLOTS)
+    base = load_profile("cpu-smollm2-135m")
+    print(
+        f"fitted: t0 {fitted.t0_s * 1000:.1f} ms, prefill {fitted.prefill_s_per_token * 1000:.3f}"
+        f" ms/token, decode {fitted.decode_s_per_seq * 1000:.2f} ms/sequence; the chat template"
+        f" adds {fitted.extra_prompt_tokens:g} prompt tokens",
+        file=sys.stderr,
+    )
+    result = await check(llama, fitted, base, {"50%": 0.5, "90%": 0.9}, seconds)
+    for label in ("50%", "90%"):
+        row = result[label]
+        print(
+            f"load {label}: "
+            + ", ".join(
+                f"{k} real {row['real'][k]:.3f} sim {row['simulated'][k]:.3f}" for k in row["ape"]
+            ),
+            file=sys.stderr,
+        )
+    print(f"MAPE {result['mape']:.1%}", file=sys.stderr)
+    return {
+        "fitted": {
+            "t0_s": fitted.t0_s,
+            "prefill_s_per_token": fitted.prefill_s_per_token,
+            "decode_s_per_seq": fitted.decode_s_per_seq,
+            "extra_prompt_tokens": fitted.extra_prompt_tokens,
+            "points": fitted.points,
+        },
+        **result,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    server = LlamaCppServer(slots=SLOTS, ctx_per_slot=1024)
+    llama = server.start()
+    try:
+        runs = await protection_runs(llama, args.repeats, args.seconds)
+        cal = await calibration(llama, args.calibration_seconds)
+    finally:
+        server.stop()
+    mape = {
+        f"{k}_{label}": cal[label]["ape"][k] for label in ("50%", "90%") for k in cal[label]["ape"]
+    }
+    return {
+        "unloaded_ttft_p50_s": spread(runs["unloaded"], "guaranteed_ttft_p50_s")["median"],
+        "with_tokenpools": {
+            k: spread(runs["with_tokenpools"], k)["median"]
+            for k in ("guaranteed_ttft_p50_s", "guaranteed_ttft_p99_s", "spot_rejected_fraction")
+        },
+        "without": {
+            k: spread(runs["without"], k)["median"]
+            for k in ("guaranteed_ttft_p50_s", "guaranteed_ttft_p99_s")
+        },
+        "calibration_mape": {"overall": cal["mape"], **mape},
+        "spread": {
+            group: {k: spread(rows, k) for k in rows[0] if k != "guaranteed_requests"}
+            for group, rows in runs.items()
+        },
+        "calibration": cal,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=20.0, help="per protection run")
+    parser.add_argument("--calibration-seconds", type=float, default=45.0, help="per load")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
