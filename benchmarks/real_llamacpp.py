@@ -100,7 +100,7 @@ async def calibration(llama: str, seconds: float) -> dict[str, Any]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    server = LlamaCppServer(slots=SLOTS, ctx_per_slot=1024)
+    server = LlamaCppServer(slots=SLOTS)
     llama = server.start()
     try:
         runs = await protection_runs(llama, args.repeats, args.seconds)
