@@ -54,6 +54,7 @@ bench: $(BIN)/tokenpools $(CVENV)/.built
 	$(BIN)/python benchmarks/simulator.py --json out/simulator-python.json
 	$(CVENV)/bin/python benchmarks/simulator.py --json out/simulator-compiled.json
 	$(BIN)/python benchmarks/redis_store.py --json out/redis_store.json
+	$(BIN)/python benchmarks/real_llamacpp.py --json out/real_llamacpp.json
 
 clean:
 	rm -rf $(VENV) $(CVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
