@@ -258,6 +258,9 @@ def load(
     json_path: Annotated[Path, typer.Option("--json", help="where to write the summary")] = Path(
         "out/load.json"
     ),
+    ignore_eos: Annotated[
+        bool, typer.Option(help="ask a real engine for exactly max_tokens (llama.cpp, vLLM)")
+    ] = False,
 ) -> None:
     """Replay a scenario's tenants (open or closed loop, retries as configured) over HTTP and
     measure TTFT, TPOT and E2E client-side; writes the simulator's summary.json shape."""
@@ -283,7 +286,15 @@ def load(
     targets = {
         t.name: Target(target.rstrip("/"), keys.get(t.name, f"sk-{t.name}")) for t in loaded.tenants
     }
-    run = LoadRun(loaded, targets, model, profile, backend_metrics_url=metrics_url, label="load")
+    run = LoadRun(
+        loaded,
+        targets,
+        model,
+        profile,
+        backend_metrics_url=metrics_url,
+        label="load",
+        extra_body={"ignore_eos": True} if ignore_eos else {},
+    )
     with _progress(loaded.duration_s) as advance:
         result = asyncio.run(run.run(lambda t: advance("load", t)))
     summary = summary_json(result)
