@@ -3,8 +3,9 @@
 1. Protection: a guaranteed tenant (1 slot's baseline) sends a request every second while spot
    floods with 6 clients — through a `tokenpools serve` process, and straight to the engine.
    Its TTFT against its unloaded value; several runs.
-2. Calibration: fit the `cpu-smollm2-135m` engine profile to the server, then compare the
-   simulator with the server at ~50 % and ~90 % load (tokenpools.real_engines.calibrate).
+2. Calibration: fit the `cpu-smollm2-135m` engine profile to the server (step times, then
+   refined at ~30 % and ~70 % load), then compare the simulator with the server at ~50 % and
+   ~90 % load (tokenpools.real_engines.calibrate); each load measured `--repeats` times.
 
     python benchmarks/real_llamacpp.py --json out/real_llamacpp.json [--repeats 3]
 """
@@ -24,7 +25,7 @@ import yaml
 
 from tokenpools.engine.profile import load_profile
 from tokenpools.processes import free_port, spawn, stop, wait_ready
-from tokenpools.real_engines.calibrate import check, fit
+from tokenpools.real_engines.calibrate import calibrate, fit
 from tokenpools.real_engines.llamacpp import LlamaCppServer
 from tokenpools.real_engines.protection import KEYS, Load, gateway_config, protection
 
@@ -67,28 +68,35 @@ async def protection_runs(llama: str, repeats: int, seconds: float) -> dict[str,
         Path(f.name).unlink()
 
 
-async def calibration(llama: str, seconds: float) -> dict[str, Any]:
+async def calibration(llama: str, seconds: float, repeats: int) -> dict[str, Any]:
     fitted = await fit(llama, SLOTS)
-    base = load_profile("cpu-smollm2-135m")
     print(
-        f"fitted: t0 {fitted.t0_s * 1000:.1f} ms, prefill {fitted.prefill_s_per_token * 1000:.3f}"
-        f" ms/token, decode {fitted.decode_s_per_seq * 1000:.2f} ms/sequence; the chat template"
-        f" adds {fitted.extra_prompt_tokens:g} prompt tokens",
+        f"first fit: t0 {fitted.t0_s * 1000:.1f} ms, prefill "
+        f"{fitted.prefill_s_per_token * 1000:.3f} ms/token, decode "
+        f"{fitted.decode_s_per_seq * 1000:.2f} ms/sequence; the chat template adds "
+        f"{fitted.extra_prompt_tokens:g} prompt tokens",
         file=sys.stderr,
     )
-    result = await check(llama, fitted, base, {"50%": 0.5, "90%": 0.9}, seconds)
-    for label in ("50%", "90%"):
+    result = await calibrate(llama, fitted, load_profile("cpu-smollm2-135m"), seconds, repeats)
+    p = result["profile"]
+    print(
+        f"refined at 30%/70% load: t0 {p['t0_s'] * 1000:.1f} ms, prefill "
+        f"{p['prefill_s_per_token'] * 1000:.3f} ms/token, decode "
+        f"{p['decode_s_per_seq'] * 1000:.2f} ms/sequence (MAPE {result['fit_mape']:.1%})",
+        file=sys.stderr,
+    )
+    for label in ("30%", "50%", "70%", "90%"):
         row = result[label]
         print(
-            f"load {label}: "
+            f"load {label} ({row['rate_rps']:.2f} req/s): "
             + ", ".join(
                 f"{k} real {row['real'][k]:.3f} sim {row['simulated'][k]:.3f}" for k in row["ape"]
             ),
             file=sys.stderr,
         )
-    print(f"MAPE {result['mape']:.1%}", file=sys.stderr)
+    print(f"MAPE at 50% and 90% load: {result['mape']:.1%}", file=sys.stderr)
     return {
-        "fitted": {
+        "first_fit": {
             "t0_s": fitted.t0_s,
             "prefill_s_per_token": fitted.prefill_s_per_token,
             "decode_s_per_seq": fitted.decode_s_per_seq,
@@ -104,7 +112,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     llama = server.start()
     try:
         runs = await protection_runs(llama, args.repeats, args.seconds)
-        cal = await calibration(llama, args.calibration_seconds)
+        cal = await calibration(llama, args.calibration_seconds, args.repeats)
     finally:
         server.stop()
     mape = {
@@ -134,7 +142,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=20.0, help="per protection run")
-    parser.add_argument("--calibration-seconds", type=float, default=45.0, help="per load")
+    parser.add_argument("--calibration-seconds", type=float, default=40.0, help="per load run")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -105,11 +105,17 @@ class RunResult:
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, policy: str, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: str,
+        seed: int | None = None,
+        profile: EngineProfile | None = None,  # instead of the scenario's (calibration)
+    ) -> None:
         self.scenario = scenario
         self.seed = scenario.seed if seed is None else seed
         self.config = scenario.config()
-        self.profile: EngineProfile = load_profile(scenario.engine.profile)
+        self.profile: EngineProfile = profile or load_profile(scenario.engine.profile)
         pool = next(iter(self.config.pools.values()))
         if pool.replicas != scenario.engine.replicas:
             raise ConfigError(
@@ -420,8 +426,9 @@ def simulate(
     policy: str,
     seed: int | None = None,
     progress: Callable[[float], None] | None = None,
+    profile: EngineProfile | None = None,
 ) -> RunResult:
-    return Simulation(scenario, policy, seed).run(progress)
+    return Simulation(scenario, policy, seed, profile).run(progress)
 
 
 __all__ = ["Attempt", "RunResult", "Sample", "Simulation", "simulate"]
