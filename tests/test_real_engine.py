@@ -92,7 +92,7 @@ def test_guaranteed_keeps_its_ttft_while_spot_floods(
     straight to the engine. With tokenpools spot is held to 3 slots (gold's baseline of 1 is
     held back), so gold always finds a free slot; without it, gold waits for one."""
     server, _ = gateway
-    load = Load(seconds=12)
+    load = Load(seconds=15, gold_gap_s=0.5)  # enough gold requests for a median
     unloaded = asyncio.run(protection(llama, KEYS, Load(seconds=5, spot_workers=0)))
     with_tp = asyncio.run(protection(server.url, KEYS, load))
     without = asyncio.run(protection(llama, KEYS, load))

@@ -200,13 +200,11 @@ async def observe(url: str, rate: float, seconds: float, seed: int, repeats: int
 
 
 def simulated(
-    profile: EngineProfile, fit: Fit, seen: Observed, seconds: float, seed: int
+    profile: EngineProfile, fit: Fit, rate: float, seconds: float, seed: int
 ) -> dict[str, float]:
     """The same arrivals in the simulator, with prompts as long as the engine counts them."""
     prompt = round(PROMPT + fit.extra_prompt_tokens)
-    return quantiles(
-        simulate(load_scenario(seen.rate_rps, seconds, seed, prompt), "none", profile=profile)
-    )
+    return quantiles(simulate(load_scenario(rate, seconds, seed, prompt), "none", profile=profile))
 
 
 def refine(
@@ -227,7 +225,9 @@ def refine(
                 apes = [
                     e
                     for obs in seen
-                    for e in errors(obs.real, simulated(profile, fit, obs, seconds, seed)).values()
+                    for e in errors(
+                        obs.real, simulated(profile, fit, obs.rate_rps, seconds, seed)
+                    ).values()
                 ]
                 mape = sum(apes) / len(apes)
                 if best is None or mape < best[0]:
@@ -260,8 +260,8 @@ async def calibrate(
     }
     checked = []
     for label, obs in seen.items():
-        sim = simulated(profile, fit, obs, seconds, seed)
-        sim_first = simulated(first, fit, obs, seconds, seed)
+        sim = simulated(profile, fit, obs.rate_rps, seconds, seed)
+        sim_first = simulated(first, fit, obs.rate_rps, seconds, seed)
         ape = errors(obs.real, sim)
         out[label] = {
             "rate_rps": obs.rate_rps,
