@@ -348,3 +348,15 @@ def test_store_unavailable_is_raised_not_hidden(redis_client) -> None:
     with pytest.raises(StoreUnavailable):
         store.pool_counters("p", 0.0)
     assert not store.available
+
+
+def test_a_redis_that_refuses_writes_is_an_outage_not_a_crash(redis_url: str, redis_client) -> None:
+    core = redis_core(redis_url, config())
+    assert core.admit("spot", RequestCost(10, 10), 1.0).admitted
+    redis_client.config_set("maxmemory", "1")  # every write now fails with OOM
+    try:
+        refused = core.admit("spot", RequestCost(10, 10), 2.0)
+        assert isinstance(refused, Reject) and refused.reason == Reason.STORE_UNAVAILABLE
+        assert core.admit("gold-a", RequestCost(10, 10), 2.0).admitted  # its local budget
+    finally:
+        redis_client.config_set("maxmemory", "0")

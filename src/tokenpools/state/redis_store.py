@@ -14,6 +14,7 @@ the pool's epoch changed — the leases this replica still holds are booked agai
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,10 @@ from tokenpools.state.base import (
 
 _SCRIPT = files("tokenpools.state").joinpath("redis_store.lua").read_text()
 _PLAN_FIELDS = [f.name for f in fields(ReservePlan)]
-_FAILURES = (redis.ConnectionError, redis.TimeoutError, OSError)
+# Any error from Redis (unreachable, timed out, out of memory, busy) makes the store unavailable
+# for a while: the core then applies the outage policy rather than failing the request.
+_FAILURES = (redis.RedisError, OSError)
+log = logging.getLogger("tokenpools.state")
 
 
 def _num(x: float | bool) -> str:
@@ -117,10 +121,16 @@ class RedisStore:
         try:
             if self._unsent:
                 self._send_unsent()
-            return self._run(pool, op, now, args)
+            reply = self._run(pool, op, now, args)
         except _FAILURES as exc:
+            if self._down_until == -float("inf"):
+                log.warning("redis: %s; the outage policy applies until it answers", exc)
             self._down_until = self._clock() + self._retry_interval_s
             raise StoreUnavailable(f"redis: {exc}") from exc
+        if self._down_until != -float("inf"):
+            self._down_until = -float("inf")
+            log.warning("redis answers again")
+        return reply
 
     def _run(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
         try:
