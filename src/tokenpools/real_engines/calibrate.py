@@ -11,8 +11,8 @@
    the real server (tokenpools' load generator); the simulator runs the same arrivals with
    candidate profiles around the first fit (a grid over t0, a and b), and the profile whose
    TTFT and TPOT p50/p90 are closest (least MAPE) is kept.
-3. Check, out of sample: the same at ~50 % and ~90 % load, MAPE of TTFT and TPOT p50/p90
-   between the real server and the simulator with the refined profile.
+3. Check, out of sample: the same at ~50 % and ~90 % of the refined profile's capacity, MAPE
+   of TTFT and TPOT p50/p90 between the real server and the simulator with that profile.
 """
 
 from __future__ import annotations
@@ -239,17 +239,22 @@ def refine(
 async def calibrate(
     url: str, fit: Fit, base: EngineProfile, seconds: float, repeats: int = 3, seed: int = 7
 ) -> dict[str, Any]:
-    """Refine at 30 % and 70 % load, check at 50 % and 90 % (fractions of the first fit's
-    capacity, so that both fits see the same arrivals)."""
+    """Refine at 30 % and 70 % of the first fit's capacity; then check at 50 % and 90 % of the
+    refined profile's capacity, the best estimate of what "90 % load" means for this engine
+    (near saturation, a few percent of capacity decide whether a queue builds)."""
+    prompt = round(PROMPT + fit.extra_prompt_tokens)
     first = fit.profile(base)
-    capacity = capacity_rps(first, round(PROMPT + fit.extra_prompt_tokens))
-    loads = {"30%": 0.3, "50%": 0.5, "70%": 0.7, "90%": 0.9}
+    first_capacity = capacity_rps(first, prompt)
     seen = {
-        label: await observe(url, f * capacity, seconds, seed, repeats)
-        for label, f in loads.items()
+        label: await observe(url, f * first_capacity, seconds, seed, repeats)
+        for label, f in (("30%", 0.3), ("70%", 0.7))
     }
-    profile, fit_mape = refine(fit, base, [seen["30%"], seen["70%"]], seconds, seed)
+    profile, fit_mape = refine(fit, base, list(seen.values()), seconds, seed)
+    capacity = capacity_rps(profile, prompt)
+    for label, f in (("50%", 0.5), ("90%", 0.9)):
+        seen[label] = await observe(url, f * capacity, seconds, seed, repeats)
     out: dict[str, Any] = {
+        "first_capacity_rps": first_capacity,
         "capacity_rps": capacity,
         "profile": {
             "t0_s": profile.t0_s,
@@ -259,16 +264,16 @@ async def calibrate(
         "fit_mape": fit_mape,
     }
     checked = []
-    for label, obs in seen.items():
+    for label in ("30%", "50%", "70%", "90%"):
+        obs = seen[label]
         sim = simulated(profile, fit, obs.rate_rps, seconds, seed)
-        sim_first = simulated(first, fit, obs.rate_rps, seconds, seed)
         ape = errors(obs.real, sim)
         out[label] = {
             "rate_rps": obs.rate_rps,
             "real": obs.real,
             "simulated": sim,
             "ape": ape,
-            "ape_first_fit": errors(obs.real, sim_first),
+            "ape_first_fit": errors(obs.real, simulated(first, fit, obs.rate_rps, seconds, seed)),
         }
         if label in ("50%", "90%"):
             checked += list(ape.values())
