@@ -105,11 +105,13 @@ def test_guaranteed_keeps_its_ttft_while_spot_floods(
     assert with_tp.statuses["gold", 200] >= 5 and not with_tp.statuses["gold", 429]
     assert with_tp.spot_rejected_fraction > 0.2
     assert with_tp.statuses["spot", 200] > 0  # spot still gets the slots gold leaves idle
-    # Near its unloaded value: on 2 CPU cores its prefill shares each step with 3 spot
-    # decodes, so "near" is within 3×; without admission control it queues for a slot.
-    assert with_tp.ttft(50) <= 3 * base
+    # With admission control gold never waits for a slot, but on 2 CPU cores its prompt can
+    # still land in the same llama.cpp batch as spot's prompts: its TTFT is then 3-4× the
+    # unloaded one, so the median is near the unloaded value or up to that. Without admission
+    # control it also waits for a slot to free.
+    assert with_tp.ttft(50) <= 4 * base
     assert without.ttft(50) >= 2 * base
-    assert without.ttft(50) >= 1.5 * with_tp.ttft(50)
+    assert with_tp.ttft(50) <= 0.6 * without.ttft(50)
     assert without.ttft(99) >= with_tp.ttft(99)
 
 
