@@ -9,6 +9,8 @@ again they are handed over to it, each exactly once, and settle there.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from tokenpools.control import plans
 from tokenpools.control.decisions import SHORTFALL_REJECTS, Admit, Check, Decision, Reason, Reject
 from tokenpools.model.entitlement import Entitlement
@@ -23,7 +25,6 @@ class LocalFallback:
         self.fraction = fraction
         self.retry_after_s = retry_after_s
         self.store = MemoryStore()
-        self.leases: dict[str, Lease] = {}
         self._limits: dict[str, tuple[BucketSpec, ReservePlan]] = {}
         self._pools: set[str] = set()
 
@@ -44,7 +45,6 @@ class LocalFallback:
             reason, check, dimension, message = SHORTFALL_REJECTS[short]
             message = f"{message} (local budget while the shared state store is unreachable)"
             return Reject(reason, check, message, self.retry_after_s, dimension)
-        self.leases[lease.lease_id] = lease
         return Admit(lease, priority)
 
     def _configure(self, ent: Entitlement, own: BucketSpec, pool: str, now: float) -> ReservePlan:
@@ -59,30 +59,29 @@ class LocalFallback:
             self._limits[ent.name] = (bucket, plan)
         return plan
 
+    @property
+    def leases(self) -> Mapping[str, Lease]:
+        """The requests admitted here and not ended yet, by lease id."""
+        return self.store.leases
+
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
-        self.leases.pop(lease_id, None)
         return self.store.settle(lease_id, used_tokens, now)
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
-        self.leases.pop(lease_id, None)
         return self.store.release(lease_id, now, refund=refund)
 
     def renew(self, lease_id: str, expires_at: float) -> bool:
         return self.store.renew(lease_id, expires_at)
 
     def expire(self, now: float) -> list[Lease]:
-        ended = self.store.expire(now)
-        for lease in ended:
-            self.leases.pop(lease.lease_id, None)
-        return ended
+        return self.store.expire(now)
 
     def hand_over(self, shared: Store, now: float) -> int:
         """Book the local leases in the shared store and forget them here. Raises
         StoreUnavailable if it went away again; what was handed over stays handed over."""
         count = 0
-        for lease_id, lease in list(self.leases.items()):
+        for lease in list(self.leases.values()):
             shared.adopt(lease, now)  # idempotent: a lease already there is not booked twice
-            self.leases.pop(lease_id)
-            self.store.release(lease_id, now, refund=False)
+            self.store.release(lease.lease_id, now, refund=False)
             count += 1
         return count

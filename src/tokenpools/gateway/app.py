@@ -216,11 +216,7 @@ def _rejection(gw: Gateway, entitlement: str, decision: Reject) -> web.Response:
     status = NOT_RETRYABLE.get(decision.reason)
     message = f"{decision.message} ({decision.reason.value})"
     if decision.reason == Reason.STORE_UNAVAILABLE:
-        wait = decision.retry_after_s or 1.0
-        headers = {
-            "Retry-After": str(max(1, math.ceil(wait))),
-            "retry-after-ms": str(round(wait * 1000)),
-        }
+        headers = _retry_after(decision.retry_after_s or 1.0)
         return _error(503, message, "server_error", decision.reason.value, headers=headers)
     if status is not None:
         kind = "invalid_request_error" if status == 400 else "permission_error"
@@ -230,8 +226,7 @@ def _rejection(gw: Gateway, entitlement: str, decision: Reject) -> web.Response:
     view = gw.core.entitlements[entitlement]
     limit_requests = view.plan.ent_concurrency
     headers = {
-        "Retry-After": str(max(1, math.ceil(wait))),
-        "retry-after-ms": str(round(wait * 1000)),
+        **_retry_after(wait),
         "x-ratelimit-limit-requests": _num(limit_requests),
         "x-ratelimit-reset-requests": f"{wait:.3f}s",
         "x-ratelimit-limit-tokens": _num(view.own_bucket.depth),
@@ -243,6 +238,10 @@ def _rejection(gw: Gateway, entitlement: str, decision: Reject) -> web.Response:
         headers["x-ratelimit-remaining-requests"] = _num(remaining)
         headers["x-ratelimit-remaining-tokens"] = _num(max(0.0, counters.bucket))
     return _error(429, message, "rate_limit_exceeded", decision.reason.value, headers=headers)
+
+
+def _retry_after(wait: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(round(wait * 1000))}
 
 
 def _num(x: float) -> str:

@@ -138,30 +138,29 @@ async def protection(base_url: str, keys: dict[str, str], load: Load) -> Outcome
     run = secrets.token_hex(4)  # no prompt repeats an earlier run's: the cache would hit
     ids = (f"{run}-{i}" for i in itertools.count())
 
-    async def gold(session: aiohttp.ClientSession) -> None:
+    async def client(
+        session: aiohttp.ClientSession, tenant: str, prompt: int, output: int, steady: bool
+    ) -> None:
+        """Steady: a pause after every request. Otherwise a flood: pause only when refused,
+        for its Retry-After (at most 1 s, to keep the pressure on)."""
         while time.monotonic() < end:
-            t = await stream(
-                session, base_url, keys["gold"], load.gold_prompt, load.gold_output,
-                f"gold-{next(ids)}",
-            )  # fmt: skip
-            out.statuses["gold", t.status] += 1
-            if t.ttft_s is not None:
+            t = await stream(session, base_url, keys[tenant], prompt, output, next(ids))
+            out.statuses[tenant, t.status] += 1
+            if steady and t.ttft_s is not None:
                 out.gold_ttft_s.append(t.ttft_s)
-            await asyncio.sleep(load.gold_gap_s)
-
-    async def spot(session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < end:
-            t = await stream(
-                session, base_url, keys["spot"], load.spot_prompt, load.spot_output,
-                f"spot-{next(ids)}",
-            )  # fmt: skip
-            out.statuses["spot", t.status] += 1
-            if t.status != 200:
+            if steady:
+                await asyncio.sleep(load.gold_gap_s)
+            elif t.status != 200:
                 await asyncio.sleep(min(t.retry_after_s, 1.0) or 0.2)
 
     timeout = aiohttp.ClientTimeout(total=120)
     # llama.cpp's server closes idle keep-alive connections without notice: one per request
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(gold(session), *(spot(session) for _ in range(load.spot_workers)))
+        gold = client(session, "gold", load.gold_prompt, load.gold_output, steady=True)
+        spot = (
+            client(session, "spot", load.spot_prompt, load.spot_output, steady=False)
+            for _ in range(load.spot_workers)
+        )
+        await asyncio.gather(gold, *spot)
     return out

@@ -503,6 +503,11 @@ class MemoryStore:
     def get_lease(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
+    @property
+    def leases(self) -> Mapping[str, Lease]:
+        """Every lease in flight, by id. A read-only view: do not mutate."""
+        return self._leases
+
     def preemptible_leases(self, pool: str) -> Mapping[str, Mapping[str, Lease]]:
         return self._pools[pool].preemptible_by_ent
 

@@ -132,18 +132,18 @@ class RedisStore:
             log.warning("redis answers again")
         return reply
 
+    def _eval(self, pool: str, op: str, epoch: str, now: float, *args: str) -> Any:
+        """One call of the script: ARGV is op, epoch, now, then the operation's own."""
+        return self._script(keys=[self.key(pool)], args=[op, epoch, _num(now), *args])
+
     def _run(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
         try:
-            return self._script(
-                keys=[self.key(pool)], args=[op, self._epoch.get(pool, ""), _num(now), *args]
-            )
+            return self._eval(pool, op, self._epoch.get(pool, ""), now, *args)
         except redis.ResponseError as exc:
             if not str(exc).startswith("TPEPOCH"):
                 raise
         self._rejoin(pool, now)
-        return self._script(
-            keys=[self.key(pool)], args=[op, self._epoch.get(pool, ""), _num(now), *args]
-        )
+        return self._eval(pool, op, self._epoch.get(pool, ""), now, *args)
 
     def _rejoin(self, pool: str, now: float) -> None:
         """The pool in Redis is not the one we knew (first contact, or Redis lost its data):
@@ -151,22 +151,14 @@ class RedisStore:
         args = self._pool_args.get(pool)
         if args is None:
             raise redis.ResponseError(f"pool {pool!r} was never configured")
-        epoch = self._script(
-            keys=[self.key(pool)],
-            args=["configure_pool", "", _num(now), *args, secrets.token_hex(8)],
-        ).decode()
+        epoch = self._eval(pool, "configure_pool", "", now, *args, secrets.token_hex(8)).decode()
         self._epoch[pool] = epoch
         for name, ent_args in self._ent_args.items():
             if self._ent_pool[name] == pool:
-                self._script(
-                    keys=[self.key(pool)],
-                    args=["configure_entitlement", epoch, _num(now), name, *ent_args],
-                )
+                self._eval(pool, "configure_entitlement", epoch, now, name, *ent_args)
         for lease in list(self._mine.values()):
             if lease.pool == pool:
-                self._script(
-                    keys=[self.key(pool)], args=["adopt", epoch, _num(now), *_lease_args(lease)]
-                )
+                self._eval(pool, "adopt", epoch, now, *_lease_args(lease))
 
     def _send_unsent(self) -> None:
         while self._unsent:
