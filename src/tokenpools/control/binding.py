@@ -1,15 +1,18 @@
-"""Binding: whether an entitlement's baseline fits its pool, as kube-scheduler would decide
-for a lease pod on the pool's virtual node."""
+"""Binding: whether an entitlement's baseline fits its pool, exactly as kube-scheduler decides
+for its lease pod on the pool's virtual node (control/placement.py declares the vectors)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from tokenpools.control.placement import add, fits, lease_requests, pool_allocatable
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
-from tokenpools.model.resources import Resources
-from tokenpools.model.service_class import CLASS_SEMANTICS, ServiceClass
+from tokenpools.model.service_class import CLASS_SEMANTICS
+
+
+_NEW = 2**62  # an entitlement the core has not placed yet queues behind every other
 
 
 def bind(
@@ -18,42 +21,57 @@ def bind(
     previous: Mapping[str, BindingState],
     policy: Policy,
     now: float,
+    since: Mapping[str, int] | None = None,
 ) -> dict[str, BindingState]:
     """Bind one pool's entitlements; the result has a state for every entitlement given.
 
     Reserved baselines (dedicated, then guaranteed) must fit the capacity in all three
-    dimensions; elastic baselines, time-averaged, bind while Σ baselines ≤ capacity ×
-    oversubscription; spot and preemptible hold no baseline and always bind. Within a class,
-    entitlements already Bound keep their place ahead of newcomers (a scheduler does not evict
-    a running lease pod for a pending one); otherwise the config order decides.
+    dimensions; reserved and elastic baselines together must fit capacity × oversubscription;
+    spot and preemptible hold no baseline and always bind. This is first-fit in the order a
+    scheduler with priority preemption reaches: higher classes first (they preempt lower ones);
+    within a class, Bound entitlements before waiting ones (equal priorities never preempt),
+    each group in `since` order — when it bound (older is kept, as the scheduler's victim
+    choice keeps older pods) or when it started waiting (the scheduling queue is FIFO within a
+    priority). Without `since`, the order given.
     """
-    capacity = pool.capacity
-    elastic_capacity = capacity.scale(policy.elastic_oversubscription)
+    alloc = pool_allocatable(pool, policy.elastic_oversubscription)
+    position = since or {}
     states: dict[str, BindingState] = {}
     live = []
-    for ent in entitlements:
+    for i, ent in enumerate(entitlements):
         if ent.expires_at is not None and now >= ent.expires_at:
             states[ent.name] = BindingState.EXPIRED
         else:
-            live.append(ent)
+            live.append((i, ent))
 
-    def order(indexed: tuple[int, Entitlement]) -> tuple[int, int, int]:
+    def order(indexed: tuple[int, Entitlement]) -> tuple[int, int, int, int]:
         i, ent = indexed
         was_bound = previous.get(ent.name) == BindingState.BOUND
-        return (CLASS_SEMANTICS[ent.service_class].bind_rank, 0 if was_bound else 1, i)
+        rank = CLASS_SEMANTICS[ent.service_class].bind_rank
+        return (rank, 0 if was_bound else 1, position.get(ent.name, _NEW), i)
 
-    placed = Resources()
-    for _, ent in sorted(enumerate(live), key=order):
-        cls = ent.service_class
-        if cls in (ServiceClass.SPOT, ServiceClass.PREEMPTIBLE):
-            states[ent.name] = BindingState.BOUND
-            continue
-        limit = capacity if CLASS_SEMANTICS[cls].reserved else elastic_capacity
-        if (placed + ent.baseline).fits_within(limit):
-            placed = placed + ent.baseline
+    used: dict[str, int] = {}
+    for _, ent in sorted(live, key=order):
+        requests = lease_requests(ent)
+        if fits(requests, used, alloc):
+            used = add(used, requests)
             states[ent.name] = BindingState.BOUND
         elif previous.get(ent.name) in (BindingState.BOUND, BindingState.DEGRADED):
             states[ent.name] = BindingState.DEGRADED
         else:
             states[ent.name] = BindingState.PENDING
     return states
+
+
+def external_states(
+    entitlements: Sequence[Entitlement], given: Mapping[str, BindingState], now: float
+) -> dict[str, BindingState]:
+    """States decided elsewhere (kube-scheduler, through the operator's status): an
+    entitlement the outside has not decided on yet is Pending; expiry still applies."""
+    out = {}
+    for ent in entitlements:
+        if ent.expires_at is not None and now >= ent.expires_at:
+            out[ent.name] = BindingState.EXPIRED
+        else:
+            out[ent.name] = given.get(ent.name, BindingState.PENDING)
+    return out

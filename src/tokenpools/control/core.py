@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
-from tokenpools.control.binding import bind
+from tokenpools.control.binding import bind, external_states
 from tokenpools.control.decisions import (
     SHORTFALL_REJECTS,
     STATE_REASONS,
@@ -103,6 +103,8 @@ class DecisionCore:
         self._pools: dict[str, PoolView] = {}
         self._ents: dict[str, EntitlementView] = {}
         self._keys: dict[str, str] = {}
+        self._since: dict[str, int] = {}  # when each entitlement last bound or started waiting
+        self._transitions = itertools.count()
         self._next_expiry = math.inf  # earliest expiresAt of an entitlement not yet Expired
         self.observations: dict[str, Observation] = {}
         self.config = config
@@ -125,6 +127,7 @@ class DecisionCore:
                 with contextlib.suppress(StoreUnavailable):  # its leases then expire there
                     ended += self.store.remove_entitlement(name)
                 del self._ents[name]
+                self._since.pop(name, None)
         pools: dict[str, PoolView] = {}
         for name, pool in config.pools.items():
             old = self._pools.get(name)
@@ -162,7 +165,14 @@ class DecisionCore:
             pool = view.pool
             members = [self.config.entitlements[n] for n in view.members]
             previous = {n: self._ents[n].state for n in view.members if n in self._ents}
-            states = bind(pool, members, previous, policy, now)
+            if self.config.bindings is None:
+                states = bind(pool, members, previous, policy, now, self._since)
+            else:
+                states = external_states(members, self.config.bindings, now)
+            for name, state in states.items():  # in the order binding placed them
+                was_bound = previous.get(name) == BindingState.BOUND
+                if name not in self._since or was_bound != (state == BindingState.BOUND):
+                    self._since[name] = next(self._transitions)
             protected_rate = sum(
                 e.baseline.throughput
                 for e in members

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tokenpools.model.entitlement import Entitlement
+from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.keys import is_key_hash
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Backend, CapacityFeedback, Pool
@@ -363,6 +363,9 @@ class Config:
     entitlements: dict[str, Entitlement]
     gateway: GatewaySettings = GatewaySettings()
     state: StateSettings = StateSettings()
+    # Binding decided outside the core (kube-scheduler, read from the operator's status);
+    # None: the core binds (file mode, simulator).
+    bindings: dict[str, BindingState] | None = None
 
 
 def parse_config(data: Any) -> Config:
