@@ -1,0 +1,145 @@
+"""A thin dict-in, dict-out layer over the official Kubernetes client.
+
+The official client gives configuration (kubeconfig, in-cluster service account), auth, TLS
+and the HTTP transport; the operator and the gateway work with plain dicts, as the
+manifests are written, so this layer only builds paths and decodes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from tokenpools.k8s.schema import API_VERSION, ENTITLEMENT_PLURAL, POOL_PLURAL
+
+MERGE = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str  # "v1", "apps/v1", "tokenpools.io/v1alpha1"
+    plural: str
+    namespaced: bool = True
+
+    def path(self, namespace: str | None = None, name: str | None = None, sub: str = "") -> str:
+        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        ns = f"/namespaces/{namespace}" if self.namespaced and namespace else ""
+        tail = f"/{name}" if name else ""
+        return f"{root}{ns}/{self.plural}{tail}{'/' + sub if sub else ''}"
+
+
+POOLS = Kind(API_VERSION, POOL_PLURAL)
+ENTITLEMENTS = Kind(API_VERSION, ENTITLEMENT_PLURAL)
+PODS = Kind("v1", "pods")
+NODES = Kind("v1", "nodes", namespaced=False)
+SECRETS = Kind("v1", "secrets")
+EVENTS = Kind("v1", "events")
+LEASES = Kind("coordination.k8s.io/v1", "leases")
+PRIORITY_CLASSES = Kind("scheduling.k8s.io/v1", "priorityclasses", namespaced=False)
+
+
+def workload_kind(api_version: str, kind: str) -> Kind:
+    """The resource of a scaleTargetRef (Deployment → deployments, the usual plural rule)."""
+    plural = kind.lower()
+    plural = plural + "es" if plural.endswith("s") else plural + "s"
+    return Kind(api_version, plural)
+
+
+class Conflict(Exception):
+    """409: the object changed (resourceVersion) or already exists."""
+
+
+def is_not_found(exc: Exception) -> bool:
+    return isinstance(exc, ApiException) and exc.status == 404
+
+
+def load_client(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster service account when there is one, else the kubeconfig."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(config_file=kubeconfig)
+    return client.ApiClient()
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient, timeout_s: float = 10.0) -> None:
+        self.api = api
+        self.timeout_s = timeout_s
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        _, url, headers, body, _ = self.api.param_serialize(
+            method, path, query_params=list((query or {}).items()), header_params=headers,
+            body=body, auth_settings=["BearerToken"],
+        )  # fmt: skip
+        try:
+            resp = self.api.call_api(method, url, headers, body, _request_timeout=self.timeout_s)
+            resp.read()
+        except ApiException as exc:
+            if exc.status == 409:
+                raise Conflict(str(exc.reason)) from exc
+            raise
+        if resp.status == 409:
+            raise Conflict(resp.data.decode())
+        if resp.status >= 400:
+            raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp)
+        return json.loads(resp.data) if resp.data else None
+
+    def get(self, kind: Kind, namespace: str | None, name: str, sub: str = "") -> Any:
+        return self.request("GET", kind.path(namespace, name, sub))
+
+    def find(self, kind: Kind, namespace: str | None, name: str) -> Any:
+        try:
+            return self.get(kind, namespace, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(
+        self, kind: Kind, namespace: str | None = None, labels: Mapping[str, str] | None = None
+    ) -> list[Any]:
+        query = {"labelSelector": ",".join(f"{k}={v}" for k, v in labels.items())} if labels else {}
+        items = self.request("GET", kind.path(namespace), query=query)["items"]
+        if labels:  # a server that ignores selectors must not widen what we act on
+            items = [i for i in items if _has_labels(i, labels)]
+        return list(items)
+
+    def create(self, kind: Kind, namespace: str | None, obj: Any) -> Any:
+        return self.request("POST", kind.path(namespace), obj)
+
+    def replace(self, kind: Kind, namespace: str | None, name: str, obj: Any) -> Any:
+        return self.request("PUT", kind.path(namespace, name), obj)
+
+    def patch(self, kind: Kind, namespace: str | None, name: str, patch: Any, sub: str = "") -> Any:
+        return self.request("PATCH", kind.path(namespace, name, sub), patch, content_type=MERGE)
+
+    def delete(self, kind: Kind, namespace: str | None, name: str, grace_s: int | None = None) -> None:
+        query = {} if grace_s is None else {"gracePeriodSeconds": grace_s}
+        try:
+            self.request("DELETE", kind.path(namespace, name), query=query)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def names(self, kind: Kind, namespace: str | None = None) -> Iterator[str]:
+        for item in self.list(kind, namespace):
+            yield item["metadata"]["name"]
+
+
+def _has_labels(obj: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    have = obj.get("metadata", {}).get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items())

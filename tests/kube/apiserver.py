@@ -1,0 +1,312 @@
+"""A Kubernetes API server stand-in: kmock 0.8's discovery and HTTP plumbing, with the object
+semantics the operator depends on added here (kmock's own store lacks them; see
+docs/kubernetes.md): uid / resourceVersion / generation / creationTimestamp stamping,
+namespaced and cluster objects, PUT with resourceVersion preconditions (409), JSON merge
+patches, `/status` and `/scale` subresources that touch only their part, `pods/NAME/binding`,
+graceful deletion of bound pods and finalizers, label and field selectors, and watches that
+resume from a resourceVersion and end after timeoutSeconds.
+
+No admission, defaulting or garbage collection: the tests do those steps explicitly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import threading
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp.web
+import kmock
+from kmock._internal import rendering  # pinned kmock==0.8: private module
+
+# group/version, plural → (kind, namespaced, subresources)
+RESOURCES: dict[tuple[str, str], tuple[str, bool, tuple[str, ...]]] = {
+    ("v1", "pods"): ("Pod", True, ("status", "binding")),
+    ("v1", "nodes"): ("Node", False, ("status",)),
+    ("v1", "secrets"): ("Secret", True, ()),
+    ("v1", "events"): ("Event", True, ()),
+    ("v1", "namespaces"): ("Namespace", False, ()),
+    ("apps/v1", "deployments"): ("Deployment", True, ("status", "scale")),
+    ("coordination.k8s.io/v1", "leases"): ("Lease", True, ()),
+    ("scheduling.k8s.io/v1", "priorityclasses"): ("PriorityClass", False, ()),
+    ("tokenpools.io/v1alpha1", "tokenpools"): ("TokenPool", True, ("status",)),
+    ("tokenpools.io/v1alpha1", "tokenentitlements"): ("TokenEntitlement", True, ("status",)),
+}
+
+
+def now_iso() -> str:
+    return datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge(out.get(k), v)
+    return out
+
+
+def _error(status: int, reason: str, message: str) -> aiohttp.web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": status,
+            "reason": reason, "message": message}  # fmt: skip
+    return aiohttp.web.json_response(body, status=status)
+
+
+def _matches(obj: dict[str, Any], query: dict[str, str]) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    for term in filter(None, query.get("labelSelector", "").split(",")):
+        k, _, v = term.partition("=")
+        if labels.get(k) != v.lstrip("="):
+            return False
+    for term in filter(None, query.get("fieldSelector", "").split(",")):
+        path, _, v = term.partition("=")
+        value: Any = obj
+        for part in path.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if (value or "") != v:
+            return False
+    return True
+
+
+class KubeAPI(kmock.KubernetesScaffold):
+    """Declares RESOURCES for discovery; serves their objects itself."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for (gv, plural), (kind, namespaced, subs) in RESOURCES.items():
+            verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
+            info = kmock.ResourceInfo(namespaced=namespaced, kind=kind, verbs=verbs,
+                                      subresources=set(subs))  # fmt: skip
+            self.resources[f"{gv}/{plural}"] = info
+        self.store: dict[tuple[str, str], dict[tuple[str | None, str], dict[str, Any]]] = {
+            key: {} for key in RESOURCES
+        }
+        self.history: dict[tuple[str, str], list[tuple[int, str, dict[str, Any]]]] = {
+            key: [] for key in RESOURCES
+        }
+        self.rv = itertools.count(1)
+        self.changed = asyncio.Condition()
+
+    # -- the object store ------------------------------------------------------------------
+
+    def objects(self, gv: str, plural: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(o) for o in self.store[(gv, plural)].values()]
+
+    def get(self, gv: str, plural: str, ns: str | None, name: str) -> dict[str, Any] | None:
+        obj = self.store[(gv, plural)].get((ns, name))
+        return copy.deepcopy(obj) if obj else None
+
+    async def _emit(self, key: tuple[str, str], kind: str, obj: dict[str, Any]) -> None:
+        rv = next(self.rv)
+        obj["metadata"]["resourceVersion"] = str(rv)
+        self.history[key].append((rv, kind, copy.deepcopy(obj)))
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _store(self, key: tuple[str, str], obj: dict[str, Any], kind: str) -> None:
+        meta = obj["metadata"]
+        bound_pod = key == ("v1", "pods") and obj.get("spec", {}).get("nodeName")
+        if kind != "DELETED" and meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            kind = "MODIFIED" if bound_pod else "DELETED"  # its kubelet ends a bound pod
+        if kind == "DELETED":
+            self.store[key].pop((meta.get("namespace"), meta["name"]), None)
+        else:
+            self.store[key][(meta.get("namespace"), meta["name"])] = obj
+        await self._emit(key, kind, obj)
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        path = request.url.path.strip("/").split("/")
+        if path[0] == "api" and len(path) > 2:
+            gv, rest = "v1", path[2:]
+        elif path[0] == "apis" and len(path) > 3:
+            gv, rest = f"{path[1]}/{path[2]}", path[3:]
+        else:
+            return await super()._handle(request)
+        ns = None
+        if rest[0] == "namespaces" and len(rest) > 2:
+            ns, rest = rest[1], rest[2:]
+        key = (gv, rest[0])
+        if key not in RESOURCES:
+            return _error(404, "NotFound", f"the server could not find resource {key}")
+        name = rest[1] if len(rest) > 1 else None
+        sub = rest[2] if len(rest) > 2 else ""
+        query = dict(request.params)
+        assert request._raw_request is not None
+        method = request._raw_request.method.upper()
+        body = request.data
+        if name is None and method == "GET" and query.get("watch") in ("true", "1"):
+            assert request._raw_request is not None
+            return await self._watch(request._raw_request, key, ns, query)
+        if name is None and method == "GET":
+            items = [o for o in self.store[key].values()
+                     if (ns is None or o["metadata"].get("namespace") == ns) and _matches(o, query)]  # fmt: skip
+            rv = str(self.history[key][-1][0]) if self.history[key] else "0"
+            return aiohttp.web.json_response(
+                {"kind": f"{RESOURCES[key][0]}List", "apiVersion": gv,
+                 "metadata": {"resourceVersion": rv}, "items": items}  # fmt: skip
+            )
+        if name is None and method == "POST":
+            return await self._create(key, ns, body)
+        assert name is not None
+        current = self.store[key].get((ns, name))
+        if current is None:
+            return _error(404, "NotFound", f'{rest[0]} "{name}" not found')
+        if method == "GET":
+            return aiohttp.web.json_response(self._scale(current) if sub == "scale" else current)
+        if method == "POST" and sub == "binding":
+            return await self._bind(key, current, body)
+        if method == "DELETE":
+            return await self._delete(key, current, query)
+        if method == "PUT":
+            if body["metadata"].get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
+                return _error(409, "Conflict", "the object has been modified")
+            new = self._apply(key, current, body, sub, replace=True)
+        elif method == "PATCH":
+            patch = json.loads(request.text) if request.text else {}
+            if sub == "scale":
+                patch = {"spec": {"replicas": patch["spec"]["replicas"]}}
+                sub = ""
+            new = self._apply(key, current, patch, sub, replace=False)
+        else:
+            return _error(405, "MethodNotAllowed", method)
+        await self._store(key, new, "MODIFIED")
+        return aiohttp.web.json_response(self._scale(new) if sub == "scale" else new)
+
+    def _apply(self, key: tuple[str, str], current: dict[str, Any], change: dict[str, Any], sub: str, replace: bool) -> dict[str, Any]:
+        new = copy.deepcopy(current)
+        if sub == "status":  # only the status changes; the rest of the change is ignored
+            status = change.get("status", {})
+            new["status"] = copy.deepcopy(status) if replace else merge(new.get("status"), status)
+            return new
+        merged = copy.deepcopy(change) if replace else merge(new, change)
+        for field in ("uid", "creationTimestamp", "namespace", "name", "generation", "deletionTimestamp"):
+            if field in current["metadata"]:
+                merged.setdefault("metadata", {})[field] = current["metadata"][field]
+        if "status" in RESOURCES[key][2]:  # the main endpoint does not write the status
+            merged["status"] = current.get("status", {})
+        if merged.get("spec") != current.get("spec"):
+            merged["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
+        return merged
+
+    @staticmethod
+    def _scale(obj: dict[str, Any]) -> dict[str, Any]:
+        meta = {k: obj["metadata"][k] for k in ("name", "namespace", "resourceVersion") if k in obj["metadata"]}
+        status = obj.get("status", {})
+        return {"kind": "Scale", "apiVersion": "autoscaling/v1", "metadata": meta,
+                "spec": {"replicas": obj.get("spec", {}).get("replicas", 0)},
+                "status": {"replicas": status.get("replicas", 0)}}  # fmt: skip
+
+    async def _create(self, key: tuple[str, str], ns: str | None, body: dict[str, Any]) -> aiohttp.web.StreamResponse:
+        meta = body.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        namespaced = RESOURCES[key][1]
+        if namespaced:
+            meta["namespace"] = ns or meta.get("namespace") or "default"
+        if (meta.get("namespace"), meta["name"]) in self.store[key]:
+            return _error(409, "AlreadyExists", f'"{meta["name"]}" already exists')
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=now_iso(), generation=1)
+        body.setdefault("apiVersion", key[0])
+        body.setdefault("kind", RESOURCES[key][0])
+        if key == ("scheduling.k8s.io/v1", "priorityclasses"):
+            body.setdefault("preemptionPolicy", "PreemptLowerPriority")
+        await self._store(key, body, "ADDED")
+        return aiohttp.web.json_response(body, status=201)
+
+    async def _bind(self, key: tuple[str, str], pod: dict[str, Any], body: dict[str, Any]) -> aiohttp.web.StreamResponse:
+        if pod["spec"].get("nodeName"):
+            return _error(409, "Conflict", "pod is already assigned to a node")
+        new = copy.deepcopy(pod)
+        new["spec"]["nodeName"] = body["target"]["name"]
+        conds = [c for c in new.get("status", {}).get("conditions", []) if c["type"] != "PodScheduled"]
+        new.setdefault("status", {})["conditions"] = [*conds, {"type": "PodScheduled", "status": "True"}]
+        await self._store(key, new, "MODIFIED")
+        return aiohttp.web.json_response({"kind": "Status", "status": "Success"}, status=201)
+
+    async def _delete(self, key: tuple[str, str], obj: dict[str, Any], query: dict[str, str]) -> aiohttp.web.StreamResponse:
+        new = copy.deepcopy(obj)
+        meta = new["metadata"]
+        graceful = key == ("v1", "pods") and new["spec"].get("nodeName") and query.get("gracePeriodSeconds") != "0"
+        if meta.get("finalizers") or graceful:
+            meta.setdefault("deletionTimestamp", now_iso())  # the kubelet or a controller ends it
+            await self._store(key, new, "MODIFIED")
+        else:
+            await self._store(key, new, "DELETED")
+        return aiohttp.web.json_response(new)
+
+    async def _watch(self, raw: aiohttp.web.BaseRequest, key: tuple[str, str], ns: str | None,
+                     query: dict[str, str]) -> aiohttp.web.StreamResponse:  # fmt: skip
+        resp = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(raw)
+        since = int(query.get("resourceVersion") or 0)
+        if not since:  # a fresh watch: every object as ADDED, then the changes
+            for obj in list(self.store[key].values()):
+                if (ns is None or obj["metadata"].get("namespace") == ns) and _matches(obj, query):
+                    await resp.write(json.dumps({"type": "ADDED", "object": obj}).encode() + b"\n")
+            since = self.history[key][-1][0] if self.history[key] else 0
+        deadline = asyncio.get_running_loop().time() + float(query.get("timeoutSeconds") or 300)
+        try:
+            while True:
+                for rv, kind, obj in [h for h in self.history[key] if h[0] > since]:
+                    since = rv
+                    if (ns is None or obj["metadata"].get("namespace") == ns) and _matches(obj, query):
+                        await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                async with self.changed:
+                    try:
+                        await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
+                    except TimeoutError:
+                        pass
+        except (ConnectionResetError, asyncio.CancelledError):
+            return resp
+        await resp.write_eof()
+        return resp
+
+
+class ServerThread:
+    """The stand-in on a loopback port, in its own thread and event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.api: KubeAPI
+        self.url = ""
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self.stop_event = asyncio.Event()
+        async with KubeAPI() as api, kmock.Server(api) as server:
+            self.api = api
+            self.url = str(server.url).rstrip("/")
+            self.ready.set()
+            await self.stop_event.wait()
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        self.ready.wait(10)
+        return self
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(10)
