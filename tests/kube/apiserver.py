@@ -95,6 +95,7 @@ class KubeAPI(kmock.KubernetesScaffold):
             key: [] for key in RESOURCES
         }
         self.rv = itertools.count(1)
+        self.sequence: dict[tuple[str | None, str], int] = {}  # pod → when created / bound
         self.changed = asyncio.Condition()
 
     # -- the object store ------------------------------------------------------------------
@@ -223,6 +224,7 @@ class KubeAPI(kmock.KubernetesScaffold):
         if key == ("scheduling.k8s.io/v1", "priorityclasses"):
             body.setdefault("preemptionPolicy", "PreemptLowerPriority")
         await self._store(key, body, "ADDED")
+        self.sequence[(meta.get("namespace"), meta["name"])] = next(self.rv)
         return aiohttp.web.json_response(body, status=201)
 
     async def _bind(self, key: tuple[str, str], pod: dict[str, Any], body: dict[str, Any]) -> aiohttp.web.StreamResponse:
@@ -233,6 +235,7 @@ class KubeAPI(kmock.KubernetesScaffold):
         conds = [c for c in new.get("status", {}).get("conditions", []) if c["type"] != "PodScheduled"]
         new.setdefault("status", {})["conditions"] = [*conds, {"type": "PodScheduled", "status": "True"}]
         await self._store(key, new, "MODIFIED")
+        self.sequence[(new["metadata"]["namespace"], new["metadata"]["name"])] = next(self.rv)
         return aiohttp.web.json_response({"kind": "Status", "status": "Success"}, status=201)
 
     async def _delete(self, key: tuple[str, str], obj: dict[str, Any], query: dict[str, str]) -> aiohttp.web.StreamResponse:

@@ -33,3 +33,13 @@ def desired_replicas(pool: Pool, need: Resources) -> int:
     """clamp(⌈max over dimensions of need / per-replica capacity⌉, min, max)."""
     replicas = math.ceil(need.max_ratio(pool.per_replica) - 1e-9)
     return max(pool.min_replicas, min(pool.max_replicas, replicas))
+
+
+def baseline_need(entitlements: Sequence[Entitlement]) -> Resources:
+    """The need when demand is not observed (the operator): every reserved and elastic
+    baseline in full — what the lease pods ask the virtual node for."""
+    need = Resources()
+    for ent in entitlements:
+        if ent.protected or ent.service_class == ServiceClass.ELASTIC:
+            need = need + ent.baseline
+    return need

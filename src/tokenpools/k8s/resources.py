@@ -20,7 +20,7 @@ from tokenpools.k8s.schema import (
     PoolExtras,
     split,
 )
-from tokenpools.model.config import EntitlementSpec, PoolSpec, _format_errors
+from tokenpools.model.config import EntitlementSpec, PoolSpec, format_errors
 from tokenpools.model.keys import hash_key, is_key_hash
 
 SecretKey = tuple[str, str, str]  # namespace, secret name, key
@@ -52,10 +52,11 @@ def secret_keys(data: Mapping[str, str] | None, key: str) -> list[str] | None:
 def config_data(
     pools: list[Mapping[str, Any]],
     entitlements: list[Mapping[str, Any]],
-    secrets: Mapping[tuple[str, str], Mapping[str, str]],
+    secrets: Mapping[tuple[str, str], Mapping[str, str]] | None,
     base: Mapping[str, Any] | None = None,
 ) -> ClusterConfig:
-    """Pools and entitlements of one namespace (pool names are the CRs' names) → config."""
+    """Pools and entitlements of one namespace (pool names are the CRs' names) → config.
+    With `secrets` None (the operator, which needs no keys) Secrets are not read."""
     out = ClusterConfig({**(base or {}), "pools": [], "entitlements": []})
     for obj in pools:
         ns, name = _meta(obj)
@@ -66,7 +67,7 @@ def config_data(
             PoolSpec.model_validate({**own, "name": name})
             out.pool_extras[name] = PoolExtras.model_validate(extra)
         except ValidationError as exc:
-            out.invalid[("TokenPool", ns, name)] = _format_errors(exc)
+            out.invalid[("TokenPool", ns, name)] = format_errors(exc)
             continue
         out.data["pools"].append({**own, "name": name})
     known = {p["name"] for p in out.data["pools"]}
@@ -79,13 +80,13 @@ def config_data(
             refs = EntitlementExtras.model_validate(extra).apiKeySecretRefs
             EntitlementSpec.model_validate({**own, "name": name})
         except ValidationError as exc:
-            out.invalid[("TokenEntitlement", ns, name)] = _format_errors(exc)
+            out.invalid[("TokenEntitlement", ns, name)] = format_errors(exc)
             continue
         if own.get("pool") not in known:
             out.invalid[("TokenEntitlement", ns, name)] = f"pool: unknown pool {own.get('pool')!r}"
             continue
         keys: list[str] = []
-        for ref in refs:
+        for ref in refs if secrets is not None else ():
             found = secret_keys(secrets.get((ns, ref.name)), ref.key)
             if found is None:
                 out.invalid[("TokenEntitlement", ns, name)] = (

@@ -375,7 +375,7 @@ def parse_config(data: Any) -> Config:
     try:
         spec = ConfigSpec.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc)) from None
+        raise ConfigError(format_errors(exc)) from None
     pools = {p.name: p.to_pool() for p in spec.pools}
     entitlements = {e.name: e.to_entitlement(pools[e.pool]) for e in spec.entitlements}
     g, st = spec.gateway, spec.state
@@ -411,7 +411,7 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{path}: invalid config\n{exc}") from None
 
 
-def _format_errors(exc: ValidationError) -> str:
+def format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors(include_url=False):
         where = _location(err["loc"])

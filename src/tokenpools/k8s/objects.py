@@ -1,0 +1,188 @@
+"""The Kubernetes objects the operator owns, as manifests (pure builders, no I/O).
+
+A lease pod does no work: one `pause` container whose requests (= limits) are the
+entitlement's integer baseline (control/placement.py), the service class's PriorityClass,
+the toleration and node selector of its pool's virtual node, an owner reference to the
+entitlement (so the garbage collector removes it with the entitlement), no service account
+token, no service links, and a zero grace period.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from tokenpools.control.placement import PRIORITY_CLASSES
+from tokenpools.k8s.schema import API_VERSION
+from tokenpools.model.service_class import ServiceClass
+
+POOL_LABEL = "tokenpools.io/pool"
+NAMESPACE_LABEL = "tokenpools.io/namespace"
+ENTITLEMENT_LABEL = "tokenpools.io/entitlement"
+TAINT = {"key": "virtual-kubelet.io/provider", "value": "tokenpools", "effect": "NoSchedule"}
+FINALIZER = "tokenpools.io/cleanup"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+NODE_LEASE_NAMESPACE = "kube-node-lease"
+NODE_LEASE_S = 40
+# Generous, so a LimitRange's default cpu/memory requests still fit on the virtual node.
+NODE_CPU, NODE_MEMORY, NODE_PODS = "1000", "4Ti", 1000
+
+
+def iso(now: float) -> str:
+    return datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def micro(now: float) -> str:
+    return datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def node_name(namespace: str, pool: str) -> str:
+    return f"tokenpools-{namespace}-{pool}"
+
+
+def pod_name(entitlement: str) -> str:
+    return f"lease-{entitlement}"
+
+
+def node(namespace: str, pool: str) -> dict[str, Any]:
+    name = node_name(namespace, pool)
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {
+                POOL_LABEL: pool,
+                NAMESPACE_LABEL: namespace,
+                "type": "virtual-kubelet",
+                "kubernetes.io/role": "agent",
+                "kubernetes.io/hostname": name,
+            },
+        },
+        "spec": {"taints": [TAINT]},
+    }
+
+
+def node_status(allocatable: Mapping[str, int], now: float, message: str) -> dict[str, Any]:
+    resources = {
+        **{k: str(v) for k, v in allocatable.items()},
+        "cpu": NODE_CPU,
+        "memory": NODE_MEMORY,
+        "pods": str(NODE_PODS),
+    }
+    beat = iso(now)
+
+    def cond(kind: str, status: str, reason: str, text: str) -> dict[str, str]:
+        return {"type": kind, "status": status, "reason": reason, "message": text,
+                "lastHeartbeatTime": beat, "lastTransitionTime": beat}  # fmt: skip
+
+    return {
+        "status": {
+            "capacity": resources,
+            "allocatable": resources,
+            "conditions": [
+                cond("Ready", "True", "TokenPoolReady", message),
+                cond("MemoryPressure", "False", "TokenPoolReady", "virtual node"),
+                cond("DiskPressure", "False", "TokenPoolReady", "virtual node"),
+                cond("PIDPressure", "False", "TokenPoolReady", "virtual node"),
+            ],
+            "nodeInfo": {"kubeletVersion": "tokenpools", "operatingSystem": "linux",
+                         "architecture": "amd64"},  # fmt: skip
+        }
+    }
+
+
+def node_lease(name: str, now: float) -> dict[str, Any]:
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": name, "namespace": NODE_LEASE_NAMESPACE},
+        "spec": {"holderIdentity": name, "leaseDurationSeconds": NODE_LEASE_S,
+                 "renewTime": micro(now)},  # fmt: skip
+    }
+
+
+def lease_pod(
+    ent: Mapping[str, Any], service_class: ServiceClass, requests: Mapping[str, int]
+) -> dict[str, Any]:
+    meta = ent["metadata"]
+    ns, name, pool = meta["namespace"], meta["name"], ent["spec"]["pool"]
+    quantities = {k: str(v) for k, v in requests.items()}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(name),
+            "namespace": ns,
+            "labels": {ENTITLEMENT_LABEL: name, POOL_LABEL: pool},
+            "ownerReferences": [
+                {"apiVersion": API_VERSION, "kind": "TokenEntitlement", "name": name,
+                 "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+            ],
+        },
+        "spec": {
+            "priorityClassName": PRIORITY_CLASSES[service_class].name,
+            "nodeSelector": {POOL_LABEL: pool, NAMESPACE_LABEL: ns},
+            "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [
+                {"name": "lease", "image": PAUSE_IMAGE,
+                 "resources": {"requests": quantities, "limits": quantities}}  # fmt: skip
+            ],
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 0,
+        },
+    }
+
+
+def running_status(now: float) -> dict[str, Any]:
+    t = iso(now)
+    ready = [{"type": c, "status": "True", "lastTransitionTime": t}
+             for c in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]  # fmt: skip
+    return {"status": {"phase": "Running", "conditions": ready, "startTime": t}}
+
+
+def priority_classes() -> list[dict[str, Any]]:
+    return [
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": pc.name},
+            "value": pc.value,
+            "globalDefault": False,
+            "preemptionPolicy": "PreemptLowerPriority" if pc.preempts else "Never",
+            "description": pc.description,
+        }
+        for pc in PRIORITY_CLASSES.values()
+    ]
+
+
+def event(
+    involved: Mapping[str, Any], reason: str, message: str, now: float, kind: str = "Normal"
+) -> dict[str, Any]:
+    meta = involved["metadata"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace")},
+        "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
+                           "name": meta["name"], "namespace": meta.get("namespace"),
+                           "uid": meta.get("uid")},  # fmt: skip
+        "reason": reason,
+        "message": message,
+        "type": kind,
+        "source": {"component": "tokenpools-operator"},
+        "firstTimestamp": iso(now),
+        "lastTimestamp": iso(now),
+        "count": 1,
+    }
+
+
+def condition(kind: str, ok: bool, reason: str, message: str, now: float, gen: int) -> dict[str, Any]:
+    return {"type": kind, "status": "True" if ok else "False", "reason": reason,
+            "message": message, "lastTransitionTime": iso(now), "observedGeneration": gen}  # fmt: skip
