@@ -58,3 +58,7 @@ bench: $(BIN)/tokenpools $(CVENV)/.built
 
 clean:
 	rm -rf $(VENV) $(CVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# deploy/base/crds.yaml and priorityclasses.yaml, generated from the schema (a test checks them)
+manifests: $(BIN)/tokenpools
+	$(BIN)/python -c 'from tokenpools.k8s.manifests import generated; [open("deploy/base/" + k, "w").write(v) for k, v in generated().items()]'

@@ -12,7 +12,17 @@ from kubernetes import client
 from tests.kube.apiserver import ServerThread
 from tests.kube.cluster import Scheduler
 from tokenpools.k8s import objects as o
-from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, LEASES, NODES, PODS, POOLS, PRIORITY_CLASSES, Kind, Kube
+from tokenpools.k8s.api import (
+    ENTITLEMENTS,
+    EVENTS,
+    LEASES,
+    NODES,
+    PODS,
+    POOLS,
+    PRIORITY_CLASSES,
+    Kind,
+    Kube,
+)
 from tokenpools.k8s.reconciler import Reconciler
 
 NS = "tenants"
@@ -41,16 +51,29 @@ def cluster() -> Iterator[tuple[Kube, Reconciler, Scheduler, Clock]]:
 
 
 def pool(name: str = "qwen", replicas: int = 2, **extra: Any) -> dict[str, Any]:
-    spec = {"model": "Qwen3-8B", "replicas": replicas, "maxReplicas": 4,
-            "perReplica": {"tokensPerSecond": 240, "kvTokens": 16384, "concurrency": 8}, **extra}  # fmt: skip
-    return {"apiVersion": "tokenpools.io/v1alpha1", "kind": "TokenPool",
-            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+    spec = {
+        "model": "Qwen3-8B",
+        "replicas": replicas,
+        "maxReplicas": 4,
+        "perReplica": {"tokensPerSecond": 240, "kvTokens": 16384, "concurrency": 8},
+        **extra,
+    }
+    return {
+        "apiVersion": "tokenpools.io/v1alpha1",
+        "kind": "TokenPool",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def ent(name: str, cls: str, slots: float, **extra: Any) -> dict[str, Any]:
     spec = {"tenantId": name, "pool": "qwen", "serviceClass": cls, "concurrency": slots, **extra}
-    return {"apiVersion": "tokenpools.io/v1alpha1", "kind": "TokenEntitlement",
-            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "tokenpools.io/v1alpha1",
+        "kind": "TokenEntitlement",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def settle(rec: Reconciler, sched: Scheduler) -> None:
@@ -86,21 +109,36 @@ def test_pool_entitlements_preemption_shrink_and_cleanup(cluster: Any) -> None:
     assert gold["spec"]["priorityClassName"] == "tokenpools-guaranteed"
     assert gold["metadata"]["ownerReferences"][0]["kind"] == "TokenEntitlement"
     assert gold["status"]["phase"] == "Running"
-    assert "tokenpools.io/concurrency" not in pods["lease-batch"]["spec"]["containers"][0]["resources"]["requests"]
+    assert (
+        "tokenpools.io/concurrency"
+        not in pods["lease-batch"]["spec"]["containers"][0]["resources"]["requests"]
+    )
 
     # A second guaranteed tenant: 16 reserved slots fit, but 8 + 8 + 12 shared > 24, so the
     # scheduler preempts the elastic lease pod, which turns Degraded.
     kube.create(ENTITLEMENTS, NS, ent("gold2", "guaranteed", 8))
     settle(rec, sched)
     assert states(kube) == {"gold": "Bound", "chat": "Degraded", "batch": "Bound", "gold2": "Bound"}
-    assert any(e["reason"] == "Degraded" and e["involvedObject"]["name"] == "chat"
-               for e in kube.list(EVENTS, NS))  # fmt: skip
+    assert any(
+        e["reason"] == "Degraded" and e["involvedObject"]["name"] == "chat"
+        for e in kube.list(EVENTS, NS)
+    )
 
     # One replica lost: the older guaranteed lease stays, the newer one is evicted.
     kube.patch(POOLS, NS, "qwen", {"spec": {"replicas": 1}})
     settle(rec, sched)
-    assert states(kube) == {"gold": "Bound", "chat": "Degraded", "batch": "Bound", "gold2": "Degraded"}
-    assert kube.get(NODES, None, o.node_name(NS, "qwen"))["status"]["allocatable"]["tokenpools.io/concurrency"] == "8"
+    assert states(kube) == {
+        "gold": "Bound",
+        "chat": "Degraded",
+        "batch": "Bound",
+        "gold2": "Degraded",
+    }
+    assert (
+        kube.get(NODES, None, o.node_name(NS, "qwen"))["status"]["allocatable"][
+            "tokenpools.io/concurrency"
+        ]
+        == "8"
+    )
 
     # The operator restarts: nothing is duplicated, nothing changes.
     before = sorted(p["metadata"]["name"] for p in kube.list(PODS, NS))
@@ -111,7 +149,9 @@ def test_pool_entitlements_preemption_shrink_and_cleanup(cluster: Any) -> None:
     # Deleting an entitlement removes its lease pod (finalizer), then the CR itself.
     kube.delete(ENTITLEMENTS, NS, "gold2")
     settle(rec, sched)
-    assert kube.find(PODS, NS, "lease-gold2") is None and kube.find(ENTITLEMENTS, NS, "gold2") is None
+    assert (
+        kube.find(PODS, NS, "lease-gold2") is None and kube.find(ENTITLEMENTS, NS, "gold2") is None
+    )
 
     # Deleting the pool removes its node and node Lease.
     kube.delete(POOLS, NS, "qwen")
@@ -138,11 +178,17 @@ def test_heartbeat_renews_the_node_condition_and_lease(cluster: Any) -> None:
 
 def test_autoscaling_writes_the_scale_within_bounds_with_a_cooldown(cluster: Any) -> None:
     kube, rec, sched, clock = cluster
-    deploy = {"metadata": {"name": "vllm"}, "spec": {"replicas": 1},
-              "status": {"replicas": 1, "readyReplicas": 1}}  # fmt: skip
+    deploy = {
+        "metadata": {"name": "vllm"},
+        "spec": {"replicas": 1},
+        "status": {"replicas": 1, "readyReplicas": 1},
+    }
     kube.create(DEPLOYMENTS, NS, deploy)
-    target = {"scaleTargetRef": {"name": "vllm"}, "autoscaling": {"cooldownS": 60},
-              "minReplicas": 1}  # fmt: skip
+    target = {
+        "scaleTargetRef": {"name": "vllm"},
+        "autoscaling": {"cooldownS": 60},
+        "minReplicas": 1,
+    }
     kube.create(POOLS, NS, pool(replicas=1, **target))
     kube.create(ENTITLEMENTS, NS, ent("gold", "guaranteed", 8))
     kube.create(ENTITLEMENTS, NS, ent("gold2", "guaranteed", 8))
@@ -183,3 +229,35 @@ def test_expired_and_invalid_entitlements(cluster: Any) -> None:
     assert got["old"]["state"] == "Expired" and kube.find(PODS, NS, "lease-old") is None
     assert got["bad"]["state"] == "Invalid" and "concurrency" in got["bad"]["message"]
     assert got["lost"]["state"] == "Invalid" and "unknown pool" in got["lost"]["message"]
+
+
+def test_the_gateway_takes_the_binding_the_operator_wrote(cluster: Any) -> None:
+    import base64
+
+    from tokenpools.control.core import DecisionCore
+    from tokenpools.control.decisions import Admit, Reject
+    from tokenpools.k8s.api import SECRETS
+    from tokenpools.k8s.source import cluster_config, read_cluster
+    from tokenpools.model.request import RequestCost
+
+    kube, rec, sched, _ = cluster
+    kube.create(POOLS, NS, pool(replicas=2))
+    secret = {
+        "metadata": {"name": "keys"},
+        "data": {"apiKeys": base64.b64encode(b"sk-gold\n").decode()},
+    }
+    kube.create(SECRETS, NS, secret)
+    refs = {"apiKeySecretRefs": [{"name": "keys"}]}
+    kube.create(ENTITLEMENTS, NS, ent("gold", "guaranteed", 6, **refs))
+    kube.create(ENTITLEMENTS, NS, ent("chat", "elastic", 14))
+    settle(rec, sched)
+    kube.create(ENTITLEMENTS, NS, ent("gold2", "guaranteed", 6))
+    settle(rec, sched)  # 6 + 6 + 14 shared > 24: chat is preempted
+    assert states(kube) == {"gold": "Bound", "chat": "Degraded", "gold2": "Bound"}
+
+    core = DecisionCore(cluster_config(*read_cluster(kube, NS)), now=0.0)
+    assert core.entitlement_for_key("sk-gold") == "gold"
+    cost = RequestCost(input_tokens=64, max_output_tokens=64)
+    assert isinstance(core.admit("gold", cost, now=0.0), Admit)
+    refused = core.admit("chat", cost, now=0.0)
+    assert isinstance(refused, Reject) and refused.reason == "entitlement_degraded"

@@ -56,9 +56,14 @@ class StandInCluster:
         for name in names:
             pod = self.pods[name]
             self.pods[name] = SPod(
-                name, pod.priority, pod.requests, next(self.clock), pod.preempts,
-                pod.tolerations, pod.node_selector,
-            )  # fmt: skip
+                name,
+                pod.priority,
+                pod.requests,
+                next(self.clock),
+                pod.preempts,
+                pod.tolerations,
+                pod.node_selector,
+            )
 
     def set_allocatable(self, alloc: dict[str, int]) -> None:
         self.node = SNode("p", {**alloc, "pods": 1000}, self.node.labels, self.node.taints)
@@ -77,10 +82,16 @@ class StandInCluster:
                 outcome = schedule_one(pod, [self.node], list(self.pods.values()))
                 if isinstance(outcome, Bind):
                     self.pods[pod.name] = SPod(
-                        pod.name, pod.priority, pod.requests, pod.queued, pod.preempts,
-                        pod.tolerations, pod.node_selector, node=outcome.node,
+                        pod.name,
+                        pod.priority,
+                        pod.requests,
+                        pod.queued,
+                        pod.preempts,
+                        pod.tolerations,
+                        pod.node_selector,
+                        node=outcome.node,
                         started=next(self.clock),
-                    )  # fmt: skip
+                    )
                     self.ever_bound.add(pod.name)
                 elif isinstance(outcome, Preempt):
                     victims = [self.pods[v] for v in outcome.victims]

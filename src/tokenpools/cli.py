@@ -174,16 +174,24 @@ def _progress(total: float | None) -> Iterator[Callable[[str, float], None]]:
 
 @app.command()
 def serve(
-    config: Annotated[Path, typer.Option("--config", "-c", help="the YAML config file")],
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="the YAML config file")
+    ] = None,
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="listen port")] = 8080,
     shutdown_timeout: Annotated[float, typer.Option(help="seconds for in-flight requests")] = 30,
+    kubernetes: Annotated[
+        bool, typer.Option(help="read pools, entitlements and keys from the cluster")
+    ] = False,
+    namespace: Annotated[str, typer.Option(help="with --kubernetes")] = "default",
 ) -> None:
     """Run the OpenAI-compatible admission gateway (reloads on SIGHUP and on file change)."""
     from tokenpools.gateway.server import serve as run
 
+    if config is None and not kubernetes:
+        _fail("give --config FILE, or --kubernetes")
     try:
-        run(config, host, port, shutdown_timeout)
+        run(config, host, port, shutdown_timeout, namespace if kubernetes else None)
     except ConfigError as exc:
         _fail(str(exc))
 
@@ -374,3 +382,52 @@ def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash
 
 if __name__ == "__main__":
     app()
+
+
+k8s_app = typer.Typer(help="Kubernetes: CRDs, and a config file as custom resources.")
+app.add_typer(k8s_app, name="k8s")
+
+
+@k8s_app.command("crds")
+def k8s_crds() -> None:
+    """Print the TokenPool and TokenEntitlement CRDs (generated from the config schema)."""
+    from tokenpools.k8s.crds import crds
+    from tokenpools.k8s.manifests import dump_all
+
+    typer.echo(dump_all(crds()), nl=False)
+
+
+@k8s_app.command("render")
+def k8s_render(
+    config: Annotated[Path, typer.Argument(help="a tokenpools YAML config")],
+    namespace: Annotated[str, typer.Option(help="namespace of the custom resources")] = "default",
+) -> None:
+    """Print the TokenPools, TokenEntitlements and key Secrets for an existing config file."""
+    from tokenpools.k8s.manifests import dump_all
+    from tokenpools.k8s.resources import render
+
+    try:
+        load_config(config)  # the same validation as `check-config`
+    except ConfigError as exc:
+        _fail(str(exc))
+    import yaml
+
+    typer.echo(dump_all(render(yaml.safe_load(config.read_text()), namespace)), nl=False)
+
+
+@app.command()
+def operator(
+    namespace: Annotated[
+        str, typer.Option(help="where the leader Lease lives")
+    ] = "tokenpools-system",
+) -> None:
+    """Run the Kubernetes operator (kopf): virtual nodes, lease pods, autoscaling."""
+    import os
+
+    os.environ.setdefault("TOKENPOOLS_NAMESPACE", namespace)
+    import kopf
+
+    import tokenpools.k8s.kopf_operator  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=False)
+    kopf.run(clusterwide=True, standalone=True)

@@ -12,6 +12,7 @@ No admission, defaulting or garbage collection: the tests do those steps explici
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -57,8 +58,14 @@ def merge(target: Any, patch: Any) -> Any:
 
 
 def _error(status: int, reason: str, message: str) -> aiohttp.web.Response:
-    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": status,
-            "reason": reason, "message": message}  # fmt: skip
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": status,
+        "reason": reason,
+        "message": message,
+    }
     return aiohttp.web.json_response(body, status=status)
 
 
@@ -85,8 +92,9 @@ class KubeAPI(kmock.KubernetesScaffold):
         super().__attrs_post_init__()
         for (gv, plural), (kind, namespaced, subs) in RESOURCES.items():
             verbs = {"get", "list", "watch", "create", "update", "patch", "delete"}
-            info = kmock.ResourceInfo(namespaced=namespaced, kind=kind, verbs=verbs,
-                                      subresources=set(subs))  # fmt: skip
+            info = kmock.ResourceInfo(
+                namespaced=namespaced, kind=kind, verbs=verbs, subresources=set(subs)
+            )
             self.resources[f"{gv}/{plural}"] = info
         self.store: dict[tuple[str, str], dict[tuple[str | None, str], dict[str, Any]]] = {
             key: {} for key in RESOURCES
@@ -151,12 +159,19 @@ class KubeAPI(kmock.KubernetesScaffold):
             assert request._raw_request is not None
             return await self._watch(request._raw_request, key, ns, query)
         if name is None and method == "GET":
-            items = [o for o in self.store[key].values()
-                     if (ns is None or o["metadata"].get("namespace") == ns) and _matches(o, query)]  # fmt: skip
+            items = [
+                o
+                for o in self.store[key].values()
+                if (ns is None or o["metadata"].get("namespace") == ns) and _matches(o, query)
+            ]
             rv = str(self.history[key][-1][0]) if self.history[key] else "0"
             return aiohttp.web.json_response(
-                {"kind": f"{RESOURCES[key][0]}List", "apiVersion": gv,
-                 "metadata": {"resourceVersion": rv}, "items": items}  # fmt: skip
+                {
+                    "kind": f"{RESOURCES[key][0]}List",
+                    "apiVersion": gv,
+                    "metadata": {"resourceVersion": rv},
+                    "items": items,
+                }
             )
         if name is None and method == "POST":
             return await self._create(key, ns, body)
@@ -171,7 +186,10 @@ class KubeAPI(kmock.KubernetesScaffold):
         if method == "DELETE":
             return await self._delete(key, current, query)
         if method == "PUT":
-            if body["metadata"].get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
+            if body["metadata"].get("resourceVersion") not in (
+                None,
+                current["metadata"]["resourceVersion"],
+            ):
                 return _error(409, "Conflict", "the object has been modified")
             new = self._apply(key, current, body, sub, replace=True)
         elif method == "PATCH":
@@ -185,14 +203,28 @@ class KubeAPI(kmock.KubernetesScaffold):
         await self._store(key, new, "MODIFIED")
         return aiohttp.web.json_response(self._scale(new) if sub == "scale" else new)
 
-    def _apply(self, key: tuple[str, str], current: dict[str, Any], change: dict[str, Any], sub: str, replace: bool) -> dict[str, Any]:
+    def _apply(
+        self,
+        key: tuple[str, str],
+        current: dict[str, Any],
+        change: dict[str, Any],
+        sub: str,
+        replace: bool,
+    ) -> dict[str, Any]:
         new = copy.deepcopy(current)
         if sub == "status":  # only the status changes; the rest of the change is ignored
             status = change.get("status", {})
             new["status"] = copy.deepcopy(status) if replace else merge(new.get("status"), status)
             return new
         merged = copy.deepcopy(change) if replace else merge(new, change)
-        for field in ("uid", "creationTimestamp", "namespace", "name", "generation", "deletionTimestamp"):
+        for field in (
+            "uid",
+            "creationTimestamp",
+            "namespace",
+            "name",
+            "generation",
+            "deletionTimestamp",
+        ):
             if field in current["metadata"]:
                 merged.setdefault("metadata", {})[field] = current["metadata"][field]
         if "status" in RESOURCES[key][2]:  # the main endpoint does not write the status
@@ -203,13 +235,23 @@ class KubeAPI(kmock.KubernetesScaffold):
 
     @staticmethod
     def _scale(obj: dict[str, Any]) -> dict[str, Any]:
-        meta = {k: obj["metadata"][k] for k in ("name", "namespace", "resourceVersion") if k in obj["metadata"]}
+        meta = {
+            k: obj["metadata"][k]
+            for k in ("name", "namespace", "resourceVersion")
+            if k in obj["metadata"]
+        }
         status = obj.get("status", {})
-        return {"kind": "Scale", "apiVersion": "autoscaling/v1", "metadata": meta,
-                "spec": {"replicas": obj.get("spec", {}).get("replicas", 0)},
-                "status": {"replicas": status.get("replicas", 0)}}  # fmt: skip
+        return {
+            "kind": "Scale",
+            "apiVersion": "autoscaling/v1",
+            "metadata": meta,
+            "spec": {"replicas": obj.get("spec", {}).get("replicas", 0)},
+            "status": {"replicas": status.get("replicas", 0)},
+        }
 
-    async def _create(self, key: tuple[str, str], ns: str | None, body: dict[str, Any]) -> aiohttp.web.StreamResponse:
+    async def _create(
+        self, key: tuple[str, str], ns: str | None, body: dict[str, Any]
+    ) -> aiohttp.web.StreamResponse:
         meta = body.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
@@ -227,21 +269,34 @@ class KubeAPI(kmock.KubernetesScaffold):
         self.sequence[(meta.get("namespace"), meta["name"])] = next(self.rv)
         return aiohttp.web.json_response(body, status=201)
 
-    async def _bind(self, key: tuple[str, str], pod: dict[str, Any], body: dict[str, Any]) -> aiohttp.web.StreamResponse:
+    async def _bind(
+        self, key: tuple[str, str], pod: dict[str, Any], body: dict[str, Any]
+    ) -> aiohttp.web.StreamResponse:
         if pod["spec"].get("nodeName"):
             return _error(409, "Conflict", "pod is already assigned to a node")
         new = copy.deepcopy(pod)
         new["spec"]["nodeName"] = body["target"]["name"]
-        conds = [c for c in new.get("status", {}).get("conditions", []) if c["type"] != "PodScheduled"]
-        new.setdefault("status", {})["conditions"] = [*conds, {"type": "PodScheduled", "status": "True"}]
+        conds = [
+            c for c in new.get("status", {}).get("conditions", []) if c["type"] != "PodScheduled"
+        ]
+        new.setdefault("status", {})["conditions"] = [
+            *conds,
+            {"type": "PodScheduled", "status": "True"},
+        ]
         await self._store(key, new, "MODIFIED")
         self.sequence[(new["metadata"]["namespace"], new["metadata"]["name"])] = next(self.rv)
         return aiohttp.web.json_response({"kind": "Status", "status": "Success"}, status=201)
 
-    async def _delete(self, key: tuple[str, str], obj: dict[str, Any], query: dict[str, str]) -> aiohttp.web.StreamResponse:
+    async def _delete(
+        self, key: tuple[str, str], obj: dict[str, Any], query: dict[str, str]
+    ) -> aiohttp.web.StreamResponse:
         new = copy.deepcopy(obj)
         meta = new["metadata"]
-        graceful = key == ("v1", "pods") and new["spec"].get("nodeName") and query.get("gracePeriodSeconds") != "0"
+        graceful = (
+            key == ("v1", "pods")
+            and new["spec"].get("nodeName")
+            and query.get("gracePeriodSeconds") != "0"
+        )
         if meta.get("finalizers") or graceful:
             meta.setdefault("deletionTimestamp", now_iso())  # the kubelet or a controller ends it
             await self._store(key, new, "MODIFIED")
@@ -249,8 +304,13 @@ class KubeAPI(kmock.KubernetesScaffold):
             await self._store(key, new, "DELETED")
         return aiohttp.web.json_response(new)
 
-    async def _watch(self, raw: aiohttp.web.BaseRequest, key: tuple[str, str], ns: str | None,
-                     query: dict[str, str]) -> aiohttp.web.StreamResponse:  # fmt: skip
+    async def _watch(
+        self,
+        raw: aiohttp.web.BaseRequest,
+        key: tuple[str, str],
+        ns: str | None,
+        query: dict[str, str],
+    ) -> aiohttp.web.StreamResponse:
         resp = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(raw)
         since = int(query.get("resourceVersion") or 0)
@@ -264,16 +324,16 @@ class KubeAPI(kmock.KubernetesScaffold):
             while True:
                 for rv, kind, obj in [h for h in self.history[key] if h[0] > since]:
                     since = rv
-                    if (ns is None or obj["metadata"].get("namespace") == ns) and _matches(obj, query):
+                    if (ns is None or obj["metadata"].get("namespace") == ns) and _matches(
+                        obj, query
+                    ):
                         await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     break
                 async with self.changed:
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
-                    except TimeoutError:
-                        pass
         except (ConnectionResetError, asyncio.CancelledError):
             return resp
         await resp.write_eof()

@@ -15,9 +15,13 @@ from tokenpools.k8s.api import NODES, PODS, PRIORITY_CLASSES, Kube
 def _node(obj: dict[str, Any]) -> SNode:
     status = obj.get("status") or {}
     alloc = {k: int(v) for k, v in (status.get("allocatable") or {}).items() if v.isdigit()}
-    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+    ready = any(
+        c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
+    )
     meta = obj["metadata"]
-    return SNode(meta["name"], alloc, meta.get("labels") or {}, obj["spec"].get("taints") or [], ready)
+    return SNode(
+        meta["name"], alloc, meta.get("labels") or {}, obj["spec"].get("taints") or [], ready
+    )
 
 
 def _pod(obj: dict[str, Any], seq: dict[tuple[str | None, str], int]) -> SPod:
@@ -27,10 +31,18 @@ def _pod(obj: dict[str, Any], seq: dict[tuple[str | None, str], int]) -> SPod:
         for k, v in ((c.get("resources") or {}).get("requests") or {}).items():
             requests[k] = requests.get(k, 0) + int(v)
     key = (meta["namespace"], meta["name"])
-    return SPod(meta["name"], int(spec.get("priority") or 0), requests, seq.get(key, 0),
-                spec.get("preemptionPolicy") != "Never", spec.get("tolerations") or [],
-                spec.get("nodeSelector") or {}, spec.get("nodeName"), seq.get(key, 0),
-                bool(meta.get("deletionTimestamp")))  # fmt: skip
+    return SPod(
+        meta["name"],
+        int(spec.get("priority") or 0),
+        requests,
+        seq.get(key, 0),
+        spec.get("preemptionPolicy") != "Never",
+        spec.get("tolerations") or [],
+        spec.get("nodeSelector") or {},
+        spec.get("nodeName"),
+        seq.get(key, 0),
+        bool(meta.get("deletionTimestamp")),
+    )
 
 
 class Scheduler:
@@ -47,7 +59,9 @@ class Scheduler:
                 self.server.call(self._set(pod, pc))
 
     async def _set(self, pod: dict[str, Any], pc: dict[str, Any]) -> None:
-        stored = self.server.api.store[("v1", "pods")][(pod["metadata"]["namespace"], pod["metadata"]["name"])]
+        stored = self.server.api.store[("v1", "pods")][
+            (pod["metadata"]["namespace"], pod["metadata"]["name"])
+        ]
         stored["spec"]["priority"] = pc["value"]
         stored["spec"]["preemptionPolicy"] = pc.get("preemptionPolicy", "PreemptLowerPriority")
 
@@ -65,21 +79,36 @@ class Scheduler:
                 outcome = schedule_one(pod, nodes, pods)
                 ns = by_name[pod.name][0]["metadata"]["namespace"]
                 if isinstance(outcome, Bind):
-                    body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod.name},
-                            "target": {"apiVersion": "v1", "kind": "Node", "name": outcome.node}}  # fmt: skip
+                    body = {
+                        "apiVersion": "v1",
+                        "kind": "Binding",
+                        "metadata": {"name": pod.name},
+                        "target": {"apiVersion": "v1", "kind": "Node", "name": outcome.node},
+                    }
                     self.kube.request("POST", PODS.path(ns, pod.name, "binding"), body)
                 elif isinstance(outcome, Preempt):
                     for victim in outcome.victims:
-                        cond = {"type": "DisruptionTarget", "status": "True",
-                                "reason": "PreemptionByScheduler"}  # fmt: skip
-                        self.kube.patch(PODS, ns, victim, {"status": {"conditions": [cond]}}, sub="status")
+                        cond = {
+                            "type": "DisruptionTarget",
+                            "status": "True",
+                            "reason": "PreemptionByScheduler",
+                        }
+                        self.kube.patch(
+                            PODS, ns, victim, {"status": {"conditions": [cond]}}, sub="status"
+                        )
                         self.kube.delete(PODS, ns, victim)  # graceful: the kubelet finalizes
                     status = {"status": {"nominatedNodeName": outcome.node}}
                     self.kube.patch(PODS, ns, pod.name, status, sub="status")
                 else:
-                    cond = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                            "message": f"0/{len(nodes)} nodes are available: insufficient resources"}  # fmt: skip
-                    self.kube.patch(PODS, ns, pod.name, {"status": {"conditions": [cond]}}, sub="status")
+                    cond = {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": f"0/{len(nodes)} nodes are available: insufficient resources",
+                    }
+                    self.kube.patch(
+                        PODS, ns, pod.name, {"status": {"conditions": [cond]}}, sub="status"
+                    )
                     continue
                 done.append(outcome)
                 break

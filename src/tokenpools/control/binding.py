@@ -11,7 +11,6 @@ from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
 from tokenpools.model.service_class import CLASS_SEMANTICS
 
-
 _NEW = 2**62  # an entitlement the core has not placed yet queues behind every other
 
 

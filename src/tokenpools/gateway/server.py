@@ -7,6 +7,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -57,6 +58,39 @@ def build(path: Path, watch_interval_s: float = 2.0) -> web.Application:
     return app
 
 
+def build_kubernetes(
+    kube: Any, namespace: str, base: dict[str, Any], interval_s: float = 2.0
+) -> web.Application:
+    """The gateway fed from the cluster: re-read every `interval_s`, adopted when changed
+    (an invalid set of objects is logged and the running config kept, as a bad file is)."""
+    from tokenpools.k8s.source import cluster_config, read_cluster
+
+    gateway = Gateway(cluster_config(*read_cluster(kube, namespace), base))
+    app = make_app(gateway)
+
+    async def follow(app: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            seen = None
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    objects = await asyncio.to_thread(read_cluster, kube, namespace)
+                    if objects != seen:
+                        seen = objects
+                        gateway.reload(cluster_config(*objects, base))
+                except ConfigError as exc:
+                    log.error("cluster config rejected, keeping the running config: %s", exc)
+                except Exception:
+                    log.exception("reading the cluster failed; keeping the running config")
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(follow)
+    return app
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     """uvloop where it is installed (it is a dependency on Linux): ~30 % less CPU per request."""
     try:
@@ -66,13 +100,26 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def serve(path: Path, host: str, port: int, shutdown_timeout_s: float) -> None:
+def serve(
+    path: Path | None, host: str, port: int, shutdown_timeout_s: float, namespace: str | None = None
+) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream request and settles the lease. SIGTERM/SIGINT stop accepting and give requests
     # in flight `shutdown_timeout_s` to finish.
+    if namespace is None:
+        assert path is not None
+        application = build(path)
+    else:  # --kubernetes: the cluster is the config; a file, if given, sets policy/gateway/state
+        import yaml
+
+        from tokenpools.k8s.api import Kube, load_client
+
+        base = yaml.safe_load(path.read_text()) if path is not None else {}
+        base = {k: v for k, v in (base or {}).items() if k not in ("pools", "entitlements")}
+        application = build_kubernetes(Kube(load_client()), namespace, base)
     web.run_app(
-        build(path),
+        application,
         loop=_new_loop(),
         host=host,
         port=port,

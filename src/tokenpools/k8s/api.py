@@ -61,9 +61,9 @@ def is_not_found(exc: Exception) -> bool:
 def load_client(kubeconfig: str | None = None) -> client.ApiClient:
     """In-cluster service account when there is one, else the kubeconfig."""
     try:
-        config.load_incluster_config()
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig)
+        config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
     return client.ApiClient()
 
 
@@ -82,18 +82,22 @@ class Kube:
     ) -> Any:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         _, url, headers, body, _ = self.api.param_serialize(
-            method, path, query_params=list((query or {}).items()), header_params=headers,
-            body=body, auth_settings=["BearerToken"],
-        )  # fmt: skip
+            method,
+            path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
         try:
             resp = self.api.call_api(method, url, headers, body, _request_timeout=self.timeout_s)
-            resp.read()
+            resp.read()  # type: ignore[no-untyped-call]
         except ApiException as exc:
             if exc.status == 409:
                 raise Conflict(str(exc.reason)) from exc
             raise
         if resp.status == 409:
-            raise Conflict(resp.data.decode())
+            raise Conflict(str(resp.data))
         if resp.status >= 400:
             raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp)
         return json.loads(resp.data) if resp.data else None
@@ -127,7 +131,9 @@ class Kube:
     def patch(self, kind: Kind, namespace: str | None, name: str, patch: Any, sub: str = "") -> Any:
         return self.request("PATCH", kind.path(namespace, name, sub), patch, content_type=MERGE)
 
-    def delete(self, kind: Kind, namespace: str | None, name: str, grace_s: int | None = None) -> None:
+    def delete(
+        self, kind: Kind, namespace: str | None, name: str, grace_s: int | None = None
+    ) -> None:
         query = {} if grace_s is None else {"gracePeriodSeconds": grace_s}
         try:
             self.request("DELETE", kind.path(namespace, name), query=query)

@@ -40,10 +40,10 @@ def structural(node: Any, defs: dict[str, Any]) -> Any:
         nullable = len(branches) < len(node["anyOf"])
         rest = {k: v for k, v in node.items() if k not in ("anyOf", *_DROP)}
         if len(branches) == 1:
-            out = {**structural(branches[0], defs), **structural(rest, defs)}
+            one = {**structural(branches[0], defs), **structural(rest, defs)}
         else:  # a value of several shapes (model: a name or a profile): checked by the operator
-            out = {**structural(rest, defs), "x-kubernetes-preserve-unknown-fields": True}
-        return {**out, "nullable": True} if nullable else out
+            one = {**structural(rest, defs), "x-kubernetes-preserve-unknown-fields": True}
+        return {**one, "nullable": True} if nullable else one
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DROP and not (key == "additionalProperties" and "properties" not in node):

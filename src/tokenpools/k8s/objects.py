@@ -78,8 +78,14 @@ def node_status(allocatable: Mapping[str, int], now: float, message: str) -> dic
     beat = iso(now)
 
     def cond(kind: str, status: str, reason: str, text: str) -> dict[str, str]:
-        return {"type": kind, "status": status, "reason": reason, "message": text,
-                "lastHeartbeatTime": beat, "lastTransitionTime": beat}  # fmt: skip
+        return {
+            "type": kind,
+            "status": status,
+            "reason": reason,
+            "message": text,
+            "lastHeartbeatTime": beat,
+            "lastTransitionTime": beat,
+        }
 
     return {
         "status": {
@@ -91,8 +97,11 @@ def node_status(allocatable: Mapping[str, int], now: float, message: str) -> dic
                 cond("DiskPressure", "False", "TokenPoolReady", "virtual node"),
                 cond("PIDPressure", "False", "TokenPoolReady", "virtual node"),
             ],
-            "nodeInfo": {"kubeletVersion": "tokenpools", "operatingSystem": "linux",
-                         "architecture": "amd64"},  # fmt: skip
+            "nodeInfo": {
+                "kubeletVersion": "tokenpools",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
         }
     }
 
@@ -102,8 +111,11 @@ def node_lease(name: str, now: float) -> dict[str, Any]:
         "apiVersion": "coordination.k8s.io/v1",
         "kind": "Lease",
         "metadata": {"name": name, "namespace": NODE_LEASE_NAMESPACE},
-        "spec": {"holderIdentity": name, "leaseDurationSeconds": NODE_LEASE_S,
-                 "renewTime": micro(now)},  # fmt: skip
+        "spec": {
+            "holderIdentity": name,
+            "leaseDurationSeconds": NODE_LEASE_S,
+            "renewTime": micro(now),
+        },
     }
 
 
@@ -121,8 +133,14 @@ def lease_pod(
             "namespace": ns,
             "labels": {ENTITLEMENT_LABEL: name, POOL_LABEL: pool},
             "ownerReferences": [
-                {"apiVersion": API_VERSION, "kind": "TokenEntitlement", "name": name,
-                 "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "TokenEntitlement",
+                    "name": name,
+                    "uid": meta["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
             ],
         },
         "spec": {
@@ -130,8 +148,11 @@ def lease_pod(
             "nodeSelector": {POOL_LABEL: pool, NAMESPACE_LABEL: ns},
             "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}],
             "containers": [
-                {"name": "lease", "image": PAUSE_IMAGE,
-                 "resources": {"requests": quantities, "limits": quantities}}  # fmt: skip
+                {
+                    "name": "lease",
+                    "image": PAUSE_IMAGE,
+                    "resources": {"requests": quantities, "limits": quantities},
+                }
             ],
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
@@ -142,8 +163,10 @@ def lease_pod(
 
 def running_status(now: float) -> dict[str, Any]:
     t = iso(now)
-    ready = [{"type": c, "status": "True", "lastTransitionTime": t}
-             for c in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]  # fmt: skip
+    ready = [
+        {"type": c, "status": "True", "lastTransitionTime": t}
+        for c in ("PodScheduled", "Initialized", "ContainersReady", "Ready")
+    ]
     return {"status": {"phase": "Running", "conditions": ready, "startTime": t}}
 
 
@@ -170,9 +193,13 @@ def event(
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta.get("namespace")},
-        "involvedObject": {"apiVersion": involved.get("apiVersion"), "kind": involved.get("kind"),
-                           "name": meta["name"], "namespace": meta.get("namespace"),
-                           "uid": meta.get("uid")},  # fmt: skip
+        "involvedObject": {
+            "apiVersion": involved.get("apiVersion"),
+            "kind": involved.get("kind"),
+            "name": meta["name"],
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+        },
         "reason": reason,
         "message": message,
         "type": kind,
@@ -183,6 +210,14 @@ def event(
     }
 
 
-def condition(kind: str, ok: bool, reason: str, message: str, now: float, gen: int) -> dict[str, Any]:
-    return {"type": kind, "status": "True" if ok else "False", "reason": reason,
-            "message": message, "lastTransitionTime": iso(now), "observedGeneration": gen}  # fmt: skip
+def condition(
+    kind: str, ok: bool, reason: str, message: str, now: float, gen: int
+) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": iso(now),
+        "observedGeneration": gen,
+    }

@@ -49,13 +49,23 @@ class Reconciler:
             pools[obj["metadata"]["namespace"]].append(obj)
         for obj in self.kube.list(ENTITLEMENTS):
             ents[obj["metadata"]["namespace"]].append(obj)
-        pods = {(p["metadata"]["namespace"], p["metadata"]["name"]): p
-                for p in self.kube.list(PODS, labels=None) if o.ENTITLEMENT_LABEL in (p["metadata"].get("labels") or {})}  # fmt: skip
+        pods = {
+            (p["metadata"]["namespace"], p["metadata"]["name"]): p
+            for p in self.kube.list(PODS, labels=None)
+            if o.ENTITLEMENT_LABEL in (p["metadata"].get("labels") or {})
+        }
         for ns in sorted(set(pools) | set(ents)):
             self._namespace(ns, pools[ns], ents[ns], pods, now)
         self._forget_orphan_nodes({(ns, p["metadata"]["name"]) for ns in pools for p in pools[ns]})
 
-    def _namespace(self, ns: str, pools: list[Any], ents: list[Any], pods: Mapping[tuple[str, str], Any], now: float) -> None:  # fmt: skip
+    def _namespace(
+        self,
+        ns: str,
+        pools: list[Any],
+        ents: list[Any],
+        pods: Mapping[tuple[str, str], Any],
+        now: float,
+    ) -> None:
         cluster = config_data(pools, ents, None)
         try:
             config = parse_config(cluster.data)
@@ -67,9 +77,22 @@ class Reconciler:
             if obj["metadata"].get("deletionTimestamp"):
                 self._delete_pool(obj)
             elif ("TokenPool", ns, name) in cluster.invalid:
-                self._status(POOLS, obj, {"conditions": [o.condition(
-                    "Ready", False, "Invalid", cluster.invalid[("TokenPool", ns, name)], now,
-                    obj["metadata"].get("generation", 1))]})  # fmt: skip
+                self._status(
+                    POOLS,
+                    obj,
+                    {
+                        "conditions": [
+                            o.condition(
+                                "Ready",
+                                False,
+                                "Invalid",
+                                cluster.invalid[("TokenPool", ns, name)],
+                                now,
+                                obj["metadata"].get("generation", 1),
+                            )
+                        ]
+                    },
+                )
             else:
                 self._pool(obj, config, cluster.pool_extras[name], now)
         for obj in ents:
@@ -95,8 +118,12 @@ class Reconciler:
         self._kubelet(ns, node, alloc, now)
         members = [e for e in config.entitlements.values() if e.pool == name]
         desired = desired_replicas(pool, baseline_need(members))
-        status: dict[str, Any] = {"nodeName": node, "replicas": ready, "desiredReplicas": desired,
-                                  "capacity": alloc}  # fmt: skip
+        status: dict[str, Any] = {
+            "nodeName": node,
+            "replicas": ready,
+            "desiredReplicas": desired,
+            "capacity": alloc,
+        }
         if extras.scaleTargetRef is not None and desired != current:
             status |= self._scale(obj, extras, current, desired, now)
         gen = obj["metadata"].get("generation", 1)
@@ -121,15 +148,19 @@ class Reconciler:
         ready = status.get("readyReplicas", status.get("replicas", 0))
         return int(ready or 0), asked
 
-    def _scale(self, obj: Any, extras: Any, current: int, desired: int, now: float) -> dict[str, Any]:  # fmt: skip
+    def _scale(
+        self, obj: Any, extras: Any, current: int, desired: int, now: float
+    ) -> dict[str, Any]:
         last = (obj.get("status") or {}).get("lastScaleTime")
         if last is not None and now - o.parse_time(last) < extras.autoscaling.cooldownS:
             return {"lastScaleTime": last}
         ref, ns = extras.scaleTargetRef, obj["metadata"]["namespace"]
         kind = workload_kind(ref.apiVersion, ref.kind)
         self.kube.patch(kind, ns, ref.name, {"spec": {"replicas": desired}}, sub="scale")
-        why = (f"scaled {ref.kind}/{ref.name} from {current} to {desired} replicas: the reserved "
-               f"and elastic baselines of the pool's entitlements need {desired}")  # fmt: skip
+        why = (
+            f"scaled {ref.kind}/{ref.name} from {current} to {desired} replicas: the reserved "
+            f"and elastic baselines of the pool's entitlements need {desired}"
+        )
         self.kube.create(EVENTS, ns, o.event(obj, "Scaled", why, now))
         log.info("pool %s/%s: %s", ns, obj["metadata"]["name"], why)
         return {"lastScaleTime": o.iso(now)}
@@ -164,8 +195,15 @@ class Reconciler:
                 self.kube.delete(PODS, ns, pod["metadata"]["name"], grace_s=0)
             else:
                 live.append(pod)
-        placed = [Placed(p["metadata"]["name"], int(p["spec"].get("priority") or 0),
-                         _requests(p), _started(p)) for p in live]  # fmt: skip
+        placed = [
+            Placed(
+                p["metadata"]["name"],
+                int(p["spec"].get("priority") or 0),
+                _requests(p),
+                _started(p),
+            )
+            for p in live
+        ]
         kept = set(survivors(placed, alloc))
         for pod in live:
             name = pod["metadata"]["name"]
@@ -192,7 +230,9 @@ class Reconciler:
 
     # -- entitlements: lease pods and their state ---------------------------------------
 
-    def _entitlement(self, obj: Any, config: Config, invalid: Mapping[Any, str], pod: Any, now: float) -> None:  # fmt: skip
+    def _entitlement(
+        self, obj: Any, config: Config, invalid: Mapping[Any, str], pod: Any, now: float
+    ) -> None:
         meta = obj["metadata"]
         ns, name, gen = meta["namespace"], meta["name"], meta.get("generation", 1)
         if meta.get("deletionTimestamp"):
@@ -228,22 +268,47 @@ class Reconciler:
             waiting = previous in (BindingState.BOUND.value, BindingState.DEGRADED.value)
             state = BindingState.DEGRADED.value if waiting else BindingState.PENDING.value
             why = _unschedulable(pod) or "lease pod waiting for the scheduler"
-        self._set_state(obj, state, why, gen, now, requests, pod, node if state == "Bound" else None)
+        self._set_state(
+            obj, state, why, gen, now, requests, pod, node if state == "Bound" else None
+        )
 
-    def _set_state(self, obj: Any, state: str, why: str, gen: int, now: float,
-                   requests: Mapping[str, int], pod: Any = None, node: str | None = None) -> None:  # fmt: skip
+    def _set_state(
+        self,
+        obj: Any,
+        state: str,
+        why: str,
+        gen: int,
+        now: float,
+        requests: Mapping[str, int],
+        pod: Any = None,
+        node: str | None = None,
+    ) -> None:
         old = obj.get("status") or {}
-        if (old.get("state"), old.get("message"), old.get("observedGeneration")) == (state, why, gen):
+        if (old.get("state"), old.get("message"), old.get("observedGeneration")) == (
+            state,
+            why,
+            gen,
+        ):
             return  # unchanged: no write, so an idle reconciliation is free
-        conds = [o.condition(kind, state == kind, state, why, now, gen)
-                 for kind in ("Bound", "Degraded", "Pending", "Expired")]  # fmt: skip
-        status = {"state": state, "message": why, "observedGeneration": gen, "conditions": conds,
-                  "requests": dict(requests), "podName": (pod or {}).get("metadata", {}).get("name"),
-                  "nodeName": node}  # fmt: skip
+        conds = [
+            o.condition(kind, state == kind, state, why, now, gen)
+            for kind in ("Bound", "Degraded", "Pending", "Expired")
+        ]
+        status = {
+            "state": state,
+            "message": why,
+            "observedGeneration": gen,
+            "conditions": conds,
+            "requests": dict(requests),
+            "podName": (pod or {}).get("metadata", {}).get("name"),
+            "nodeName": node,
+        }
         self._status(ENTITLEMENTS, obj, status)
         if old.get("state") != state:
             kind = "Warning" if state in ("Degraded", "Invalid") else "Normal"
-            self.kube.create(EVENTS, obj["metadata"]["namespace"], o.event(obj, state, why, now, kind))
+            self.kube.create(
+                EVENTS, obj["metadata"]["namespace"], o.event(obj, state, why, now, kind)
+            )
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -283,4 +348,3 @@ def _unschedulable(pod: Any) -> str | None:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             return str(cond.get("message") or cond.get("reason"))
     return None
-

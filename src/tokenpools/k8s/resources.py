@@ -87,7 +87,7 @@ def config_data(
             continue
         keys: list[str] = []
         for ref in refs if secrets is not None else ():
-            found = secret_keys(secrets.get((ns, ref.name)), ref.key)
+            found = secret_keys((secrets or {}).get((ns, ref.name)), ref.key)
             if found is None:
                 out.invalid[("TokenEntitlement", ns, name)] = (
                     f"apiKeySecretRefs: Secret {ref.name!r} has no key {ref.key!r}"
