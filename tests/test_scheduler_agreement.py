@@ -69,7 +69,7 @@ class StandInCluster:
         self.node = SNode("p", {**alloc, "pods": 1000}, self.node.labels, self.node.taints)
         bound = [p for p in self.pods.values() if p.node is not None]
         placed = [Placed(p.name, p.priority, p.requests, p.started) for p in bound]
-        kept = set(survivors(placed, self.node.allocatable))
+        kept = survivors(placed, self.node.allocatable)
         order = sorted(bound, key=lambda p: (-p.priority, p.started, p.name))
         self._requeue([p.name for p in order if p.name not in kept])
         self.settle()

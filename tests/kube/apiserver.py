@@ -108,13 +108,6 @@ class KubeAPI(kmock.KubernetesScaffold):
 
     # -- the object store ------------------------------------------------------------------
 
-    def objects(self, gv: str, plural: str) -> list[dict[str, Any]]:
-        return [copy.deepcopy(o) for o in self.store[(gv, plural)].values()]
-
-    def get(self, gv: str, plural: str, ns: str | None, name: str) -> dict[str, Any] | None:
-        obj = self.store[(gv, plural)].get((ns, name))
-        return copy.deepcopy(obj) if obj else None
-
     async def _emit(self, key: tuple[str, str], kind: str, obj: dict[str, Any]) -> None:
         rv = next(self.rv)
         obj["metadata"]["resourceVersion"] = str(rv)

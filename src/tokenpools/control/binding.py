@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tokenpools.control.placement import add, fits, lease_requests, pool_allocatable
+from tokenpools.control.placement import first_fit, lease_requests, pool_allocatable
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
@@ -33,15 +33,7 @@ def bind(
     choice keeps older pods) or when it started waiting (the scheduling queue is FIFO within a
     priority). Without `since`, the order given.
     """
-    alloc = pool_allocatable(pool, policy.elastic_oversubscription)
     position = since or {}
-    states: dict[str, BindingState] = {}
-    live = []
-    for i, ent in enumerate(entitlements):
-        if ent.expires_at is not None and now >= ent.expires_at:
-            states[ent.name] = BindingState.EXPIRED
-        else:
-            live.append((i, ent))
 
     def order(indexed: tuple[int, Entitlement]) -> tuple[int, int, int, int]:
         i, ent = indexed
@@ -49,11 +41,13 @@ def bind(
         rank = CLASS_SEMANTICS[ent.service_class].bind_rank
         return (rank, 0 if was_bound else 1, position.get(ent.name, _NEW), i)
 
-    used: dict[str, int] = {}
-    for _, ent in sorted(live, key=order):
-        requests = lease_requests(ent)
-        if fits(requests, used, alloc):
-            used = add(used, requests)
+    live = sorted(((i, e) for i, e in enumerate(entitlements) if not _expired(e, now)), key=order)
+    alloc = pool_allocatable(pool, policy.elastic_oversubscription)
+    bound = first_fit(((e.name, lease_requests(e)) for _, e in live), alloc)
+    # in binding order, which the core's `since` bookkeeping follows
+    states = {e.name: BindingState.EXPIRED for e in entitlements if _expired(e, now)}
+    for _, ent in live:
+        if ent.name in bound:
             states[ent.name] = BindingState.BOUND
         elif previous.get(ent.name) in (BindingState.BOUND, BindingState.DEGRADED):
             states[ent.name] = BindingState.DEGRADED
@@ -67,10 +61,13 @@ def external_states(
 ) -> dict[str, BindingState]:
     """States decided elsewhere (kube-scheduler, through the operator's status): an
     entitlement the outside has not decided on yet is Pending; expiry still applies."""
-    out = {}
-    for ent in entitlements:
-        if ent.expires_at is not None and now >= ent.expires_at:
-            out[ent.name] = BindingState.EXPIRED
-        else:
-            out[ent.name] = given.get(ent.name, BindingState.PENDING)
-    return out
+    return {
+        e.name: BindingState.EXPIRED
+        if _expired(e, now)
+        else given.get(e.name, BindingState.PENDING)
+        for e in entitlements
+    }
+
+
+def _expired(ent: Entitlement, now: float) -> bool:
+    return ent.expires_at is not None and now >= ent.expires_at

@@ -19,19 +19,17 @@ or one sequence per pod is lost to it).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.pool import Pool
-from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import CLASS_SEMANTICS, ServiceClass
 
 DOMAIN = "tokenpools.io"
 DIMENSIONS = ("tokens-per-second", "kv-tokens", "concurrency")
 CAPACITY_RESOURCES = tuple(f"{DOMAIN}/{d}" for d in DIMENSIONS)
 SHARED_RESOURCES = tuple(f"{DOMAIN}/shared-{d}" for d in DIMENSIONS)
-RESOURCE_NAMES = CAPACITY_RESOURCES + SHARED_RESOURCES
 
 # Small integer quantities; beyond this a value is clamped (2^53: exact in a float and in JSON).
 _MAX = 2**53
@@ -74,17 +72,14 @@ def _ceil(x: float) -> int:
     return min(_MAX, math.ceil(x - 1e-9))
 
 
-def node_allocatable(capacity: Resources, oversubscription: float) -> dict[str, int]:
-    """What the pool's virtual node advertises for `capacity` (replicas × per replica)."""
+def pool_allocatable(pool: Pool, oversubscription: float) -> dict[str, int]:
+    """What the pool's virtual node advertises for its capacity (replicas × per replica)."""
+    capacity = pool.capacity
     shared = capacity.scale(oversubscription)
     return {
         **dict(zip(CAPACITY_RESOURCES, map(_floor, capacity.as_tuple()), strict=True)),
         **dict(zip(SHARED_RESOURCES, map(_floor, shared.as_tuple()), strict=True)),
     }
-
-
-def pool_allocatable(pool: Pool, oversubscription: float) -> dict[str, int]:
-    return node_allocatable(pool.capacity, oversubscription)
 
 
 def lease_requests(ent: Entitlement) -> dict[str, int]:
@@ -111,6 +106,19 @@ def add(used: Mapping[str, int], requests: Mapping[str, int]) -> dict[str, int]:
     return out
 
 
+def first_fit(
+    ordered: Iterable[tuple[str, Mapping[str, int]]], alloc: Mapping[str, int]
+) -> set[str]:
+    """The names kept when each request, in the order given, takes room if it still fits."""
+    used: dict[str, int] = {}
+    kept = set()
+    for name, requests in ordered:
+        if fits(requests, used, alloc):
+            used = add(used, requests)
+            kept.add(name)
+    return kept
+
+
 @dataclass(frozen=True, slots=True)
 class Placed:
     """A lease pod bound to a virtual node, as the node's kubelet sees it."""
@@ -121,13 +129,8 @@ class Placed:
     started: int  # start order: older pods are kept first
 
 
-def survivors(placed: list[Placed], alloc: Mapping[str, int]) -> list[str]:
+def survivors(placed: list[Placed], alloc: Mapping[str, int]) -> set[str]:
     """The pods a shrunk node keeps: first-fit in the scheduler's order of importance (higher
     priority, then older), the same rule as the core's binding; the rest are evicted."""
-    used: dict[str, int] = {}
-    kept = []
-    for pod in sorted(placed, key=lambda p: (-p.priority, p.started, p.name)):
-        if fits(pod.requests, used, alloc):
-            used = add(used, pod.requests)
-            kept.append(pod.name)
-    return kept
+    ordered = sorted(placed, key=lambda p: (-p.priority, p.started, p.name))
+    return first_fit(((p.name, p.requests) for p in ordered), alloc)

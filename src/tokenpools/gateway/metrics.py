@@ -1,4 +1,4 @@
-"""Prometheus metrics under DESIGN.md's names: counters bumped per decision, gauges read from
+"""Prometheus metrics (prefix `tokenpools_`, labels pool/entitlement/class): counters bumped per decision, gauges read from
 the core when scraped (so the admission path pays for no gauge updates)."""
 
 from __future__ import annotations

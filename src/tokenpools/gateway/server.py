@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,29 +33,28 @@ def reload_from(gateway: Gateway, path: Path) -> bool:
 def build(path: Path, watch_interval_s: float = 2.0) -> web.Application:
     gateway = Gateway(load_config(path))
     app = make_app(gateway)
+    seen = [path.stat().st_mtime_ns]
 
-    async def reloads(app: web.Application) -> AsyncIterator[None]:
+    def changed() -> bool:
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            return False
+        if mtime == seen[0]:
+            return False
+        seen[0] = mtime
+        return True
+
+    async def signals(app: web.Application) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, reload_from, gateway, path)
-
-        async def watch() -> None:
-            seen = path.stat().st_mtime_ns
-            while True:
-                await asyncio.sleep(watch_interval_s)
-                try:
-                    mtime = path.stat().st_mtime_ns
-                except OSError:
-                    continue
-                if mtime != seen:
-                    seen = mtime
-                    reload_from(gateway, path)
-
-        task = asyncio.create_task(watch())
         yield
-        task.cancel()
         loop.remove_signal_handler(signal.SIGHUP)
 
-    app.cleanup_ctx.append(reloads)
+    app.cleanup_ctx.append(signals)
+    app.cleanup_ctx.append(
+        _following(lambda: changed() and reload_from(gateway, path), watch_interval_s)
+    )
     return app
 
 
@@ -67,28 +67,42 @@ def build_kubernetes(
 
     gateway = Gateway(cluster_config(*read_cluster(kube, namespace), base))
     app = make_app(gateway)
+    seen: list[Any] = [None]
 
+    def poll() -> None:
+        objects = read_cluster(kube, namespace)
+        if objects != seen[0]:
+            seen[0] = objects
+            try:
+                gateway.reload(cluster_config(*objects, base))
+            except ConfigError as exc:
+                log.error("cluster config rejected, keeping the running config: %s", exc)
+
+    app.cleanup_ctx.append(_following(poll, interval_s, in_thread=True))
+    return app
+
+
+def _following(
+    poll: Callable[[], object], interval_s: float, in_thread: bool = False
+) -> Callable[[web.Application], AbstractAsyncContextManager[None]]:
+    """A cleanup context that calls `poll` every `interval_s` while the app runs; a failed
+    call is logged and the running config kept."""
+
+    @asynccontextmanager
     async def follow(app: web.Application) -> AsyncIterator[None]:
         async def loop() -> None:
-            seen = None
             while True:
                 await asyncio.sleep(interval_s)
                 try:
-                    objects = await asyncio.to_thread(read_cluster, kube, namespace)
-                    if objects != seen:
-                        seen = objects
-                        gateway.reload(cluster_config(*objects, base))
-                except ConfigError as exc:
-                    log.error("cluster config rejected, keeping the running config: %s", exc)
+                    await asyncio.to_thread(poll) if in_thread else poll()
                 except Exception:
-                    log.exception("reading the cluster failed; keeping the running config")
+                    log.exception("reading the config source failed; keeping the running config")
 
         task = asyncio.create_task(loop())
         yield
         task.cancel()
 
-    app.cleanup_ctx.append(follow)
-    return app
+    return follow
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

@@ -8,7 +8,7 @@ manifests are written, so this layer only builds paths and decodes JSON.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +52,6 @@ def workload_kind(api_version: str, kind: str) -> Kind:
 
 class Conflict(Exception):
     """409: the object changed (resourceVersion) or already exists."""
-
-
-def is_not_found(exc: Exception) -> bool:
-    return isinstance(exc, ApiException) and exc.status == 404
 
 
 def load_client(kubeconfig: str | None = None) -> client.ApiClient:
@@ -140,10 +136,6 @@ class Kube:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-
-    def names(self, kind: Kind, namespace: str | None = None) -> Iterator[str]:
-        for item in self.list(kind, namespace):
-            yield item["metadata"]["name"]
 
 
 def _has_labels(obj: Mapping[str, Any], labels: Mapping[str, str]) -> bool:

@@ -12,7 +12,6 @@ from typing import Any
 from pydantic import BaseModel
 
 from tokenpools.k8s.schema import (
-    API_VERSION,
     ENTITLEMENT_FROM_METADATA,
     ENTITLEMENT_PLURAL,
     GROUP,
@@ -206,6 +205,3 @@ def crds() -> list[Any]:
         ],
     )
     return [pool, ent]
-
-
-__all__ = ["API_VERSION", "crds", "structural"]

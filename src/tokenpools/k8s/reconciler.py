@@ -10,8 +10,6 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
-
 from tokenpools.control.autoscale import baseline_need, desired_replicas
 from tokenpools.control.placement import Placed, lease_requests, pool_allocatable, survivors
 from tokenpools.k8s import objects as o
@@ -49,13 +47,17 @@ class Reconciler:
             pools[obj["metadata"]["namespace"]].append(obj)
         for obj in self.kube.list(ENTITLEMENTS):
             ents[obj["metadata"]["namespace"]].append(obj)
-        pods = {
+        pods = self.kube.list(PODS)
+        on_node: dict[str, list[Any]] = defaultdict(list)
+        for pod in pods:
+            on_node[pod["spec"].get("nodeName") or ""].append(pod)
+        leases = {
             (p["metadata"]["namespace"], p["metadata"]["name"]): p
-            for p in self.kube.list(PODS, labels=None)
+            for p in pods
             if o.ENTITLEMENT_LABEL in (p["metadata"].get("labels") or {})
         }
         for ns in sorted(set(pools) | set(ents)):
-            self._namespace(ns, pools[ns], ents[ns], pods, now)
+            self._namespace(ns, pools[ns], ents[ns], leases, on_node, now)
         self._forget_orphan_nodes({(ns, p["metadata"]["name"]) for ns in pools for p in pools[ns]})
 
     def _namespace(
@@ -63,7 +65,8 @@ class Reconciler:
         ns: str,
         pools: list[Any],
         ents: list[Any],
-        pods: Mapping[tuple[str, str], Any],
+        leases: Mapping[tuple[str, str], Any],
+        on_node: Mapping[str, list[Any]],
         now: float,
     ) -> None:
         cluster = config_data(pools, ents, None)
@@ -77,31 +80,20 @@ class Reconciler:
             if obj["metadata"].get("deletionTimestamp"):
                 self._delete_pool(obj)
             elif ("TokenPool", ns, name) in cluster.invalid:
-                self._status(
-                    POOLS,
-                    obj,
-                    {
-                        "conditions": [
-                            o.condition(
-                                "Ready",
-                                False,
-                                "Invalid",
-                                cluster.invalid[("TokenPool", ns, name)],
-                                now,
-                                obj["metadata"].get("generation", 1),
-                            )
-                        ]
-                    },
-                )
+                why = cluster.invalid[("TokenPool", ns, name)]
+                gen = obj["metadata"].get("generation", 1)
+                ready = o.condition("Ready", False, "Invalid", why, now, gen)
+                self._status(POOLS, obj, {"conditions": [ready]})
             else:
-                self._pool(obj, config, cluster.pool_extras[name], now)
+                node = o.node_name(ns, name)
+                self._pool(obj, config, cluster.pool_extras[name], on_node.get(node, []), now)
         for obj in ents:
             key = (ns, o.pod_name(obj["metadata"]["name"]))
-            self._entitlement(obj, config, cluster.invalid, pods.get(key), now)
+            self._entitlement(obj, config, cluster.invalid, leases.get(key), now)
 
     # -- pools: the virtual node, its kubelet duties, autoscaling ---------------------
 
-    def _pool(self, obj: Any, config: Config, extras: Any, now: float) -> None:
+    def _pool(self, obj: Any, config: Config, extras: Any, bound: list[Any], now: float) -> None:
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
         self._finalizer(POOLS, obj)
         pool = config.pools[name]
@@ -115,7 +107,7 @@ class Reconciler:
         message = f"{ready} ready replicas of {pool.per_replica}"
         self.kube.patch(NODES, None, node, o.node_status(alloc, now, message), sub="status")
         self._renew_node_lease(node, now)
-        self._kubelet(ns, node, alloc, now)
+        self._kubelet(node, bound, alloc, now)
         members = [e for e in config.entitlements.values() if e.pool == name]
         desired = desired_replicas(pool, baseline_need(members))
         status: dict[str, Any] = {
@@ -136,13 +128,9 @@ class Reconciler:
         ref = extras.scaleTargetRef
         if ref is None:
             return pool.replicas, pool.replicas
-        kind = workload_kind(ref.apiVersion, ref.kind)
-        try:
-            workload = self.kube.get(kind, ns, ref.name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return 0, 0
-            raise
+        workload = self.kube.find(workload_kind(ref.apiVersion, ref.kind), ns, ref.name)
+        if workload is None:
+            return 0, 0
         asked = int(workload.get("spec", {}).get("replicas", 0))
         status = workload.get("status") or {}
         ready = status.get("readyReplicas", status.get("replicas", 0))
@@ -185,30 +173,24 @@ class Reconciler:
             self.kube.patch(NODES, None, name, {"status": {"conditions": conditions}}, sub="status")
             self._renew_node_lease(name, now)
 
-    def _kubelet(self, ns: str, node: str, alloc: Mapping[str, int], now: float) -> None:
+    def _kubelet(self, node: str, bound: list[Any], alloc: Mapping[str, int], now: float) -> None:
         """As the node's kubelet: finalize terminating pods at once (so preemption frees
         their resources), run bound ones, and evict what no longer fits a shrunk node."""
-        bound = [p for p in self.kube.list(PODS, ns) if p["spec"].get("nodeName") == node]
         live = []
         for pod in bound:
             if pod["metadata"].get("deletionTimestamp"):
-                self.kube.delete(PODS, ns, pod["metadata"]["name"], grace_s=0)
+                self.kube.delete(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], 0)
             else:
                 live.append(pod)
         placed = [
-            Placed(
-                p["metadata"]["name"],
-                int(p["spec"].get("priority") or 0),
-                _requests(p),
-                _started(p),
-            )
+            Placed(_key(p), int(p["spec"].get("priority") or 0), _requests(p), _started(p))
             for p in live
         ]
-        kept = set(survivors(placed, alloc))
+        kept = survivors(placed, alloc)
         for pod in live:
-            name = pod["metadata"]["name"]
-            if name not in kept:
-                log.info("node %s: evicting %s, it no longer fits", node, name)
+            ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+            if _key(pod) not in kept:
+                log.info("node %s: evicting %s/%s, it no longer fits", node, ns, name)
                 self.kube.delete(PODS, ns, name, grace_s=0)
             elif (pod.get("status") or {}).get("phase") != "Running":
                 self.kube.patch(PODS, ns, name, o.running_status(now), sub="status")
@@ -336,6 +318,10 @@ def _requests(pod: Mapping[str, Any]) -> dict[str, int]:
             if k.startswith("tokenpools.io/"):
                 out[k] = out.get(k, 0) + int(v)
     return out
+
+
+def _key(pod: Mapping[str, Any]) -> str:
+    return f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
 
 
 def _started(pod: Mapping[str, Any]) -> int:

@@ -10,20 +10,21 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tokenpools.k8s.schema import (
     API_VERSION,
     EntitlementExtras,
     PoolExtras,
+    SecretKeyRef,
     split,
 )
 from tokenpools.model.config import EntitlementSpec, PoolSpec, format_errors
 from tokenpools.model.keys import hash_key, is_key_hash
 
-SecretKey = tuple[str, str, str]  # namespace, secret name, key
+ExtrasT = TypeVar("ExtrasT", bound=BaseModel)
 
 
 @dataclass
@@ -58,45 +59,64 @@ def config_data(
     """Pools and entitlements of one namespace (pool names are the CRs' names) → config.
     With `secrets` None (the operator, which needs no keys) Secrets are not read."""
     out = ClusterConfig({**(base or {}), "pools": [], "entitlements": []})
-    for obj in pools:
-        ns, name = _meta(obj)
-        if obj["metadata"].get("deletionTimestamp"):
-            continue
-        own, extra = split(dict(obj.get("spec") or {}), PoolExtras)
-        try:
-            PoolSpec.model_validate({**own, "name": name})
-            out.pool_extras[name] = PoolExtras.model_validate(extra)
-        except ValidationError as exc:
-            out.invalid[("TokenPool", ns, name)] = format_errors(exc)
-            continue
-        out.data["pools"].append({**own, "name": name})
+    for obj in _live(pools):
+        pool = _checked(obj, "TokenPool", PoolSpec, PoolExtras, out)
+        if pool is not None:
+            out.pool_extras[pool[0]["name"]] = pool[1]
+            out.data["pools"].append(pool[0])
     known = {p["name"] for p in out.data["pools"]}
-    for obj in entitlements:
-        ns, name = _meta(obj)
-        if obj["metadata"].get("deletionTimestamp"):
+    for obj in _live(entitlements):
+        ent = _checked(obj, "TokenEntitlement", EntitlementSpec, EntitlementExtras, out)
+        if ent is None:
             continue
-        own, extra = split(dict(obj.get("spec") or {}), EntitlementExtras)
-        try:
-            refs = EntitlementExtras.model_validate(extra).apiKeySecretRefs
-            EntitlementSpec.model_validate({**own, "name": name})
-        except ValidationError as exc:
-            out.invalid[("TokenEntitlement", ns, name)] = format_errors(exc)
+        spec, extras = ent
+        where = ("TokenEntitlement", *_meta(obj))
+        if spec.get("pool") not in known:
+            out.invalid[where] = f"pool: unknown pool {spec.get('pool')!r}"
             continue
-        if own.get("pool") not in known:
-            out.invalid[("TokenEntitlement", ns, name)] = f"pool: unknown pool {own.get('pool')!r}"
-            continue
-        keys: list[str] = []
-        for ref in refs if secrets is not None else ():
-            found = secret_keys((secrets or {}).get((ns, ref.name)), ref.key)
-            if found is None:
-                out.invalid[("TokenEntitlement", ns, name)] = (
-                    f"apiKeySecretRefs: Secret {ref.name!r} has no key {ref.key!r}"
-                )
-                break
-            keys += found
+        keys = [] if secrets is None else _keys(extras.apiKeySecretRefs, secrets, where[1])
+        if isinstance(keys, str):
+            out.invalid[where] = keys
         else:
-            out.data["entitlements"].append({**own, "name": name, "apiKeys": keys})
+            out.data["entitlements"].append({**spec, "apiKeys": keys})
     return out
+
+
+def _keys(
+    refs: list[SecretKeyRef], secrets: Mapping[tuple[str, str], Mapping[str, str]], ns: str
+) -> list[str] | str:
+    """The key hashes the refs name, or what is missing."""
+    keys: list[str] = []
+    for ref in refs:
+        found = secret_keys(secrets.get((ns, ref.name)), ref.key)
+        if found is None:
+            return f"apiKeySecretRefs: Secret {ref.name!r} has no key {ref.key!r}"
+        keys += found
+    return keys
+
+
+def _live(objects: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [o for o in objects if not o["metadata"].get("deletionTimestamp")]
+
+
+def _checked(
+    obj: Mapping[str, Any],
+    kind: str,
+    model: type[BaseModel],
+    extras_model: type[ExtrasT],
+    out: ClusterConfig,
+) -> tuple[dict[str, Any], ExtrasT] | None:
+    """(the file-schema spec with its name, the cluster-only fields), or None with the
+    problem recorded in `out.invalid`."""
+    ns, name = _meta(obj)
+    own, extra = split(dict(obj.get("spec") or {}), extras_model)
+    spec = {**own, "name": name}
+    try:
+        model.model_validate(spec)
+        return spec, extras_model.model_validate(extra)
+    except ValidationError as exc:
+        out.invalid[(kind, ns, name)] = format_errors(exc)
+        return None
 
 
 def render(document: Mapping[str, Any], namespace: str) -> list[dict[str, Any]]:

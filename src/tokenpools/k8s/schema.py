@@ -11,8 +11,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenpools.model.config import EntitlementSpec, PoolSpec
-
 GROUP = "tokenpools.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -62,11 +60,3 @@ def split(spec: dict[str, Any], extras: type[BaseModel]) -> tuple[dict[str, Any]
     return {k: v for k, v in spec.items() if k not in own}, {
         k: v for k, v in spec.items() if k in own
     }
-
-
-def pool_models() -> tuple[type[BaseModel], type[BaseModel]]:
-    return PoolSpec, PoolExtras
-
-
-def entitlement_models() -> tuple[type[BaseModel], type[BaseModel]]:
-    return EntitlementSpec, EntitlementExtras

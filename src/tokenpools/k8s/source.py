@@ -7,6 +7,7 @@ gateway honours kube-scheduler's decision (an entitlement without one is Pending
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from tokenpools.k8s.api import ENTITLEMENTS, POOLS, SECRETS, Kube
@@ -45,6 +46,4 @@ def cluster_config(
         )
         for e in ents
     }
-    return Config(
-        config.policy, config.pools, config.entitlements, config.gateway, config.state, bindings
-    )
+    return replace(config, bindings=bindings)

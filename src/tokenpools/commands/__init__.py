@@ -1,0 +1,1 @@
+"""Sub-commands of `tokenpools`, one module per group."""
