@@ -7,15 +7,14 @@ caches; everything that changes per request lives in the store.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
-from tokenpools.control.binding import bind, external_states
+from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
 from tokenpools.control.decisions import (
     SHORTFALL_REJECTS,
     STATE_REASONS,
@@ -29,21 +28,15 @@ from tokenpools.control.decisions import (
 )
 from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.ledger import Observation, burst_excess, ewma, observe, service_gap
-from tokenpools.control.priority import priority, slo_reference
 from tokenpools.control.retry import expected_wait_s, jittered
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
-from tokenpools.model.keys import hash_key
-from tokenpools.model.pool import Pool
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
-from tokenpools.model.service_class import ServiceClass
 from tokenpools.state.base import (
-    BucketSpec,
     EntitlementCounters,
     Lease,
     PoolCounters,
-    ReservePlan,
     Scores,
     Shortfall,
     Store,
@@ -65,204 +58,25 @@ _ENTITLEMENT_SHORTFALLS = frozenset(
 _NO_COUNTERS = EntitlementCounters(0.0, 0.0, 0.0, 0)  # for waits that do not read them
 
 
-@dataclass(slots=True)
-class EntitlementView:
-    """Config-derived data of one entitlement, cached for the admission path."""
+class DecisionCore(Catalog):
+    """The decisions on requests and time: admission, the ends of requests, the periodic
+    update and capacity changes, over the configured and bound views of `Catalog`."""
 
-    ent: Entitlement
-    state: BindingState
-    plan: ReservePlan
-    own_bucket: BucketSpec
-    preemptible: bool
-    default_max_tokens: int
-    max_tokens: float  # a request above either limit can never be admitted
-    max_kv: float
-    priority: float = 0.0
-
-
-@dataclass(slots=True)
-class PoolView:
-    pool: Pool
-    bucket: BucketSpec
-    slo_reference_ms: float
-    mean_service_s: float  # EWMA of lease durations, for Retry-After
-    members: list[str]
-    last_period: int = -1
-    scores_pending: bool = False  # another replica's update of this period is not read yet
-    preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
-    per_replica_override: Resources | None = None  # set by set_capacity; outlives reloads
-
-
-class DecisionCore:
     def __init__(
         self, config: Config, store: Store | None = None, now: float = 0.0, replica: str = "r0"
     ) -> None:
-        self.store: Store = MemoryStore() if store is None else store
         self._replica = replica
         self._seq = itertools.count(1)
-        self._pools: dict[str, PoolView] = {}
-        self._ents: dict[str, EntitlementView] = {}
-        self._keys: dict[str, str] = {}
-        self._since: dict[str, int] = {}  # when each entitlement last bound or started waiting
-        self._transitions = itertools.count()
-        self._next_expiry = math.inf  # earliest expiresAt of an entitlement not yet Expired
         self.observations: dict[str, Observation] = {}
-        self.config = config
         self.fallback = LocalFallback(config.state.fallback_fraction, config.state.retry_interval_s)
-        self.apply_config(config, now)
-
-    # -- configuration -------------------------------------------------------------------
+        super().__init__(MemoryStore() if store is None else store, config, now)
 
     def apply_config(self, config: Config, now: float) -> tuple[Lease, ...]:
         """Adopt a new config, keeping the state of entitlements that remain. Returns the
         leases of removed entitlements: the host must end those requests."""
-        self.config = config
-        self.policy = config.policy
         self.fallback.fraction = config.state.fallback_fraction
         self.fallback.retry_after_s = config.state.retry_interval_s
-        ended: list[Lease] = []
-        for name, view in list(self._ents.items()):
-            new = config.entitlements.get(name)
-            if new is None or new.pool != view.ent.pool:  # gone, or moved: start afresh
-                with contextlib.suppress(StoreUnavailable):  # its leases then expire there
-                    ended += self.store.remove_entitlement(name)
-                del self._ents[name]
-                self._since.pop(name, None)
-        pools: dict[str, PoolView] = {}
-        for name, pool in config.pools.items():
-            old = self._pools.get(name)
-            if old is not None:  # keep the capacity the autoscaler or a host set
-                replicas = max(pool.min_replicas, min(pool.max_replicas, old.pool.replicas))
-                pool = pool.with_replicas(replicas)
-                if old.per_replica_override is not None:
-                    pool = replace(pool, per_replica=old.per_replica_override)
-            pools[name] = PoolView(
-                pool=pool,
-                bucket=plans.pool_bucket(pool, self.policy),
-                slo_reference_ms=0.0,
-                mean_service_s=old.mean_service_s if old else self._service_guess(pool),
-                members=[e.name for e in config.entitlements.values() if e.pool == name],
-                last_period=old.last_period if old else -1,
-                per_replica_override=old.per_replica_override if old else None,
-            )
-        self._pools = pools
-        self._keys = {h: e.name for e in config.entitlements.values() for h in e.api_key_hashes}
-        self._rebind(now)
-        return tuple(ended)
-
-    @staticmethod
-    def _service_guess(pool: Pool) -> float:
-        # Until a lease has ended: the time one sequence needs for 512 tokens at its fair share.
-        cap = pool.capacity
-        per_sequence = cap.throughput / cap.concurrency if cap.concurrency > 0 else 0.0
-        return 512.0 / per_sequence if per_sequence > 0 else 10.0
-
-    def _rebind(self, now: float) -> dict[str, BindingState]:
-        """Re-run binding for every pool and push the resulting plans to the store."""
-        changed: dict[str, BindingState] = {}
-        policy = self.policy
-        for view in self._pools.values():
-            pool = view.pool
-            members = [self.config.entitlements[n] for n in view.members]
-            previous = {n: self._ents[n].state for n in view.members if n in self._ents}
-            if self.config.bindings is None:
-                states = bind(pool, members, previous, policy, now, self._since)
-            else:
-                states = external_states(members, self.config.bindings, now)
-            for name, state in states.items():  # in the order binding placed them
-                was_bound = previous.get(name) == BindingState.BOUND
-                if name not in self._since or was_bound != (state == BindingState.BOUND):
-                    self._since[name] = next(self._transitions)
-            protected_rate = sum(
-                e.baseline.throughput
-                for e in members
-                if e.protected and states[e.name] == BindingState.BOUND
-            )
-            self.store.configure_pool(
-                pool.name, view.bucket, plans.protected_bucket(protected_rate, policy), now
-            )
-            view.slo_reference_ms = slo_reference(
-                pool.slo_reference_ms,
-                (e.slo_target_ms for e in members if states[e.name] == BindingState.BOUND),
-            )
-            for ent in members:
-                state = states[ent.name]
-                if previous.get(ent.name) != state:
-                    changed[ent.name] = state
-                bound = state == BindingState.BOUND
-                own = plans.own_bucket(ent, policy)
-                reserved = ent.protected and bound
-                self.store.configure_entitlement(
-                    ent.name,
-                    pool.name,
-                    own,
-                    ent.baseline.concurrency if reserved else 0.0,
-                    ent.baseline.kv_tokens if reserved else 0.0,
-                    now,
-                    protected=reserved,
-                )
-                plan = plans.reserve_plan(pool, ent, bound, policy)
-                max_tokens, max_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
-                self._ents[ent.name] = EntitlementView(
-                    ent=ent,
-                    state=state,
-                    plan=plan,
-                    own_bucket=own,
-                    preemptible=ent.service_class == ServiceClass.PREEMPTIBLE,
-                    default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
-                    max_tokens=max_tokens,
-                    max_kv=max_kv,
-                )
-                self._refresh_priority(ent.name)
-            self._order_preemptible(view)
-        self._next_expiry = min(
-            (
-                v.ent.expires_at
-                for v in self._ents.values()
-                if v.ent.expires_at is not None and v.state != BindingState.EXPIRED
-            ),
-            default=math.inf,
-        )
-        return changed
-
-    def _order_preemptible(self, view: PoolView) -> None:
-        names = [n for n in view.members if self._ents[n].preemptible]
-        view.preemptible_order = sorted(names, key=lambda n: (self._ents[n].priority, n))
-
-    def _priority_of(self, view: EntitlementView, scores: Scores) -> float:
-        ent = view.ent
-        return priority(
-            ent.service_class,
-            ent.slo_target_ms,
-            self._pools[ent.pool].slo_reference_ms,
-            scores.burst,
-            scores.debt,
-            self.policy,
-        )
-
-    def _refresh_priority(self, name: str) -> None:
-        view = self._ents[name]
-        try:
-            scores = self.store.scores(name)
-        except StoreUnavailable:
-            scores = Scores(priority=view.priority)
-        view.priority = w = self._priority_of(view, scores)
-        if w != scores.priority:
-            with contextlib.suppress(StoreUnavailable):
-                self.store.set_scores(name, replace(scores, priority=w))
-
-    # -- lookups -------------------------------------------------------------------------
-
-    def entitlement_for_key(self, api_key: str) -> str | None:
-        return self._keys.get(hash_key(api_key))
-
-    @property
-    def entitlements(self) -> dict[str, EntitlementView]:
-        return self._ents
-
-    @property
-    def pools(self) -> dict[str, PoolView]:
-        return self._pools
+        return super().apply_config(config, now)
 
     # -- admission -----------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Prometheus metrics (prefix `tokenpools_`, labels pool/entitlement/class): counters bumped per decision, gauges read from
-the core when scraped (so the admission path pays for no gauge updates)."""
+"""Prometheus metrics (prefix `tokenpools_`, labels pool, entitlement, class): counters
+bumped per decision, gauges read from the core when scraped (so the admission path pays for
+no gauge updates)."""
 
 from __future__ import annotations
 
