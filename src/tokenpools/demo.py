@@ -21,8 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from tokenpools.engine.profile import load_profile
-from tokenpools.gateway.app import Gateway
 from tokenpools.gateway.app import make_app as make_gateway
+from tokenpools.gateway.runtime import Gateway
 from tokenpools.loadgen import LoadRun, Target
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key

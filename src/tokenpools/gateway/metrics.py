@@ -16,7 +16,7 @@ from tokenpools.control.decisions import Admit, Decision
 from tokenpools.state.base import StoreUnavailable
 
 if TYPE_CHECKING:
-    from tokenpools.gateway.app import Gateway
+    from tokenpools.gateway.runtime import Gateway
 
 LABELS = ["pool", "entitlement", "class"]
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenpools.gateway.app import Gateway, make_app
+from tokenpools.gateway.app import make_app
+from tokenpools.gateway.runtime import Gateway
 from tokenpools.model.config import ConfigError, load_config
 
 log = logging.getLogger("tokenpools.gateway")

@@ -1,0 +1,88 @@
+"""The gateway's responses that are not a backend's: OpenAI-shaped errors, 429s with
+Retry-After and x-ratelimit-* headers, and the bearer key of a request."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from tokenpools.control.decisions import Reason, Reject
+from tokenpools.openai_api import error_body
+from tokenpools.state.base import StoreUnavailable
+
+if TYPE_CHECKING:
+    from tokenpools.gateway.runtime import Gateway
+
+NOT_RETRYABLE = {
+    Reason.EXCEEDS_ENTITLEMENT: 400,
+    Reason.EXCEEDS_POOL: 400,
+    Reason.ENTITLEMENT_EXPIRED: 403,
+    Reason.UNKNOWN_ENTITLEMENT: 401,
+}
+
+
+def bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+def error(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return web.Response(
+        status=status,
+        body=error_body(message, kind, code, param),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def rejection(gw: Gateway, entitlement: str, decision: Reject) -> web.Response:
+    status = NOT_RETRYABLE.get(decision.reason)
+    message = f"{decision.message} ({decision.reason.value})"
+    if decision.reason == Reason.STORE_UNAVAILABLE:
+        headers = retry_after(decision.retry_after_s or 1.0)
+        return error(503, message, "server_error", decision.reason.value, headers=headers)
+    if status is not None:
+        kind = "invalid_request_error" if status == 400 else "permission_error"
+        param = "max_tokens" if status == 400 else None
+        return error(status, message, kind, decision.reason.value, param)
+    wait = decision.retry_after_s if decision.retry_after_s is not None else 60.0
+    view = gw.core.entitlements[entitlement]
+    limit_requests = view.plan.ent_concurrency
+    headers = {
+        **retry_after(wait),
+        "x-ratelimit-limit-requests": _num(limit_requests),
+        "x-ratelimit-reset-requests": f"{wait:.3f}s",
+        "x-ratelimit-limit-tokens": _num(view.own_bucket.depth),
+        "x-ratelimit-reset-tokens": f"{wait:.3f}s",
+    }
+    with contextlib.suppress(StoreUnavailable):  # the remaining counts need the store
+        counters = gw.core.store.entitlement_counters(entitlement, gw.clock())
+        remaining = max(0.0, limit_requests - counters.concurrency)
+        headers["x-ratelimit-remaining-requests"] = _num(remaining)
+        headers["x-ratelimit-remaining-tokens"] = _num(max(0.0, counters.bucket))
+    return error(429, message, "rate_limit_exceeded", decision.reason.value, headers=headers)
+
+
+def retry_after(wait: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(round(wait * 1000))}
+
+
+def _num(x: float) -> str:
+    return "unlimited" if math.isinf(x) else str(int(x))
+
+
+def too_large(limit: int) -> web.Response:
+    return error(
+        413, f"the body is larger than {limit} bytes", "invalid_request_error", "body_too_large"
+    )

@@ -1,0 +1,164 @@
+"""The gateway's running state: the decision core and its store, the backend pools, the
+requests in flight (which eviction cancels), ticks, lease renewal and capacity feedback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.feedback import next_fraction
+from tokenpools.gateway.backends import BackendPool
+from tokenpools.gateway.metrics import GatewayMetrics
+from tokenpools.gateway.responses import bearer
+from tokenpools.model.config import Config, StateSettings
+from tokenpools.model.keys import key_matches
+from tokenpools.openai_api import vllm_gauges
+from tokenpools.state.base import Store
+from tokenpools.state.memory import MemoryStore
+
+log = logging.getLogger("tokenpools.gateway")
+
+
+@dataclass
+class InFlight:
+    """A request between admission and settlement; eviction cancels its task."""
+
+    task: asyncio.Task[Any] | None
+    evicted: bool = False
+
+
+def open_store(settings: StateSettings) -> Store:
+    if settings.backend == "memory":
+        return MemoryStore()
+    from tokenpools.state.redis_store import RedisStore  # redis-py only where it is used
+
+    return RedisStore(
+        settings.url,
+        timeout_s=settings.timeout_s,
+        retry_interval_s=settings.retry_interval_s,
+        prefix=settings.key_prefix,
+    )
+
+
+def replica_name() -> str:
+    """Unique per process start: lease ids begin with it, and a restarted replica must not
+    reuse the ids its previous life left in a shared store."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class Gateway:
+    config: Config
+    clock: Callable[[], float] = time.time
+    replica: str = field(default_factory=replica_name)
+    core: DecisionCore = field(init=False)
+    pools: dict[str, BackendPool] = field(init=False)
+    inflight: dict[str, InFlight] = field(default_factory=dict)
+    metrics: GatewayMetrics = field(init=False)
+    session: aiohttp.ClientSession | None = None
+    capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
+
+    def __post_init__(self) -> None:
+        self.store = open_store(self.config.state)
+        self.core = DecisionCore(
+            self.config, store=self.store, now=self.clock(), replica=self.replica
+        )
+        self._next_renewal = 0.0
+        self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
+        self.metrics = GatewayMetrics(self)
+        self.model_pool = self._models(self.config)
+
+    @staticmethod
+    def _models(config: Config) -> dict[str, str]:
+        return {m: p.name for p in config.pools.values() for m in p.models}
+
+    def reload(self, config: Config) -> None:
+        """Adopt a validated config; leases of removed entitlements end their requests. The
+        state backend is chosen at start: a change of it waits for a restart."""
+        if config.state != self.config.state:
+            log.warning("the state section changed: it takes effect at the next restart")
+            config = replace(config, state=self.config.state)
+        for lease in self.core.apply_config(config, self.clock()):
+            self.evict(lease.lease_id)
+        old = self.pools
+        self.pools = {}
+        for name, pool in config.pools.items():
+            keep = old.get(name)
+            same = keep is not None and [b.spec for b in keep.backends] == list(pool.backends)
+            self.pools[name] = keep if same and keep is not None else BackendPool(pool.backends)
+        self.config = config
+        self.model_pool = self._models(config)
+
+    def evict(self, lease_id: str) -> None:
+        handle = self.inflight.get(lease_id)
+        if handle is not None and handle.task is not None and not handle.evicted:
+            handle.evicted = True
+            handle.task.cancel()
+
+    async def feedback(self, pool_name: str) -> None:
+        """One round of capacity feedback for a pool: read its backends' vLLM gauges and move
+        the pool's effective capacity by the control law."""
+        pool = self.config.pools[pool_name]
+        fb = pool.capacity_feedback
+        if fb is None or self.session is None:
+            return
+        waiting = kv = 0.0
+        for backend in self.pools[pool_name].backends:
+            if not backend.healthy:
+                continue
+            try:
+                async with self.session.get(
+                    f"{backend.spec.url}/metrics", timeout=aiohttp.ClientTimeout(total=2)
+                ) as r:
+                    gauges = vllm_gauges(await r.read())
+            except (aiohttp.ClientError, TimeoutError):
+                continue
+            waiting = max(waiting, gauges.get("vllm:num_requests_waiting", 0.0))
+            kv = max(kv, gauges.get("vllm:kv_cache_usage_perc", 0.0))
+        current = self.capacity_fraction.get(pool_name, 1.0)
+        fraction = next_fraction(current, waiting, kv, fb)
+        if fraction != current:
+            self.capacity_fraction[pool_name] = fraction
+            change = self.core.set_capacity(
+                pool_name, self.clock(), per_replica=pool.per_replica.scale(fraction)
+            )
+            log.warning(
+                "pool %s: capacity at %.0f%% (engine waiting %g, KV %.2f)",
+                pool_name,
+                100 * fraction,
+                waiting,
+                kv,
+            )
+            for lease in change.evict:
+                self.evict(lease.lease_id)
+
+    def tick(self) -> None:
+        now = self.clock()
+        result = self.core.tick(now)
+        for lease in result.expired:
+            self.evict(lease.lease_id)
+        if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
+            self._next_renewal = now + self.core.policy.lease_ttl_s / 4
+            for lease_id in list(self.inflight):
+                if not self.core.renew(lease_id, now):
+                    self.evict(lease_id)
+
+    def is_admin(self, request: web.Request) -> bool:
+        key = bearer(request)
+        return key is not None and any(
+            key_matches(key, h) for h in self.config.gateway.admin_key_hashes
+        )
+
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
