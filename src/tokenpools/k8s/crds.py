@@ -21,7 +21,7 @@ from tokenpools.k8s.schema import (
     EntitlementExtras,
     PoolExtras,
 )
-from tokenpools.model.config import EntitlementSpec, PoolSpec
+from tokenpools.model.config_schema import EntitlementSpec, PoolSpec
 
 _DROP = {"title", "default", "additionalProperties"}
 

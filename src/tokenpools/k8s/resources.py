@@ -21,7 +21,8 @@ from tokenpools.k8s.schema import (
     SecretKeyRef,
     split,
 )
-from tokenpools.model.config import EntitlementSpec, PoolSpec, format_errors
+from tokenpools.model.config import format_errors
+from tokenpools.model.config_schema import EntitlementSpec, PoolSpec
 from tokenpools.model.keys import hash_key, is_key_hash
 
 ExtrasT = TypeVar("ExtrasT", bound=BaseModel)

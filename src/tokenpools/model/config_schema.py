@@ -1,0 +1,331 @@
+"""The config file's schema (pydantic): what a file, or a custom resource, may say.
+
+Field names follow the paper's CRDs (serviceClass, sloTargetMs, tokensPerSecond, kvCacheGiB,
+concurrency). Each section checks itself and builds the frozen dataclasses of model/; the
+Kubernetes CRDs are generated from these same classes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenpools.model.entitlement import Entitlement
+from tokenpools.model.keys import is_key_hash
+from tokenpools.model.policy import Policy
+from tokenpools.model.pool import Backend, CapacityFeedback, Pool
+from tokenpools.model.profile import BUILTIN_PROFILES, ModelProfile
+from tokenpools.model.resources import Resources
+from tokenpools.model.service_class import ServiceClass
+
+NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, lt=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=False, frozen=True)
+
+
+class _Quantity(_Strict):
+    """Resources as written in a file; KV may be given in GiB or in tokens, not both."""
+
+    tokensPerSecond: NonNeg | None = None
+    kvCacheGiB: NonNeg | None = None
+    kvTokens: NonNeg | None = None
+    concurrency: NonNeg | None = None
+
+    @model_validator(mode="after")
+    def _one_kv_unit(self) -> _Quantity:
+        if self.kvCacheGiB is not None and self.kvTokens is not None:
+            raise ValueError("give kvCacheGiB or kvTokens, not both")
+        return self
+
+    def resources(self, profile: ModelProfile, default: Resources) -> Resources:
+        if self.kvTokens is not None:
+            kv = self.kvTokens
+        elif self.kvCacheGiB is not None:
+            kv = profile.kv_tokens_for_gib(self.kvCacheGiB)
+        else:
+            kv = default.kv_tokens
+        return Resources(
+            default.throughput if self.tokensPerSecond is None else self.tokensPerSecond,
+            kv,
+            default.concurrency if self.concurrency is None else self.concurrency,
+        )
+
+
+class ProfileSpec(_Strict):
+    name: str
+    layers: Annotated[int, Field(gt=0)]
+    kvHeads: Annotated[int, Field(gt=0)]
+    headDim: Annotated[int, Field(gt=0)]
+    bytesPerElement: Pos = 2.0
+
+
+class BackendSpec(_Strict):
+    url: Annotated[str, Field(pattern=r"^https?://[^/\s]+(/.*)?$")]
+    timeoutS: Pos = 600.0
+
+
+class FeedbackSpec(_Strict):
+    waitingThreshold: NonNeg = 1.0
+    kvThreshold: Annotated[float, Field(gt=0, le=1)] = 0.95
+    decrease: Annotated[float, Field(gt=0, lt=1)] = 0.1
+    increase: Annotated[float, Field(gt=0, le=1)] = 0.05
+    minFraction: Annotated[float, Field(gt=0, le=1)] = 0.5
+    intervalS: Pos = 2.0
+
+    def to_feedback(self) -> CapacityFeedback:
+        return CapacityFeedback(
+            self.waitingThreshold,
+            self.kvThreshold,
+            self.decrease,
+            self.increase,
+            self.minFraction,
+            self.intervalS,
+        )
+
+
+class TokenWeights(_Strict):
+    input: NonNeg = 1.0
+    output: NonNeg = 1.0
+
+
+class PoolSpec(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    model: str | ProfileSpec
+    replicas: Annotated[int, Field(ge=0)] = 1
+    minReplicas: Annotated[int, Field(ge=0)] = 0
+    maxReplicas: Annotated[int, Field(ge=0)] | None = None
+    perReplica: _Quantity
+    sloReferenceMs: Pos | None = None
+    tokenWeights: TokenWeights = TokenWeights()
+    backends: list[BackendSpec] = []
+    servedModels: list[Annotated[str, Field(min_length=1)]] = []
+    capacityFeedback: FeedbackSpec | None = None  # shrink capacity when the engines saturate
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolSpec:
+        if isinstance(self.model, str) and self.model not in BUILTIN_PROFILES:
+            known = ", ".join(sorted(BUILTIN_PROFILES))
+            raise ValueError(f"model {self.model!r} is not a built-in profile ({known})")
+        for field in ("tokensPerSecond", "concurrency"):
+            if getattr(self.perReplica, field) is None:
+                raise ValueError(f"perReplica.{field} is required")
+        if self.perReplica.kvCacheGiB is None and self.perReplica.kvTokens is None:
+            raise ValueError("perReplica needs kvCacheGiB or kvTokens")
+        top = self.replicas if self.maxReplicas is None else self.maxReplicas
+        if not self.minReplicas <= self.replicas <= top:
+            raise ValueError(
+                f"need minReplicas <= replicas <= maxReplicas, got "
+                f"{self.minReplicas} <= {self.replicas} <= {top}"
+            )
+        return self
+
+    def profile(self) -> ModelProfile:
+        if isinstance(self.model, str):
+            return BUILTIN_PROFILES[self.model]
+        m = self.model
+        return ModelProfile(m.name, m.layers, m.kvHeads, m.headDim, m.bytesPerElement)
+
+    def to_pool(self) -> Pool:
+        profile = self.profile()
+        return Pool(
+            name=self.name,
+            model=profile,
+            per_replica=self.perReplica.resources(profile, Resources()),
+            replicas=self.replicas,
+            min_replicas=self.minReplicas,
+            max_replicas=self.replicas if self.maxReplicas is None else self.maxReplicas,
+            slo_reference_ms=self.sloReferenceMs,
+            input_token_weight=self.tokenWeights.input,
+            output_token_weight=self.tokenWeights.output,
+            backends=tuple(Backend(b.url.rstrip("/"), b.timeoutS) for b in self.backends),
+            served_models=tuple(self.servedModels),
+            capacity_feedback=None
+            if self.capacityFeedback is None
+            else self.capacityFeedback.to_feedback(),
+        )
+
+
+class EntitlementSpec(_Strict):
+    name: Annotated[str, Field(min_length=1)]
+    tenantId: Annotated[str, Field(min_length=1)]
+    pool: str
+    serviceClass: ServiceClass
+    sloTargetMs: Pos | None = None
+    concurrency: NonNeg = 0.0
+    # Omitted: the concurrency's share of a replica (r_e slots of a replica's tokens/s and KV).
+    tokensPerSecond: NonNeg | None = None
+    kvCacheGiB: NonNeg | None = None
+    kvTokens: NonNeg | None = None
+    burst: _Quantity | None = None
+    defaultMaxTokens: Annotated[int, Field(ge=1)] | None = None
+    expiresAt: datetime | None = None
+    apiKeys: list[str] = []
+
+    @model_validator(mode="after")
+    def _check(self) -> EntitlementSpec:
+        if self.kvCacheGiB is not None and self.kvTokens is not None:
+            raise ValueError("give kvCacheGiB or kvTokens, not both")
+        for key in self.apiKeys:
+            if not is_key_hash(key):
+                raise ValueError(
+                    "apiKeys holds sha256 hashes only ('sha256:' + 64 hex digits; "
+                    f"make one with `tokenpools hash-key`), got {key[:12]!r}..."
+                )
+        return self
+
+    def to_entitlement(self, pool: Pool) -> Entitlement:
+        quantity = _Quantity(
+            tokensPerSecond=self.tokensPerSecond,
+            kvCacheGiB=self.kvCacheGiB,
+            kvTokens=self.kvTokens,
+            concurrency=self.concurrency,
+        )
+        replica = pool.per_replica
+        slots = self.concurrency / replica.concurrency if replica.concurrency > 0 else 0.0
+        baseline = quantity.resources(pool.model, replica.scale(slots))
+        profile = pool.model
+        expires = self.expiresAt
+        return Entitlement(
+            name=self.name,
+            tenant_id=self.tenantId,
+            pool=self.pool,
+            service_class=self.serviceClass,
+            baseline=baseline,
+            slo_target_ms=self.sloTargetMs,
+            burst_ceiling=None if self.burst is None else self.burst.resources(profile, _UNBOUNDED),
+            default_max_tokens=self.defaultMaxTokens,
+            expires_at=None if expires is None else expires.timestamp(),
+            api_key_hashes=tuple(self.apiKeys),
+        )
+
+
+_UNBOUNDED = Resources(float("inf"), float("inf"), float("inf"))
+
+
+class PolicySpec(_Strict):
+    classWeights: dict[ServiceClass, NonNeg] = {}
+    alphaSlo: NonNeg = 2.0
+    alphaBurst: NonNeg = 1.0
+    alphaDebt: NonNeg = 4.0
+    gammaDebt: Fraction = 0.7
+    gammaBurst: Fraction = 0.7
+    updatePeriodS: Pos = 5.0
+    burstWindowS: Pos = 60.0
+    headroom: Fraction = 0.25
+    contentionWindowS: Pos = 0.5
+    overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
+    elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
+    defaultMaxTokens: Annotated[int, Field(ge=1)] = 256
+    leaseTtlS: Pos = 600.0
+    retryAfterMinS: Pos = 1.0
+    retryAfterMaxS: Pos = 60.0
+    retryAfterJitter: Fraction = 0.2
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicySpec:
+        if self.retryAfterMinS > self.retryAfterMaxS:
+            raise ValueError("retryAfterMinS must be <= retryAfterMaxS")
+        return self
+
+    def to_policy(self) -> Policy:
+        weights = Policy().class_weights | dict(self.classWeights)
+        return Policy(
+            class_weights=weights,
+            alpha_slo=self.alphaSlo,
+            alpha_burst=self.alphaBurst,
+            alpha_debt=self.alphaDebt,
+            gamma_debt=self.gammaDebt,
+            gamma_burst=self.gammaBurst,
+            update_period_s=self.updatePeriodS,
+            burst_window_s=self.burstWindowS,
+            headroom=self.headroom,
+            contention_window_s=self.contentionWindowS,
+            overcommit=self.overcommit,
+            elastic_oversubscription=self.elasticOversubscription,
+            default_max_tokens=self.defaultMaxTokens,
+            lease_ttl_s=self.leaseTtlS,
+            retry_after_min_s=self.retryAfterMinS,
+            retry_after_max_s=self.retryAfterMaxS,
+            retry_after_jitter=self.retryAfterJitter,
+        )
+
+
+class GatewaySpec(_Strict):
+    adminKeys: list[str] = []  # sha256 hashes, as apiKeys
+    maxBodyBytes: Annotated[int, Field(gt=0)] = 1 << 20
+    charsPerToken: Pos = 4.0  # prompt-token estimate without a tokenizer
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewaySpec:
+        for key in self.adminKeys:
+            if not is_key_hash(key):
+                raise ValueError("adminKeys holds sha256 hashes only (`tokenpools hash-key`)")
+        return self
+
+
+class StateSpec(_Strict):
+    """Where the ledger lives: this process (memory) or a Redis shared by gateway replicas."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: Annotated[str, Field(pattern=r"^rediss?://\S+$")] = "redis://127.0.0.1:6379/0"
+    keyPrefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$")] = "tokenpools"
+    timeoutMs: Annotated[float, Field(gt=0, le=10000)] = 50.0
+    retryIntervalS: Pos = 1.0
+    fallbackFraction: Annotated[float, Field(ge=0, le=1)] = 0.5
+
+
+class ConfigSpec(_Strict):
+    policy: PolicySpec = PolicySpec()
+    gateway: GatewaySpec = GatewaySpec()
+    state: StateSpec = StateSpec()
+    pools: list[PoolSpec]
+    entitlements: list[EntitlementSpec] = []
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> ConfigSpec:
+        problems: list[str] = []
+        problems += _duplicates("pools", [p.name for p in self.pools])
+        problems += _duplicates("entitlements", [e.name for e in self.entitlements])
+        pools = {p.name for p in self.pools}
+        served: dict[str, str] = {}
+        for i, pool in enumerate(self.pools):
+            for model in pool.servedModels or [pool.name]:
+                if model in served:
+                    problems.append(
+                        f"pools[{i}].servedModels: model {model!r} is also served by pool "
+                        f"{served[model]!r}; a model name maps to one pool"
+                    )
+                served.setdefault(model, pool.name)
+        seen_keys: dict[str, str] = {}
+        for i, ent in enumerate(self.entitlements):
+            if ent.pool not in pools:
+                problems.append(
+                    f"entitlements[{i}].pool: unknown pool {ent.pool!r} "
+                    f"(entitlement {ent.name!r}; pools: {', '.join(sorted(pools)) or 'none'})"
+                )
+            for key in ent.apiKeys:
+                if key in seen_keys:
+                    problems.append(
+                        f"entitlements[{i}].apiKeys: key {key[:15]}... is also used by "
+                        f"entitlement {seen_keys[key]!r}; a key maps to one entitlement"
+                    )
+                seen_keys.setdefault(key, ent.name)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _duplicates(section: str, names: list[str]) -> list[str]:
+    seen: set[str] = set()
+    out = []
+    for i, name in enumerate(names):
+        if name in seen:
+            out.append(f"{section}[{i}].name: duplicate name {name!r}")
+        seen.add(name)
+    return out
