@@ -29,9 +29,9 @@ from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port, spawn, stop, wait_ready
 from tokenpools.sim import figures
 from tokenpools.sim.metrics import summarize
+from tokenpools.sim.records import RunResult
 from tokenpools.sim.report import policy_table
 from tokenpools.sim.scenario import Scenario
-from tokenpools.sim.simulator import RunResult
 
 ADMIN_KEY = "sk-demo-admin"
 MODEL = "demo-model"

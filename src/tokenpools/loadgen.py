@@ -24,8 +24,8 @@ import aiohttp
 
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.openai_api import vllm_gauges
+from tokenpools.sim.records import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
-from tokenpools.sim.simulator import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.workload import backoff_s, next_gap, workload_at
 
 # Short words that real tokenizers (BPE with a leading space) make one token each, and that are

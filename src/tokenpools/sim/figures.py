@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 
-from tokenpools.sim.simulator import RunResult
+from tokenpools.sim.records import RunResult
 
 MAX_SERIES = 10  # above this many tenants, plot by service class instead
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tokenpools.model.service_class import ServiceClass
-from tokenpools.sim.simulator import Attempt, RunResult
+from tokenpools.sim.records import Attempt, RunResult
 
 DIGITS = 4
 

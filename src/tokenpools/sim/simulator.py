@@ -11,12 +11,11 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 
 from tokenpools.engine.model import Engine, StepResult
 from tokenpools.engine.profile import EngineProfile, load_profile
-from tokenpools.model.config import Config, ConfigError
+from tokenpools.model.config import ConfigError
 from tokenpools.sim.policies import (
     Admitted,
     Policy,
@@ -27,81 +26,9 @@ from tokenpools.sim.policies import (
     derive_limits,
     make_policy,
 )
+from tokenpools.sim.records import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
-from tokenpools.sim.workload import backoff_s, next_gap, sample_length, workload_at
-
-
-@dataclass(slots=True)
-class Job:
-    """One logical request of a client, across its attempts."""
-
-    tenant: str
-    prompt_tokens: int
-    output_tokens: int
-    max_tokens: int
-    tries: int = 0
-    client: int | None = None  # closed-loop client that sent it
-
-    def request(self, req_id: str, entitlement: str, sent_at: float) -> SimRequest:
-        return SimRequest(
-            req_id,
-            self.tenant,
-            entitlement,
-            self.prompt_tokens,
-            self.output_tokens,
-            self.max_tokens,
-            sent_at,
-        )
-
-
-def new_job(tenant: Tenant, rng: random.Random, t: float, client: int | None = None) -> Job:
-    """A tenant's next logical request, drawn from its workload as it is at time t."""
-    w, _ = workload_at(tenant, t)
-    output = sample_length(w.output, rng)
-    return Job(
-        tenant.name,
-        sample_length(w.prompt, rng),
-        output,
-        max(w.max_tokens or output, output),
-        client=client,
-    )
-
-
-@dataclass(slots=True)
-class Attempt:
-    req: SimRequest
-    job: Job
-    number: int  # 1 for a job's first attempt
-    outcome: str = "pending"  # completed | rejected | evicted
-    reason: str | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    output_tokens: int = 0
-
-
-@dataclass(slots=True)
-class Sample:
-    t: float
-    waiting: int
-    running: int
-    slots: int
-    kv_usage: float
-    running_by_tenant: dict[str, int]
-    scores: dict[str, tuple[float, float]]  # tenant → (debt, priority)
-    rejected_by_tenant: dict[str, int]  # since the previous sample
-    low_priority_by_tenant: dict[str, int]
-
-
-@dataclass
-class RunResult:
-    scenario: Scenario
-    policy: str
-    seed: int
-    config: Config
-    attempts: list[Attempt]
-    samples: list[Sample]
-    output_tokens: dict[tuple[str, str], int]  # (tenant, phase) → output tokens generated
-    gave_up: Counter[str] = field(default_factory=Counter)
+from tokenpools.sim.workload import backoff_s, next_gap, workload_at
 
 
 class Simulation:
@@ -431,4 +358,4 @@ def simulate(
     return Simulation(scenario, policy, seed, profile).run(progress)
 
 
-__all__ = ["Attempt", "RunResult", "Sample", "Simulation", "simulate"]
+__all__ = ["RunResult", "Simulation", "simulate"]
