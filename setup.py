@@ -6,6 +6,7 @@ import os
 from setuptools import setup
 
 COMPILED = [
+    "src/tokenpools/state/accounts.py",
     "src/tokenpools/state/base.py",
     "src/tokenpools/state/memory.py",
     "src/tokenpools/control/autoscale.py",

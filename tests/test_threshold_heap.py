@@ -71,4 +71,4 @@ def test_threshold_matches_brute_force(script: list[tuple[object, ...]]) -> None
         for name in NAMES:
             others = [store.scores(x.entitlement).priority for x in live if x.entitlement != name]
             expected = min(others) if others else -INF
-            assert store._threshold(pool, name) == expected
+            assert pool.threshold(name, store._ents) == expected

@@ -6,8 +6,8 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
 from tokenpools.state.base import (
-    INF,
     BucketSpec,
     EntitlementCounters,
     Lease,
@@ -19,126 +19,10 @@ from tokenpools.state.base import (
 )
 
 
-class _Bucket:
-    __slots__ = ("depth", "level", "rate", "t")
-
-    def __init__(self, spec: BucketSpec, now: float) -> None:
-        self.rate = spec.rate
-        self.depth = spec.depth
-        self.level = spec.depth
-        self.t = now
-
-    def refill(self, now: float) -> None:
-        dt = now - self.t
-        if dt > 0:
-            self.t = now
-            level = self.level + self.rate * dt
-            self.level = level if level < self.depth else self.depth
-
-    def reshape(self, spec: BucketSpec, now: float) -> None:
-        """New rate and depth. Added depth arrives full (a new replica is idle and can work
-        at once); on a shrink the level is only capped, keeping what was already spent."""
-        self.refill(now)
-        grown = spec.depth - self.depth
-        self.rate, self.depth = spec.rate, spec.depth
-        if grown > 0 and grown != INF:
-            self.level += grown
-        self.level = min(self.level, spec.depth)
-
-    def credit(self, tokens: float, now: float) -> None:
-        """Give back tokens (negative: charge more), never above the depth."""
-        self.refill(now)
-        self.level = min(self.depth, self.level + tokens)
-
-
-class _Entitlement:
-    __slots__ = (
-        "admitted",
-        "base_concurrency",
-        "base_kv",
-        "burst",
-        "conc_seconds",
-        "concurrency",
-        "debt",
-        "demand",
-        "hold_concurrency",
-        "hold_kv",
-        "kv",
-        "kv_seconds",
-        "leases",
-        "name",
-        "own",
-        "pool",
-        "priority",
-        "protected",
-        "settled",
-        "t_acc",
-        "window_start",
-    )
-
-    def __init__(self, name: str, pool: str, own: _Bucket, now: float) -> None:
-        self.name, self.pool, self.own = name, pool, own
-        self.protected = False
-        self.base_concurrency = self.base_kv = 0.0
-        self.hold_concurrency = self.hold_kv = 0.0  # current share of the pool's holdback
-        self.concurrency = self.kv = 0.0
-        self.leases = 0
-        self.debt = self.burst = self.priority = 0.0
-        self.t_acc = self.window_start = now
-        self.conc_seconds = self.kv_seconds = self.settled = self.demand = 0.0
-        self.admitted = 0.0
-
-    def accumulate(self, now: float) -> None:
-        dt = now - self.t_acc
-        if dt > 0:
-            self.conc_seconds += self.concurrency * dt
-            self.kv_seconds += self.kv * dt
-            self.t_acc = now
-
-
-class _Pool:
-    __slots__ = (
-        "bucket",
-        "concurrency",
-        "hold_concurrency",
-        "hold_kv",
-        "inflight",
-        "kv",
-        "last_period",
-        "leases",
-        "low",
-        "pre_concurrency",
-        "pre_kv",
-        "preemptible_by_ent",
-        "protected",
-        "protected_bucket",
-        "refused",
-        "refused_top",
-    )
-
-    def __init__(self, bucket: _Bucket, protected_bucket: _Bucket) -> None:
-        self.bucket, self.protected_bucket = bucket, protected_bucket
-        self.concurrency = self.kv = self.pre_concurrency = self.pre_kv = 0.0
-        self.hold_concurrency = self.hold_kv = 0.0
-        self.leases = 0
-        # entitlement → its in-flight leases on the shared path: the competitors of check 5.
-        # Work inside a reserved baseline is not competing for shared capacity, so it neither
-        # sets nor faces the threshold.
-        self.inflight: dict[str, int] = {}
-        # (priority, entitlement) of entitlements in flight, a lazy heap; None: rebuild it.
-        self.low: list[tuple[float, str]] | None = None
-        self.preemptible_by_ent: dict[str, dict[str, Lease]] = {}
-        self.protected: set[str] = set()  # entitlements holding a reserved baseline
-        # entitlement → (when it was last refused room, its priority then); the top of them
-        self.refused: dict[str, tuple[float, float]] = {}
-        self.refused_top: tuple[float, str, float] | None = None
-        self.last_period = -1
-
-
 class MemoryStore:
     def __init__(self) -> None:
-        self._pools: dict[str, _Pool] = {}
-        self._ents: dict[str, _Entitlement] = {}
+        self._pools: dict[str, PoolAccount] = {}
+        self._ents: dict[str, EntitlementAccount] = {}
         self._leases: dict[str, Lease] = {}
         self._expiry: list[tuple[float, str]] = []
 
@@ -149,7 +33,7 @@ class MemoryStore:
     ) -> None:
         p = self._pools.get(pool)
         if p is None:
-            self._pools[pool] = _Pool(_Bucket(bucket, now), _Bucket(protected_bucket, now))
+            self._pools[pool] = PoolAccount(Bucket(bucket, now), Bucket(protected_bucket, now))
             return
         p.bucket.reshape(bucket, now)
         p.protected_bucket.reshape(protected_bucket, now)
@@ -167,7 +51,7 @@ class MemoryStore:
     ) -> None:
         e = self._ents.get(name)
         if e is None:
-            e = self._ents[name] = _Entitlement(name, pool, _Bucket(own_bucket, now), now)
+            e = self._ents[name] = EntitlementAccount(name, pool, Bucket(own_bucket, now), now)
         else:
             e.own.reshape(own_bucket, now)
         p = self._pools[pool]
@@ -269,7 +153,7 @@ class MemoryStore:
             elif bucket.level - tokens < lf:
                 short = Shortfall.POOL_THROUGHPUT
             if short is not None:
-                self._refused(p, e, now)
+                p.note_refusal(e.name, e.priority, now)
                 return short
             own.level -= tokens
             pbucket.level -= tokens
@@ -281,8 +165,8 @@ class MemoryStore:
                 used_c + hold_c + 1 > plan.contended_concurrency
                 or used_k + hold_k + kv > plan.contended_kv
                 or unreserved < plan.contended_bucket
-            ) and self._outranked(p, e, now - plan.contention_window_s):
-                self._refused(p, e, now)
+            ) and p.outranked(e.name, e.priority, now - plan.contention_window_s, self._ents):
+                p.note_refusal(e.name, e.priority, now)
                 return Shortfall.LOW_PRIORITY
             # What is held for protected baselines first: evicting preemptible work cannot
             # help there (its plan limit is infinite for preemptible requests).
@@ -300,7 +184,7 @@ class MemoryStore:
             elif bucket.level - tokens < plan.shared_bucket_floor:
                 short = Shortfall.POOL_THROUGHPUT
             if short is not None:
-                self._refused(p, e, now)
+                p.note_refusal(e.name, e.priority, now)
                 return short
             if plan.own_required:
                 own.level -= tokens
@@ -312,78 +196,9 @@ class MemoryStore:
         self._book(lease, e, p, now)
         return None
 
-    @staticmethod
-    def _refused(p: _Pool, e: _Entitlement, now: float) -> None:
-        """Remember that `e` was refused room: unmet demand, for check 5. The cached top stays
-        the highest entry of the dict, or None (rebuilt when next asked)."""
-        p.refused[e.name] = (now, e.priority)
-        top = p.refused_top
-        if top is None:
-            return
-        if e.priority >= top[0]:
-            p.refused_top = (e.priority, e.name, now)
-        elif top[1] == e.name:  # the top entry itself went down
-            p.refused_top = None
-
-    def _outranked(self, p: _Pool, e: _Entitlement, since: float) -> bool:
-        """Check 5 for a request in a pool near full: refused when another entitlement of
-        higher priority was refused room since `since` (its demand is unmet), and this one's
-        priority is below the paper's threshold — the lowest priority in flight among the
-        others — so the lowest-priority work in flight is what gives way. Demand-awareness
-        keeps the pool work-conserving: nobody is shed for a tenant that wants nothing.
-
-        The highest refusal is cached; the dict is scanned (dropping aged entries) when that
-        one has aged out, or for the others' highest when it is the asker's own."""
-        w = e.priority
-        top = p.refused_top
-        if top is None or top[2] < since:
-            top = None
-            for name, (t, priority) in list(p.refused.items()):
-                if t < since:
-                    del p.refused[name]
-                elif top is None or priority > top[0]:
-                    top = (priority, name, t)
-            p.refused_top = top
-        if top is not None and top[1] == e.name:  # the asker's own: the highest of the others
-            top = max(
-                ((pr, n, t) for n, (t, pr) in p.refused.items() if n != e.name and t >= since),
-                default=None,
-            )
-        if top is None or top[0] <= w:
-            return False
-        return w < self._threshold(p, e.name)
-
-    def _threshold(self, p: _Pool, name: str) -> float:
-        """The lowest priority among *other* entitlements' shared-path leases in flight: a
-        tenant never blocks itself, or check 5 could never fire for a tenant already served.
-
-        A heap of (priority, entitlement) with lazy deletion: entries of entitlements no
-        longer in flight are dropped when they reach the top. A priority change drops the
-        whole heap (set_scores), so every entry carries its entitlement's current priority."""
-        heap = p.low
-        if heap is None or len(heap) > 2 * len(p.inflight) + 32:
-            heap = p.low = [(self._ents[n].priority, n) for n in p.inflight]
-            heapq.heapify(heap)
-        inflight = p.inflight
-        while heap and heap[0][1] not in inflight:
-            heapq.heappop(heap)
-        if not heap:
-            return -INF
-        if heap[0][1] != name:
-            return heap[0][0]
-        mine = []
-        while heap and (heap[0][1] == name or heap[0][1] not in inflight):
-            entry = heapq.heappop(heap)
-            if entry[1] == name:
-                mine.append(entry)
-        threshold = heap[0][0] if heap else -INF
-        for entry in mine:
-            heapq.heappush(heap, entry)
-        return threshold
-
     # -- bookkeeping ---------------------------------------------------------------------
 
-    def _book(self, lease: Lease, e: _Entitlement, p: _Pool, now: float) -> None:
+    def _book(self, lease: Lease, e: EntitlementAccount, p: PoolAccount, now: float) -> None:
         e.accumulate(now)
         e.concurrency += 1
         e.kv += lease.kv_tokens
@@ -441,7 +256,7 @@ class MemoryStore:
                 p.protected_bucket.credit(refund, now)
 
     @staticmethod
-    def _update_holdback(e: _Entitlement, p: _Pool) -> None:
+    def _update_holdback(e: EntitlementAccount, p: PoolAccount) -> None:
         hold_c = max(0.0, e.base_concurrency - e.concurrency)
         hold_k = max(0.0, e.base_kv - e.kv)
         p.hold_concurrency += hold_c - e.hold_concurrency
