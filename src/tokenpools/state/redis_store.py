@@ -1,8 +1,9 @@
 """The shared store: one Redis holds the ledger of every gateway replica.
 
-Each operation is one call of one Lua script (redis_store.lua, run by EVALSHA and loaded again on
-NOSCRIPT), so the check-and-reserve step is atomic across replicas and costs one round trip.
-A pool's keys share one hash tag, so a pool lives on one Redis Cluster shard.
+Each operation is one call of one Lua script (state/lua/, run by EVALSHA and loaded again on
+NOSCRIPT; state/redis_wire.py writes its arguments and reads its replies), so the
+check-and-reserve step is atomic across replicas and costs one round trip. A pool's keys share
+one hash tag, so a pool lives on one Redis Cluster shard.
 
 Redis may be unreachable. Every call has a timeout; after a failure the store answers
 `StoreUnavailable` at once, without trying, for `retry_interval_s`, so a stalled Redis costs a
@@ -18,14 +19,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
-from importlib.resources import files
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from tokenpools.state import redis_wire as wire
 from tokenpools.state.base import (
     BucketSpec,
     EntitlementCounters,
@@ -38,38 +38,10 @@ from tokenpools.state.base import (
     Window,
 )
 
-_SCRIPT = files("tokenpools.state").joinpath("redis_store.lua").read_text()
-_PLAN_FIELDS = [f.name for f in fields(ReservePlan)]
 # Any error from Redis (unreachable, timed out, out of memory, busy) makes the store unavailable
 # for a while: the core then applies the outage policy rather than failing the request.
 _FAILURES = (redis.RedisError, OSError)
 log = logging.getLogger("tokenpools.state")
-
-
-def _num(x: float | bool) -> str:
-    return repr(float(x))
-
-
-def _lease(row: Sequence[Any]) -> Lease:
-    # id, entitlement, tokens, kv, started, expires, preemptible, reserved, drew_own; pool set later
-    text = [v.decode() if isinstance(v, bytes) else v for v in row]
-    return Lease(
-        lease_id=text[0],
-        pool="",
-        entitlement=text[1],
-        tokens=float(text[2]),
-        kv_tokens=float(text[3]),
-        started_at=float(text[4]),
-        expires_at=float(text[5]),
-        preemptible=text[6] == "1",
-        reserved_path=text[7] == "1",
-        drew_own=text[8] == "1",
-    )
-
-
-def _in_pool(lease: Lease, pool: str) -> Lease:
-    lease.pool = pool
-    return lease
 
 
 class RedisStore:
@@ -88,7 +60,7 @@ class RedisStore:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # no hidden retries: a request waits one timeout
         )
-        self._script = self.client.register_script(_SCRIPT)
+        self._script = self.client.register_script(wire.SCRIPT)
         self._prefix = prefix
         self._retry_interval_s = retry_interval_s
         self._clock = clock
@@ -134,7 +106,7 @@ class RedisStore:
 
     def _eval(self, pool: str, op: str, epoch: str, now: float, *args: str) -> Any:
         """One call of the script: ARGV is op, epoch, now, then the operation's own."""
-        return self._script(keys=[self.key(pool)], args=[op, epoch, _num(now), *args])
+        return self._script(keys=[self.key(pool)], args=[op, epoch, wire.num(now), *args])
 
     def _run(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
         try:
@@ -158,7 +130,7 @@ class RedisStore:
                 self._eval(pool, "configure_entitlement", epoch, now, name, *ent_args)
         for lease in list(self._mine.values()):
             if lease.pool == pool:
-                self._eval(pool, "adopt", epoch, now, *_lease_args(lease))
+                self._eval(pool, "adopt", epoch, now, *wire.lease_args(lease))
 
     def _send_unsent(self) -> None:
         while self._unsent:
@@ -181,10 +153,10 @@ class RedisStore:
         self, pool: str, bucket: BucketSpec, protected_bucket: BucketSpec, now: float
     ) -> None:
         args = [
-            _num(bucket.rate),
-            _num(bucket.depth),
-            _num(protected_bucket.rate),
-            _num(protected_bucket.depth),
+            wire.num(bucket.rate),
+            wire.num(bucket.depth),
+            wire.num(protected_bucket.rate),
+            wire.num(protected_bucket.depth),
         ]
         self._pool_args[pool] = args
         try:  # the last argument: the epoch, should this call create the pool
@@ -209,10 +181,10 @@ class RedisStore:
         protected: bool = False,
     ) -> None:
         args = [
-            _num(own_bucket.rate),
-            _num(own_bucket.depth),
-            _num(holdback_concurrency),
-            _num(holdback_kv),
+            wire.num(own_bucket.rate),
+            wire.num(own_bucket.depth),
+            wire.num(holdback_concurrency),
+            wire.num(holdback_kv),
             "1" if protected else "0",
         ]
         self._ent_args[name] = args
@@ -226,7 +198,7 @@ class RedisStore:
         if pool is None:
             return []
         rows = self._call(pool, "remove_entitlement", self._now, name)
-        ended = [_in_pool(_lease(row), pool) for row in rows]
+        ended = [wire.lease(row, pool) for row in rows]
         for lease in ended:
             self._mine.pop(lease.lease_id, None)
         return ended
@@ -246,10 +218,10 @@ class RedisStore:
             lease.pool,
             "reserve",
             now,
-            *_lease_args(lease),
+            *wire.lease_args(lease),
             "1" if overcommit else "0",
-            _num(demand),
-            *_plan_args(plan),
+            wire.num(demand),
+            *wire.plan_args(plan),
             *evict,
         )
         if reply[0] != b"ok":
@@ -257,8 +229,8 @@ class RedisStore:
                 lease.pool,
                 lease.entitlement,
                 now,
-                _pool_counters(reply[1]),
-                _entitlement_counters(reply[2]),
+                wire.pool_counters(reply[1]),
+                wire.entitlement_counters(reply[2]),
             )
             return Shortfall(reply[0].decode())
         lease.reserved_path = reply[1] == b"1"
@@ -276,16 +248,16 @@ class RedisStore:
             return None
         mine = self._mine.pop(lease_id, None)
         try:
-            row = self._call(pool, "finish", now, lease_id, used, _num(observed))
+            row = self._call(pool, "finish", now, lease_id, used, wire.num(observed))
         except StoreUnavailable:
             if mine is None:
                 raise
-            self._unsent.append((pool, [_num(now), lease_id, used, _num(observed)]))
+            self._unsent.append((pool, [wire.num(now), lease_id, used, wire.num(observed)]))
             return mine
-        return None if row is None else _in_pool(_lease(row), pool)
+        return None if row is None else wire.lease(row, pool)
 
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
-        return self._finish(lease_id, now, _num(used_tokens), used_tokens)
+        return self._finish(lease_id, now, wire.num(used_tokens), used_tokens)
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         return self._finish(lease_id, now, "0.0" if refund else "all", 0.0)
@@ -294,7 +266,7 @@ class RedisStore:
         pool = self._pool_of_lease(lease_id)
         if pool is None:
             return False
-        if self._call(pool, "renew", self._now, lease_id, _num(expires_at)) == 1:
+        if self._call(pool, "renew", self._now, lease_id, wire.num(expires_at)) == 1:
             mine = self._mine.get(lease_id)
             if mine is not None:
                 mine.expires_at = expires_at
@@ -303,7 +275,7 @@ class RedisStore:
         return False
 
     def adopt(self, lease: Lease, now: float) -> bool:
-        if self._call(lease.pool, "adopt", now, *_lease_args(lease)) != 1:
+        if self._call(lease.pool, "adopt", now, *wire.lease_args(lease)) != 1:
             return False
         self._mine[lease.lease_id] = lease
         return True
@@ -312,7 +284,7 @@ class RedisStore:
         ended = []
         for pool in self._pool_args:
             for row in self._call(pool, "expire", now):
-                lease = _in_pool(_lease(row), pool)
+                lease = wire.lease(row, pool)
                 self._mine.pop(lease.lease_id, None)
                 ended.append(lease)
         return ended
@@ -324,13 +296,13 @@ class RedisStore:
         for pool in self._pool_args:
             row = self._call(pool, "get_lease", self._now, lease_id)
             if row is not None:
-                return _in_pool(_lease(row), pool)
+                return wire.lease(row, pool)
         return None
 
     def preemptible_leases(self, pool: str) -> Mapping[str, Mapping[str, Lease]]:
         groups: dict[str, dict[str, Lease]] = {}
         for row in self._call(pool, "preemptible", self._now):
-            lease = _in_pool(_lease(row), pool)
+            lease = wire.lease(row, pool)
             groups.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         return groups
 
@@ -354,9 +326,9 @@ class RedisStore:
             "set_scores",
             self._now,
             name,
-            _num(scores.debt),
-            _num(scores.burst),
-            _num(scores.priority),
+            wire.num(scores.debt),
+            wire.num(scores.burst),
+            wire.num(scores.priority),
         )
 
     def claim_update(self, pool: str, period: int) -> bool:
@@ -366,47 +338,12 @@ class RedisStore:
         refusal = self._refusal
         if refusal is not None and refusal[0] == pool and refusal[2] == now:
             return refusal[3]
-        return _pool_counters(self._call(pool, "pool_counters", now))
+        return wire.pool_counters(self._call(pool, "pool_counters", now))
 
     def entitlement_counters(self, name: str, now: float) -> EntitlementCounters:
         refusal = self._refusal
         if refusal is not None and refusal[1] == name and refusal[2] == now:
             return refusal[4]
-        return _entitlement_counters(
+        return wire.entitlement_counters(
             self._call(self._ent_pool[name], "entitlement_counters", now, name)
         )
-
-
-def _pool_counters(reply: Sequence[bytes]) -> PoolCounters:
-    c = [float(x) for x in reply]
-    return PoolCounters(c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], int(c[8]))
-
-
-def _entitlement_counters(reply: Sequence[bytes]) -> EntitlementCounters:
-    c = [float(x) for x in reply]
-    return EntitlementCounters(c[0], c[1], c[2], int(c[3]))
-
-
-_plan_cache: dict[ReservePlan, list[str]] = {}
-
-
-def _plan_args(plan: ReservePlan) -> list[str]:
-    args = _plan_cache.get(plan)
-    if args is None:
-        if len(_plan_cache) > 4096:
-            _plan_cache.clear()
-        args = _plan_cache[plan] = [_num(getattr(plan, name)) for name in _PLAN_FIELDS]
-    return args
-
-
-def _lease_args(lease: Lease) -> list[str]:
-    """A new lease as the script takes it: id, entitlement, tokens, kv, started, expires, pre."""
-    return [
-        lease.lease_id,
-        lease.entitlement,
-        _num(lease.tokens),
-        _num(lease.kv_tokens),
-        _num(lease.started_at),
-        _num(lease.expires_at),
-        "1" if lease.preemptible else "0",
-    ]

@@ -1,0 +1,121 @@
+-- Part 2 of the pool ledger script (parts are joined in order; see storage.lua).
+
+-- leases
+
+local function lease_reply(id, l)
+  return { id, l.ent, fmt(l.tokens), fmt(l.kv), fmt(l.started), fmt(l.expires), fmt(l.pre),
+    fmt(l.reserved), fmt(l.own) }
+end
+
+local function book(id, l, e, p, now)
+  accumulate(e, now)
+  e.conc = e.conc + 1
+  e.kv = e.kv + l.kv
+  e.leases = e.leases + 1
+  p.conc = p.conc + 1
+  p.kv = p.kv + l.kv
+  p.leases = p.leases + 1
+  if l.pre == 1 then
+    p.pre_c = p.pre_c + 1
+    p.pre_k = p.pre_k + l.kv
+    redis.call('ZADD', P .. ':pre', redis.call('HINCRBY', P, 'seq', 1), id)
+  end
+  if e.protected == 1 then update_holdback(e, p) end
+  if l.reserved == 0 then
+    if redis.call('HINCRBY', P .. ':inf', l.ent, 1) == 1 then
+      redis.call('ZADD', P .. ':low', fmt(e.priority), l.ent)
+    end
+  end
+  save(lease_key(id), l, LEASE_FIELDS)
+  redis.call('ZADD', P .. ':exp', fmt(l.expires), id)
+end
+
+-- End a lease: `used` tokens of its reservation are spent, the rest goes back to its buckets.
+local function finish(id, l, e, p, now, used, observed)
+  redis.call('DEL', lease_key(id))
+  redis.call('ZREM', P .. ':exp', id)
+  accumulate(e, now)
+  e.conc = e.conc - 1
+  e.kv = e.kv - l.kv
+  e.leases = e.leases - 1
+  e.settled = e.settled + observed
+  p.conc = p.conc - 1
+  p.kv = p.kv - l.kv
+  p.leases = p.leases - 1
+  if l.pre == 1 then
+    p.pre_c = p.pre_c - 1
+    p.pre_k = p.pre_k - l.kv
+    redis.call('ZREM', P .. ':pre', id)
+  end
+  if e.protected == 1 then update_holdback(e, p) end
+  if l.reserved == 0 then
+    if redis.call('HINCRBY', P .. ':inf', l.ent, -1) <= 0 then
+      redis.call('HDEL', P .. ':inf', l.ent)
+      redis.call('ZREM', P .. ':low', l.ent)
+    end
+  end
+  local refund = l.tokens - used
+  if refund ~= 0 then
+    credit(p, 'b_', refund, now)
+    if l.own == 1 then credit(e, 'o_', refund, now) end
+    if l.reserved == 1 then credit(p, 'pb_', refund, now) end
+  end
+end
+
+-- End lease `id` if it exists, saving what it touched; returns the lease or nil.
+local function finish_one(id, p, now, used_all, used, observed)
+  local l = load(lease_key(id))
+  if l == nil then return nil end
+  local key = ent_key(l.ent)
+  local e = load(key)
+  if used_all then used = l.tokens end
+  finish(id, l, e, p, now, used, observed)
+  save(key, e, ENT_FIELDS)
+  return l
+end
+
+-- check 5
+
+local function refused(name, priority, now)
+  redis.call('ZADD', P .. ':ref', fmt(priority), name)
+  redis.call('HSET', P .. ':reft', name, fmt(now))
+end
+
+-- The highest priority among other entitlements refused room since `since`; stale entries
+-- found on the way are dropped.
+local function top_refused(name, since)
+  local start = 0
+  while true do
+    local batch = redis.call('ZREVRANGE', P .. ':ref', start, start + 7, 'WITHSCORES')
+    if #batch == 0 then return nil end
+    for i = 1, #batch, 2 do
+      local other = batch[i]
+      if other ~= name then
+        local t = tonumber(redis.call('HGET', P .. ':reft', other))
+        if t == nil or t < since then
+          redis.call('ZREM', P .. ':ref', other)
+          redis.call('HDEL', P .. ':reft', other)
+          start = start - 1
+        else
+          return tonumber(batch[i + 1])
+        end
+      end
+    end
+    start = start + 8
+  end
+end
+
+-- The lowest priority among other entitlements' shared-path leases in flight.
+local function threshold(name)
+  local low = redis.call('ZRANGE', P .. ':low', 0, 1, 'WITHSCORES')
+  for i = 1, #low, 2 do
+    if low[i] ~= name then return tonumber(low[i + 1]) end
+  end
+  return -INF
+end
+
+local function outranked(name, priority, since)
+  local top = top_refused(name, since)
+  if top == nil or top <= priority then return false end
+  return priority < threshold(name)
+end

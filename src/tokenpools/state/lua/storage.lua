@@ -1,0 +1,142 @@
+-- tokenpools: one pool's ledger in Redis, one script in four parts joined in order (storage,
+-- leases, reserve, operations). A line-for-line port of state/memory.py and state/accounts.py, so
+-- that the same events give the same decisions (tests/test_redis_store.py checks it).
+--
+-- KEYS[1] is the pool's hash, "<prefix>:{<pool>}". Every other key of the pool is that name
+-- plus a suffix, so the hash tag keeps the whole pool on one Redis Cluster shard:
+--   P           hash   pool counters, both buckets, epoch, last update period, booking sequence
+--   P:e:<name>  hash   one entitlement: own bucket, counters, usage window, scores
+--   P:l:<id>    hash   one lease
+--   P:exp       zset   lease id -> expires_at
+--   P:pre       zset   preemptible lease id -> booking sequence (oldest first)
+--   P:inf       hash   entitlement -> its shared-path leases in flight (check 5's competitors)
+--   P:low       zset   entitlement in flight -> priority (the threshold is its lowest other)
+--   P:ref       zset   entitlement -> priority when last refused room
+--   P:reft      hash   entitlement -> when last refused room
+--   P:prot      set    entitlements holding a reserved baseline
+-- ARGV[1] is the operation, ARGV[2] the epoch the caller last saw. A pool created anew (Redis
+-- lost its data) gets a new epoch, and a caller with the old one is told so, to book again the
+-- leases it still holds. Numbers are stored with 17 significant digits: a float survives the
+-- round trip exactly, and numbers go back to Python as strings (Lua numbers would be truncated).
+
+local P = KEYS[1]
+local op = ARGV[1]
+local INF = 1 / 0
+local STRINGS = { ent = true, epoch = true }
+
+local function fmt(x)
+  if type(x) == 'number' then return string.format('%.17g', x) end
+  return x
+end
+
+-- A loaded hash remembers what it held (t.__o), so that saving writes only what changed.
+local function load(key)
+  local raw = redis.call('HGETALL', key)
+  if #raw == 0 then return nil end
+  local t, o = {}, {}
+  for i = 1, #raw, 2 do
+    local f, v = raw[i], raw[i + 1]
+    if not STRINGS[f] then v = tonumber(v) end
+    t[f] = v
+    o[f] = v
+  end
+  t.__o = o
+  return t
+end
+
+local function save(key, t, fields)
+  local o = t.__o
+  if o == nil then
+    o = {}
+    t.__o = o
+  end
+  local args = {}
+  for _, f in ipairs(fields) do
+    local v = t[f]
+    if v ~= o[f] then
+      args[#args + 1] = f
+      args[#args + 1] = fmt(v)
+      o[f] = v
+    end
+  end
+  if #args > 0 then redis.call('HSET', key, unpack(args)) end
+end
+
+local POOL_FIELDS = { 'conc', 'kv', 'pre_c', 'pre_k', 'hold_c', 'hold_k', 'leases',
+  'b_rate', 'b_depth', 'b_level', 'b_t', 'pb_rate', 'pb_depth', 'pb_level', 'pb_t' }
+local ENT_FIELDS = { 'conc', 'kv', 'leases', 'protected', 'base_c', 'base_k', 'hold_c', 'hold_k',
+  'o_rate', 'o_depth', 'o_level', 'o_t', 't_acc', 'conc_s', 'kv_s', 'settled', 'demand',
+  'admitted', 'window_start' }
+local LEASE_FIELDS = { 'ent', 'tokens', 'kv', 'started', 'expires', 'pre', 'reserved', 'own' }
+
+local function ent_key(name) return P .. ':e:' .. name end
+local function lease_key(id) return P .. ':l:' .. id end
+
+-- buckets: fields <b>rate, <b>depth, <b>level, <b>t of a pool or entitlement table
+
+local function refill(t, b, now)
+  local dt = now - t[b .. 't']
+  if dt > 0 then
+    t[b .. 't'] = now
+    local level = t[b .. 'level'] + t[b .. 'rate'] * dt
+    if level < t[b .. 'depth'] then t[b .. 'level'] = level else t[b .. 'level'] = t[b .. 'depth'] end
+  end
+end
+
+local function reshape(t, b, rate, depth, now)
+  refill(t, b, now)
+  local grown = depth - t[b .. 'depth']
+  t[b .. 'rate'], t[b .. 'depth'] = rate, depth
+  if grown > 0 and grown ~= INF then t[b .. 'level'] = t[b .. 'level'] + grown end
+  if depth < t[b .. 'level'] then t[b .. 'level'] = depth end
+end
+
+local function credit(t, b, tokens, now)
+  refill(t, b, now)
+  local level = t[b .. 'level'] + tokens
+  if level < t[b .. 'depth'] then t[b .. 'level'] = level else t[b .. 'level'] = t[b .. 'depth'] end
+end
+
+local function new_bucket(t, b, rate, depth, now)
+  t[b .. 'rate'], t[b .. 'depth'], t[b .. 'level'], t[b .. 't'] = rate, depth, depth, now
+end
+
+local function max0(x)
+  if x > 0 then return x end
+  return 0.0
+end
+
+local function accumulate(e, now)
+  local dt = now - e.t_acc
+  if dt > 0 then
+    e.conc_s = e.conc_s + e.conc * dt
+    e.kv_s = e.kv_s + e.kv * dt
+    e.t_acc = now
+  end
+end
+
+local function update_holdback(e, p)
+  local hold_c = max0(e.base_c - e.conc)
+  local hold_k = max0(e.base_k - e.kv)
+  p.hold_c = p.hold_c + (hold_c - e.hold_c)
+  p.hold_k = p.hold_k + (hold_k - e.hold_k)
+  e.hold_c, e.hold_k = hold_c, hold_k
+end
+
+local function resync_protected_bucket(p, now)
+  local total = 0.0
+  for _, name in ipairs(redis.call('SMEMBERS', P .. ':prot')) do
+    local key = ent_key(name)
+    local e = load(key)
+    refill(e, 'o_', now)
+    save(key, e, { 'o_level', 'o_t' })
+    total = total + max0(e.o_level)
+  end
+  refill(p, 'pb_', now)
+  local level = p.pb_level
+  if p.pb_depth < level then level = p.pb_depth end
+  local floor = total
+  if p.pb_depth < floor then floor = p.pb_depth end
+  if floor > level then level = floor end
+  p.pb_level = level
+end
