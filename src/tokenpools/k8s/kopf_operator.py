@@ -48,6 +48,13 @@ kopf.on.event(GROUP, VERSION, ENTITLEMENT_PLURAL)(_poke)
 kopf.on.event("", "v1", "pods", labels={ENTITLEMENT_LABEL: kopf.PRESENT})(_poke)
 
 
+@kopf.on.login()
+def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The service account in a cluster, else $KUBECONFIG as it is now (the client library's
+    own default is read once, when it is imported)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 @kopf.on.startup()
 async def _start(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.standalone = True  # leader election is ours (a Lease), not kopf peering

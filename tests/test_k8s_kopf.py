@@ -1,0 +1,123 @@
+"""The operator as it is deployed: kopf watching the API server stand-in over HTTP, and
+leader election between two replicas."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+from kubernetes import client
+
+from tests.kube.apiserver import ServerThread
+from tokenpools.k8s import objects as o
+from tokenpools.k8s.api import ENTITLEMENTS, LEASES, NODES, PODS, POOLS, Kube
+from tokenpools.k8s.leader import LeaderElection
+
+NS = "tenants"
+POOL = {
+    "metadata": {"name": "qwen"},
+    "spec": {
+        "model": "Qwen3-8B",
+        "replicas": 1,
+        "perReplica": {"tokensPerSecond": 240, "kvTokens": 16384, "concurrency": 8},
+    },
+}
+
+
+@pytest.fixture
+def server() -> Iterator[ServerThread]:
+    srv = ServerThread().start()
+    yield srv
+    srv.stop()
+
+
+def _kube(server: ServerThread) -> Kube:
+    cfg = client.Configuration()
+    cfg.host = server.url
+    return Kube(client.ApiClient(cfg))
+
+
+def _eventually(check: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    """Wait for a condition an operator in another thread brings about (not a fixed sleep:
+    it returns as soon as the condition holds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def test_kopf_runs_the_operator_against_the_api_server(
+    server: ServerThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "stand-in",
+                "clusters": [{"name": "stand-in", "cluster": {"server": server.url}}],
+                "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "u"}}],
+                "users": [{"name": "u", "user": {"token": "test"}}],
+            }
+        )
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))  # read by the operator's client loader
+    monkeypatch.setenv("TOKENPOOLS_NAMESPACE", "tokenpools-system")
+    kube = _kube(server)
+    args = ["run", "--all-namespaces", "--standalone", "-m", "tokenpools.k8s.kopf_operator"]
+    with KopfRunner(args, timeout=60) as runner:
+        kube.create(POOLS, NS, POOL)
+        node = _eventually(lambda: kube.find(NODES, None, o.node_name(NS, "qwen")))
+        assert (
+            node is not None and node["status"]["allocatable"]["tokenpools.io/concurrency"] == "8"
+        )
+        spec = {"tenantId": "t", "pool": "qwen", "serviceClass": "guaranteed", "concurrency": 4}
+        kube.create(ENTITLEMENTS, NS, {"metadata": {"name": "gold"}, "spec": spec})
+        pod = _eventually(lambda: kube.find(PODS, NS, "lease-gold"))
+        assert pod is not None and pod["spec"]["priorityClassName"] == "tokenpools-guaranteed"
+        lease = kube.get(LEASES, "tokenpools-system", "tokenpools-operator")
+        assert lease["spec"]["holderIdentity"]
+    assert runner.exit_code == 0 and runner.exception is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_only_one_operator_replica_leads(server: ServerThread) -> None:
+    kube, clock = _kube(server), Clock()
+    a = LeaderElection(kube, "tokenpools-system", "a", clock, duration_s=15)
+    b = LeaderElection(kube, "tokenpools-system", "b", clock, duration_s=15)
+    assert a.try_acquire() and not b.try_acquire()
+    clock.now += 10
+    assert a.try_acquire() and not b.try_acquire()  # renewed: still a's
+    clock.now += 16  # a stopped renewing: the Lease expires and b takes it
+    assert b.try_acquire() and not a.try_acquire()
+    held = kube.get(LEASES, "tokenpools-system", "tokenpools-operator")["spec"]
+    assert held["holderIdentity"] == "b"
+
+
+def test_a_stale_write_loses_the_lease(server: ServerThread) -> None:
+    # Two replicas read the free Lease at once; the second PUT carries an old resourceVersion.
+    kube, clock = _kube(server), Clock()
+    LeaderElection(kube, "tokenpools-system", "a", clock).try_acquire()
+    clock.now += 100  # expired
+    stale = kube.get(LEASES, "tokenpools-system", "tokenpools-operator")
+    assert LeaderElection(kube, "tokenpools-system", "b", clock).try_acquire()
+    stale["spec"]["holderIdentity"] = "c"
+    from tokenpools.k8s.api import Conflict
+
+    with pytest.raises(Conflict):
+        kube.replace(LEASES, "tokenpools-system", "tokenpools-operator", stale)
