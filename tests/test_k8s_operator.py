@@ -261,3 +261,51 @@ def test_the_gateway_takes_the_binding_the_operator_wrote(cluster: Any) -> None:
     assert isinstance(core.admit("gold", cost, now=0.0), Admit)
     refused = core.admit("chat", cost, now=0.0)
     assert isinstance(refused, Reject) and refused.reason == "entitlement_degraded"
+
+
+def test_serve_kubernetes_follows_the_cluster_over_http(cluster: Any) -> None:
+    import base64
+
+    import httpx
+
+    from tests.servers import ServerThread as HttpServer
+    from tests.servers import wait_until
+    from tests.test_gateway_e2e import FAST
+    from tokenpools.emulator.server import make_app as make_emulator
+    from tokenpools.gateway.server import build_kubernetes
+    from tokenpools.k8s.api import SECRETS
+
+    kube, rec, sched, _ = cluster
+    emulator = HttpServer(make_emulator(FAST, speed=1.0))
+    backends = {"backends": [{"url": emulator.url}], "servedModels": ["qwen3-8b"]}
+    kube.create(POOLS, NS, pool(replicas=2, **backends))
+    for who in ("gold", "chat"):
+        keys = base64.b64encode(f"sk-{who}\n".encode()).decode()
+        kube.create(SECRETS, NS, {"metadata": {"name": who}, "data": {"apiKeys": keys}})
+    kube.create(ENTITLEMENTS, NS, ent("gold", "guaranteed", 6, apiKeySecretRefs=[{"name": "gold"}]))
+    kube.create(ENTITLEMENTS, NS, ent("chat", "elastic", 14, apiKeySecretRefs=[{"name": "chat"}]))
+    settle(rec, sched)
+    kube.create(ENTITLEMENTS, NS, ent("gold2", "guaranteed", 6))
+    settle(rec, sched)
+    assert states(kube)["chat"] == "Degraded"
+
+    gateway = HttpServer(build_kubernetes(kube, NS, {}, interval_s=0.05))
+    body = {"model": "qwen3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+    def ask(who: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer sk-{who}"}
+        return httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers=headers)
+
+    try:
+        assert ask("gold").status_code == 200
+        refused = ask("chat")
+        assert refused.status_code == 429 and "Retry-After" in refused.headers
+        assert refused.json()["error"]["code"] == "entitlement_degraded"
+        # The scheduler's decision changes (gold2 leaves, chat binds): the gateway follows.
+        kube.delete(ENTITLEMENTS, NS, "gold2")
+        settle(rec, sched)
+        assert states(kube)["chat"] == "Bound"
+        wait_until(lambda: ask("chat").status_code == 200)
+    finally:
+        gateway.stop()
+        emulator.stop()
