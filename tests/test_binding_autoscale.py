@@ -89,3 +89,21 @@ def test_core_reports_desired_replicas_from_observed_demand() -> None:
         core.tick(t)
     assert core.observations["e"].demand_tokens_per_s == pytest.approx(960.0)
     assert core.desired_replicas("p") == 2  # 8 + 16 slots of need over 16 per replica
+
+
+def test_hysteresis_waits_for_sustained_need_before_acting() -> None:
+    from tokenpools.control.autoscale import Hysteresis
+
+    rule = Hysteresis(up_after_s=15, down_after_s=120)
+    assert rule.step(1, 1, 3, now=0) == 0  # one noisy period buys nothing
+    assert rule.step(1, 1, 1, now=5) == 0  # ... and the need went away: the clock restarts
+    assert rule.step(1, 1, 3, now=10) == 0
+    assert rule.step(1, 1, 3, now=20) == 0
+    assert rule.step(1, 1, 3, now=25) == 2  # above for 15 s: ask for the difference
+    assert rule.step(3, 1, 3, now=30) == 0  # starting replicas count as provisioned
+    # below what serves, with nothing starting: one replica per full delay
+    assert rule.step(3, 3, 1, now=100) == 0
+    assert rule.step(3, 3, 1, now=219) == 0
+    assert rule.step(3, 3, 1, now=220) == -1
+    assert rule.step(2, 2, 1, now=300) == 0
+    assert rule.step(2, 2, 1, now=340) == -1

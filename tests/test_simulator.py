@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tokenpools.cli import app
-from tokenpools.sim.experiments import run_scenario
+from tokenpools.sim.experiments import STATIC_PEAK, run_scenario
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.scenario import Scenario, load_scenario
 from tokenpools.sim.simulator import RunResult, simulate
@@ -261,3 +261,25 @@ def test_every_shipped_scenario_is_valid(path: Path) -> None:
     scenario = load_scenario(path)
     scenario.config()
     assert scenario.phases and scenario.tenants
+
+
+def test_autoscaling_adds_replicas_after_a_cold_start_and_costs_less_than_the_peak() -> None:
+    scenario = load_scenario(EXPERIMENTS / "beyond-autoscaling.yaml")
+    assert scenario.autoscaling is not None
+    summary, results = run_scenario(scenario, ["tokenpools"])
+    auto = summary["policies"]["tokenpools"]["replicas"]
+    static = summary["policies"][STATIC_PEAK]["replicas"]
+    assert auto["peak"] == 3 and static["peak"] == 3
+    assert static["replica_seconds"] == 3 * scenario.duration_s
+    assert auto["replica_seconds"] < 0.9 * static["replica_seconds"]
+    # protected tenants keep their SLO on the autoscaled pool as on the static peak
+    assert auto["protected_slo_attainment"] >= 0.97
+    assert auto["protected_slo_attainment"] >= static["protected_slo_attainment"] - 0.01
+    # every replica asked for serves one cold start later, in order; then the pool shrinks
+    log = results[0].scaling
+    asked = [t for t, what in log if what == "ask"]
+    served = [t for t, what in log if what == "serve"]
+    assert len(asked) == len(served) == 2
+    assert served == [t + scenario.autoscaling.cold_start_s for t in asked]
+    assert any(what == "drain" for _, what in log)
+    assert results[0].samples[-1].slots < 48

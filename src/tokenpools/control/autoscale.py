@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from tokenpools.control.ledger import Observation
 from tokenpools.model.entitlement import Entitlement
@@ -43,3 +44,36 @@ def baseline_need(entitlements: Sequence[Entitlement]) -> Resources:
         if ent.protected or ent.service_class == ServiceClass.ELASTIC:
             need = need + ent.baseline
     return need
+
+
+@dataclass(slots=True)
+class Hysteresis:
+    """When to act on desired replicas, so one noisy update period does not buy a GPU: ask
+    for more once the need has stayed above what is provisioned for `up_after_s`; drain one
+    once it has stayed below what serves for `down_after_s` (and nothing is starting)."""
+
+    up_after_s: float
+    down_after_s: float
+    _above_since: float | None = None
+    _below_since: float | None = None
+
+    def step(self, provisioned: int, serving: int, desired: int, now: float) -> int:
+        """Replicas to ask for (> 0), one to drain (-1), or 0 to wait."""
+        if desired > provisioned:
+            self._below_since = None
+            if self._above_since is None:
+                self._above_since = now
+            if now - self._above_since >= self.up_after_s:
+                self._above_since = None
+                return desired - provisioned
+            return 0
+        self._above_since = None
+        if desired < serving and provisioned == serving:
+            if self._below_since is None:
+                self._below_since = now
+            if now - self._below_since >= self.down_after_s:
+                self._below_since = now  # the next one waits a full delay again
+                return -1
+            return 0
+        self._below_since = None
+        return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from tokenpools.sim.scenario import Scenario, load_scenario
 from tokenpools.sim.simulator import RunResult, simulate
 
 Progress = Callable[[str, float], None]  # (policy, simulated time)
+STATIC_PEAK = "tokenpools-static-peak"  # tokenpools on maxReplicas throughout
 
 
 def run_scenario(
@@ -27,6 +29,10 @@ def run_scenario(
     for policy in policies:
         callback = None if progress is None else (lambda t, p=policy: progress(p, t))
         results.append(simulate(scenario, policy, seed, callback))
+    if scenario.autoscaling is not None and "tokenpools" in policies:
+        # The autoscaled pool against provisioning its peak all the time, same demand.
+        static = simulate(scenario.static_peak(), "tokenpools", seed)
+        results.append(replace(static, policy=STATIC_PEAK))
     summary = {
         "scenario": scenario.name,
         "seed": results[0].seed,

@@ -131,7 +131,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         utilization[p.name] = _r(
             sum(s.running / s.slots for s in inside) / len(inside) if inside else 0.0
         )
-    return {
+    block: dict[str, Any] = {
         "tenants": tenants,
         "engine": {
             "max_waiting": max((s.waiting for s in samples), default=0),
@@ -142,6 +142,38 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "vtc_service_difference": _r(vtc_service_difference(result)),
         "gave_up": dict(sorted(result.gave_up.items())),
     }
+    if scenario.autoscaling is not None:
+        block["replicas"] = {
+            "replica_seconds": _r(result.replica_seconds),
+            "peak": result.peak_replicas,
+            "protected_slo_attainment": _r(slo_attainment(result, protected_only=True)),
+        }
+    return block
+
+
+def slo_attainment(result: RunResult, protected_only: bool) -> float | None:
+    """Share of the (protected) tenants' requests — jobs, not attempts — that completed
+    within the tenant's TTFT SLO; a job refused or evicted for good misses it."""
+    jobs = good = 0
+    for tenant in result.scenario.tenants:
+        ent = result.config.entitlements[tenant.entitlement or tenant.name]
+        if protected_only and not ent.protected:
+            continue
+        slo = tenant.slo_ttft_s or (ent.slo_target_ms / 1000 if ent.slo_target_ms else None)
+        met: dict[int, bool] = {}
+        for a in result.attempts:
+            if a.req.tenant != tenant.name:
+                continue
+            key = id(a.job)
+            ok = (
+                a.outcome == "completed"
+                and a.first_token_at is not None
+                and (slo is None or a.first_token_at - a.req.sent_at <= slo)
+            )
+            met[key] = met.get(key, False) or ok
+        jobs += len(met)
+        good += sum(met.values())
+    return good / jobs if jobs else None
 
 
 def _elastic(result: RunResult) -> list[tuple[str, float]]:

@@ -1,17 +1,12 @@
-"""Admission policies behind one interface: the decision core, and what people run today.
-
-A policy sees each attempt before the engine does and answers Admitted (send it now), Queued
-(it holds the attempt and releases it later through `dispatch`) or Rejected (a 429, with or
-without Retry-After). It hears when attempts end, and may ask for in-flight ones to be evicted.
-"""
+"""The admission policies (sim/policy.py is their interface): the decision core, and what
+people run today."""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from dataclasses import replace
 
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
@@ -20,98 +15,16 @@ from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
-
-
-@dataclass(slots=True)
-class SimRequest:
-    """One attempt, as a gateway sees it."""
-
-    req_id: str
-    tenant: str
-    entitlement: str
-    prompt_tokens: int
-    output_tokens: int  # what the engine will generate (the simulator knows; a gateway doesn't)
-    max_tokens: int
-    sent_at: float
-
-
-@dataclass(slots=True)
-class Admitted:
-    evict: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Queued:
-    pass
-
-
-@dataclass(slots=True)
-class Rejected:
-    reason: str
-    retry_after_s: float | None = None
-
-
-Verdict = Admitted | Queued | Rejected
-
-
-class Cluster(Protocol):
-    """What a policy may read about the engines behind it."""
-
-    @property
-    def waiting(self) -> int: ...
-
-    @property
-    def running(self) -> int: ...
-
-    @property
-    def slots(self) -> int: ...
-
-    @property
-    def kv_usage(self) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class TenantLimits:
-    rpm: float
-    tpm: float
-    concurrency: int
-    sheddable: bool
-
-
-class Policy:
-    name = "none"
-    holds_requests = False  # keeps attempts and releases them through `dispatch`
-
-    def admit(self, req: SimRequest, now: float) -> Verdict:
-        return Admitted()
-
-    def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
-        return []
-
-    def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
-        pass
-
-    def ended_early(self, req: SimRequest, now: float) -> None:
-        """The attempt ended without completing (evicted by this policy, or failed)."""
-
-    def tick(self, now: float) -> list[str]:
-        return []
-
-    def capacity(self, fraction: float, throughput_fraction: float, now: float) -> list[str]:
-        """Each replica now has `fraction` of its slots and KV, `throughput_fraction` of its
-        token throughput; returns in-flight requests to evict."""
-        return []
-
-    def scores(self) -> dict[str, tuple[float, float]]:
-        """(debt, priority) per tenant, for policies that have them."""
-        return {}
-
-    def join(self, entitlement: str, now: float) -> None:
-        """An entitlement is created (a tenant joins)."""
-
-    def leave(self, entitlement: str, now: float) -> list[str]:
-        """An entitlement ends; returns in-flight requests that must end with it."""
-        return []
+from tokenpools.sim.policy import (
+    Admitted,
+    Cluster,
+    Policy,
+    Queued,
+    Rejected,
+    SimRequest,
+    TenantLimits,
+    Verdict,
+)
 
 
 class NoAdmissionControl(Policy):
@@ -314,6 +227,13 @@ class TokenPools(Policy):
             base.concurrency * fraction,
         )
         change = self.core.set_capacity(self.pool, now, per_replica=per_replica)
+        return [lease.lease_id for lease in change.evict]
+
+    def desired_replicas(self, now: float) -> int | None:
+        return self.core.desired_replicas(self.pool)
+
+    def set_replicas(self, replicas: int, now: float) -> list[str]:
+        change = self.core.set_replicas(self.pool, replicas, now)
         return [lease.lease_id for lease in change.evict]
 
     def scores(self) -> dict[str, tuple[float, float]]:

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tokenpools.model.config import Config
-from tokenpools.sim.policies import SimRequest
+from tokenpools.sim.policy import SimRequest
 from tokenpools.sim.scenario import Scenario, Tenant
 from tokenpools.sim.workload import sample_length, workload_at
 
@@ -85,3 +85,6 @@ class RunResult:
     samples: list[Sample]
     output_tokens: dict[tuple[str, str], int]  # (tenant, phase) → output tokens generated
     gave_up: Counter[str] = field(default_factory=Counter)
+    replica_seconds: float = 0.0  # replicas provisioned × time (starting and draining too)
+    peak_replicas: int = 0
+    scaling: list[tuple[float, str]] = field(default_factory=list)  # (t, ask | serve | drain)

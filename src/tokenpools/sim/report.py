@@ -108,6 +108,30 @@ def phase_table(scenario: Scenario, block: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def autoscaling_table(scenario: Scenario, summary: dict[str, Any]) -> str:
+    """Replicas used against the static peak, and the protected tenants' SLO attainment."""
+    spec = scenario.autoscaling
+    assert spec is not None
+    rows = [
+        f"Autoscaling: every {spec.interval_s:g} s; scale-up after {spec.scale_up_delay_s:g} s "
+        f"above need, cold start {spec.cold_start_s:g} s; scale-down after "
+        f"{spec.scale_down_delay_s:g} s below need. Replica-seconds count replicas starting, "
+        "serving and draining.",
+        "",
+        "| policy | peak replicas | replica-seconds | vs static peak | protected SLO attainment |",
+        "|---|---|---|---|---|",
+    ]
+    blocks = {p: b["replicas"] for p, b in summary["policies"].items() if "replicas" in b}
+    static = blocks.get("tokenpools-static-peak")
+    for policy, r in blocks.items():
+        ratio = r["replica_seconds"] / static["replica_seconds"] if static else None
+        rows.append(
+            f"| `{policy}` | {r['peak']} | {r['replica_seconds']:,.0f} | {_pct(ratio)} | "
+            f"{_pct(r['protected_slo_attainment'])} |"
+        )
+    return "\n".join(rows)
+
+
 def scenario_report(scenario: Scenario, summary: dict[str, Any], figures: list[str]) -> str:
     parts = [f"## {scenario.name}", "", scenario.description.strip(), ""]
     parts += [
@@ -118,6 +142,8 @@ def scenario_report(scenario: Scenario, summary: dict[str, Any], figures: list[s
         policy_table(scenario, summary),
         "",
     ]
+    if scenario.autoscaling is not None:
+        parts += [autoscaling_table(scenario, summary), ""]
     fairness = [
         f"`{p}` {b['jain_index']:.3f}"
         for p, b in summary["policies"].items()

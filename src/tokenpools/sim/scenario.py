@@ -116,6 +116,9 @@ class Tenant(_Strict):
     # (workload.start_s), expired when it leaves (workload.end_s) — its requests in flight
     # finish. The paper's "guaranteed-c joins at 30 s, leaves at 60 s".
     entitlement_while_active: bool = False
+    # With entitlement_while_active: the entitlement is created this long before the tenant's
+    # first request (a tenant is provisioned before it sends traffic; the autoscaler's lead).
+    entitlement_lead_s: NonNeg = 0.0
     # A change of workload from a time on (a reasoning burst, a rate change).
     changes: list[WorkloadChange] = []
 
@@ -142,6 +145,21 @@ class CapacityEvent(_Strict):
     fraction: Annotated[float, Field(gt=0, le=1)]
 
 
+class AutoscalingSpec(_Strict):
+    """The pool's autoscaler: every `interval_s` the policy's own arithmetic (tokenpools: the
+    core's desired replicas) is compared with the replicas provisioned; more are asked for once
+    the need has stayed above for `scale_up_delay_s`, and serve `cold_start_s` later (costing
+    replica-seconds from the ask); one is drained once the need has stayed below the serving
+    count for `scale_down_delay_s`. Within the pool's minReplicas..maxReplicas.
+    `enabled: false` keeps the replicas static (the static-peak comparison run)."""
+
+    enabled: bool = True
+    interval_s: Pos = 5.0
+    cold_start_s: NonNeg = 60.0
+    scale_up_delay_s: NonNeg = 15.0
+    scale_down_delay_s: NonNeg = 120.0
+
+
 class EngineSpec(_Strict):
     profile: str
     replicas: int = Field(default=1, ge=1)
@@ -157,6 +175,7 @@ class Scenario(_Strict):
     tenants: list[Tenant]
     phases: list[Phase]
     capacity: list[CapacityEvent] = []
+    autoscaling: AutoscalingSpec | None = None
     sample_interval_s: Pos = 0.5
 
     @model_validator(mode="after")
@@ -183,6 +202,20 @@ class Scenario(_Strict):
                     f"{tenant.entitlement or tenant.name!r}"
                 )
         return config
+
+    def static_peak(self) -> Scenario:
+        """The same scenario on the pool's maxReplicas from the start, autoscaling off."""
+        pool = self.tokenpools["pools"][0]
+        peak = int(pool.get("maxReplicas", pool.get("replicas", 1)))
+        config = {**self.tokenpools, "pools": [{**pool, "replicas": peak}]}
+        spec = self.autoscaling or AutoscalingSpec()
+        return self.model_copy(
+            update={
+                "engine": self.engine.model_copy(update={"replicas": peak}),
+                "tokenpools": config,
+                "autoscaling": spec.model_copy(update={"enabled": False}),
+            }
+        )
 
 
 Tenant.model_rebuild()

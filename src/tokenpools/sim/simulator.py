@@ -16,16 +16,9 @@ from functools import partial
 from tokenpools.engine.model import Engine, StepResult
 from tokenpools.engine.profile import EngineProfile, load_profile
 from tokenpools.model.config import ConfigError
-from tokenpools.sim.policies import (
-    Admitted,
-    Policy,
-    Queued,
-    Rejected,
-    SimRequest,
-    TenantLimits,
-    derive_limits,
-    make_policy,
-)
+from tokenpools.sim.autoscaler import Autoscaler, ReplicaMeter
+from tokenpools.sim.policies import derive_limits, make_policy
+from tokenpools.sim.policy import Admitted, Policy, Queued, Rejected, SimRequest, TenantLimits
 from tokenpools.sim.records import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
 from tokenpools.sim.workload import backoff_s, next_gap, workload_at
@@ -51,6 +44,11 @@ class Simulation:
             )
         self.engines = [Engine(self.profile) for _ in range(scenario.engine.replicas)]
         self.busy = [False] * len(self.engines)
+        self.draining: set[int] = set()  # take no new requests; released when empty
+        self.released: set[int] = set()
+        self.meter = ReplicaMeter(len(self.engines), 0.0)
+        self.scaling: list[tuple[float, str]] = []  # the autoscaler's actions
+        self.fraction = 1.0  # of each replica's slots and KV (capacity events)
         self.tenants = {t.name: t for t in scenario.tenants}
         self.rng = {t.name: random.Random(f"{self.seed}/{t.name}") for t in scenario.tenants}
         limits: dict[str, TenantLimits] = {}
@@ -99,12 +97,19 @@ class Simulation:
         return sum(e.num_running for e in self.engines)
 
     @property
+    def serving(self) -> list[int]:
+        """Indices of the replicas that take new requests."""
+        gone = self.draining | self.released
+        return [i for i in range(len(self.engines)) if i not in gone]
+
+    @property
     def slots(self) -> int:
-        return sum(e.profile.max_num_seqs for e in self.engines)
+        return sum(self.engines[i].profile.max_num_seqs for i in self.serving)
 
     @property
     def kv_usage(self) -> float:
-        return sum(e.kv_usage for e in self.engines) / len(self.engines)
+        serving = self.serving
+        return sum(self.engines[i].kv_usage for i in serving) / max(1, len(serving))
 
     # -- scheduling ---------------------------------------------------------------------------
 
@@ -122,8 +127,10 @@ class Simulation:
                 self.at(w.start_s, partial(self._open_arrival, name))
         # Joining tenants are added before anyone's first request at the same instant.
         for name, ent in self._joining.items():
-            w = self.tenants[name].workload
-            self._heap.insert(0, (w.start_s, -1, partial(self._join, ent)))
+            tenant = self.tenants[name]
+            w = tenant.workload
+            joins = max(0.0, w.start_s - tenant.entitlement_lead_s)
+            self._heap.insert(0, (joins, -1, partial(self._join, ent)))
             if w.end_s is not None:
                 self.at(w.end_s, partial(self._leave, ent))
         heapq.heapify(self._heap)
@@ -131,6 +138,10 @@ class Simulation:
             self.at(event.at_s, partial(self._capacity, event.fraction))
         self.at(0.0, self._tick)
         self.at(0.0, self._sample)
+        spec = self.scenario.autoscaling
+        if spec is not None and spec.enabled:
+            pool = next(iter(self.config.pools.values()))
+            Autoscaler(spec, self, pool.min_replicas, pool.max_replicas).start()
         for phase in self.scenario.phases:
             self.at(phase.start_s, partial(self._phase_edge, phase.name, -1))
             self.at(min(phase.end_s, end), partial(self._phase_edge, phase.name, 1))
@@ -145,6 +156,7 @@ class Simulation:
                 progress(t)
                 next_report = t + 1.0
         self.now = end
+        self.meter.advance(end)
         return RunResult(
             self.scenario,
             self.policy_name,
@@ -154,6 +166,9 @@ class Simulation:
             self.samples,
             dict(self.output_tokens),
             self.gave_up,
+            replica_seconds=self.meter.seconds,
+            peak_replicas=self.meter.peak,
+            scaling=self.scaling,
         )
 
     # -- clients ------------------------------------------------------------------------------
@@ -237,7 +252,7 @@ class Simulation:
 
     def _to_engine(self, req: SimRequest) -> None:
         index = min(
-            range(len(self.engines)),
+            self.serving,
             key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
         )
         self.engines[index].add(req.req_id, req.prompt_tokens, req.output_tokens, req.tenant)
@@ -249,6 +264,8 @@ class Simulation:
         engine = self.engines[index]
         if not engine.has_work:
             self.busy[index] = False
+            if index in self.draining:
+                self.release(index)
             return
         self.busy[index] = True
         result = engine.step()
@@ -286,7 +303,8 @@ class Simulation:
 
     def _dispatch_queued(self) -> None:
         free = sum(
-            max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting) for e in self.engines
+            max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting)
+            for e in (self.engines[i] for i in self.serving)
         )
         if free:
             for req in self.policy.dispatch(self.now, free):
@@ -298,6 +316,7 @@ class Simulation:
         """Every replica keeps `fraction` of its slots and KV. Its token throughput does not
         scale the same way (a step has a fixed cost), so the pool's is scaled by what the
         profile says the smaller batch delivers — what an operator would re-measure."""
+        self.fraction = fraction
         seqs = max(1, round(self.profile.max_num_seqs * fraction))
         for engine in self.engines:
             engine.resize(seqs, max(1, round(self.profile.kv_blocks * fraction)))
@@ -305,6 +324,19 @@ class Simulation:
         throughput = smaller.output_tokens_per_s() / self.profile.output_tokens_per_s()
         for req_id in self.policy.capacity(fraction, throughput, self.now):
             self._evict(req_id)
+
+    def replicas_changed(self) -> None:
+        """The serving replicas changed (the autoscaler): tell the policy, act on it."""
+        for req_id in self.policy.set_replicas(len(self.serving), self.now):
+            self._evict(req_id)
+        if self.policy.holds_requests:
+            self._dispatch_queued()
+
+    def release(self, index: int) -> None:
+        """A drained replica is empty: it goes back (and stops costing replica-seconds)."""
+        self.draining.discard(index)
+        self.released.add(index)
+        self.meter.change(-1, self.now)
 
     def _phase_edge(self, phase: str, sign: int) -> None:
         """Output tokens of a phase = the engines' cumulative counts at its end minus at its
