@@ -44,6 +44,7 @@ class Simulation:
             )
         self.engines = [Engine(self.profile) for _ in range(scenario.engine.replicas)]
         self.busy = [False] * len(self.engines)
+        self.serving = list(range(len(self.engines)))  # replicas that take new requests
         self.draining: set[int] = set()  # take no new requests; released when empty
         self.released: set[int] = set()
         self.meter = ReplicaMeter(len(self.engines), 0.0)
@@ -95,12 +96,6 @@ class Simulation:
     @property
     def running(self) -> int:
         return sum(e.num_running for e in self.engines)
-
-    @property
-    def serving(self) -> list[int]:
-        """Indices of the replicas that take new requests."""
-        gone = self.draining | self.released
-        return [i for i in range(len(self.engines)) if i not in gone]
 
     @property
     def slots(self) -> int:
@@ -326,7 +321,9 @@ class Simulation:
             self._evict(req_id)
 
     def replicas_changed(self) -> None:
-        """The serving replicas changed (the autoscaler): tell the policy, act on it."""
+        """Replicas were added or drained (the autoscaler): tell the policy, act on it."""
+        gone = self.draining | self.released
+        self.serving = [i for i in range(len(self.engines)) if i not in gone]
         for req_id in self.policy.set_replicas(len(self.serving), self.now):
             self._evict(req_id)
         if self.policy.holds_requests:
