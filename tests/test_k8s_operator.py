@@ -237,7 +237,7 @@ def test_the_gateway_takes_the_binding_the_operator_wrote(cluster: Any) -> None:
     from tokenpools.control.core import DecisionCore
     from tokenpools.control.decisions import Admit, Reject
     from tokenpools.k8s.api import SECRETS
-    from tokenpools.k8s.source import cluster_config, read_cluster
+    from tokenpools.k8s.source import ClusterSource
     from tokenpools.model.request import RequestCost
 
     kube, rec, sched, _ = cluster
@@ -255,7 +255,9 @@ def test_the_gateway_takes_the_binding_the_operator_wrote(cluster: Any) -> None:
     settle(rec, sched)  # 6 + 6 + 14 shared > 24: chat is preempted
     assert states(kube) == {"gold": "Bound", "chat": "Degraded", "gold2": "Bound"}
 
-    core = DecisionCore(cluster_config(*read_cluster(kube, NS)), now=0.0)
+    source = ClusterSource(kube, NS, {}).start()
+    core = DecisionCore(source.config(), now=0.0)
+    source.stop()
     assert core.entitlement_for_key("sk-gold") == "gold"
     cost = RequestCost(input_tokens=64, max_output_tokens=64)
     assert isinstance(core.admit("gold", cost, now=0.0), Admit)
@@ -289,7 +291,7 @@ def test_serve_kubernetes_follows_the_cluster_over_http(cluster: Any) -> None:
     settle(rec, sched)
     assert states(kube)["chat"] == "Degraded"
 
-    gateway = HttpServer(build_kubernetes(kube, NS, {}, interval_s=0.05))
+    gateway = HttpServer(build_kubernetes(kube, NS, {}))
     body = {"model": "qwen3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
     def ask(who: str) -> httpx.Response:
@@ -309,3 +311,40 @@ def test_serve_kubernetes_follows_the_cluster_over_http(cluster: Any) -> None:
     finally:
         gateway.stop()
         emulator.stop()
+
+
+def test_an_informer_follows_creates_changes_and_deletes(cluster: Any) -> None:
+    import threading
+
+    from tests.servers import wait_until
+    from tokenpools.k8s.informer import Informer
+
+    kube, _, _, _ = cluster
+    kube.create(POOLS, NS, pool("before"))
+    kube.create(POOLS, "elsewhere", pool("other-namespace"))
+    changes = threading.Semaphore(0)
+    informer = Informer(kube, POOLS, NS, changes.release, watch_timeout_s=1).start()
+    try:
+        assert informer.synced.wait(10)
+        assert [p["metadata"]["name"] for p in informer.items()] == ["before"]
+        kube.create(POOLS, NS, pool("after"))
+        kube.patch(POOLS, NS, "before", {"spec": {"replicas": 3}})
+        wait_until(lambda: len(informer.items()) == 2)
+        wait_until(lambda: {p["metadata"]["name"]: p["spec"]["replicas"] for p in informer.items()}
+                   == {"before": 3, "after": 2})  # fmt: skip
+        kube.delete(POOLS, NS, "after")
+        wait_until(lambda: [p["metadata"]["name"] for p in informer.items()] == ["before"])
+        # the watch stream ends every second; the informer resumes it without listing again
+        lists = _pool_requests(cluster).count("list")
+        wait_until(lambda: _pool_requests(cluster).count("watch") >= 3)
+        assert _pool_requests(cluster).count("list") == lists == 1
+    finally:
+        informer.stop()
+
+
+def _pool_requests(cluster: Any) -> list[str]:
+    """ "list" or "watch", for each GET of the namespace's TokenPools the server has seen."""
+    server = cluster[2].server
+    path = f"/namespaces/{NS}/tokenpools"
+    gets = [r for r in list(server.api) if r.url.path.endswith(path) and r.method == "GET"]
+    return ["watch" if r.params.get("watch") == "true" else "list" for r in gets]

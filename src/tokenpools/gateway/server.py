@@ -59,35 +59,47 @@ def build(path: Path, watch_interval_s: float = 2.0) -> web.Application:
     return app
 
 
-def build_kubernetes(
-    kube: Any, namespace: str, base: dict[str, Any], interval_s: float = 2.0
-) -> web.Application:
-    """The gateway fed from the cluster: re-read every `interval_s`, adopted when changed
-    (an invalid set of objects is logged and the running config kept, as a bad file is)."""
-    from tokenpools.k8s.source import cluster_config, read_cluster
+def build_kubernetes(kube: Any, namespace: str, base: dict[str, Any]) -> web.Application:
+    """The gateway fed from the cluster: pools, entitlements and Secrets watched, each change
+    adopted as a file reload is (an invalid set is logged and the running config kept)."""
+    from tokenpools.k8s.source import ClusterSource
 
-    gateway = Gateway(cluster_config(*read_cluster(kube, namespace), base))
+    source = ClusterSource(kube, namespace, base).start()
+    gateway = Gateway(source.config())
     app = make_app(gateway)
-    seen: list[Any] = [None]
 
-    def poll() -> None:
-        objects = read_cluster(kube, namespace)
-        if objects != seen[0]:
-            seen[0] = objects
-            try:
-                gateway.reload(cluster_config(*objects, base))
-            except ConfigError as exc:
-                log.error("cluster config rejected, keeping the running config: %s", exc)
+    async def follow(app: web.Application) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
 
-    app.cleanup_ctx.append(_following(poll, interval_s, in_thread=True))
+        def changed() -> None:  # called from a watch thread
+            loop.call_soon_threadsafe(wake.set)
+
+        source.on_change = changed
+
+        async def adopt() -> None:
+            while True:
+                await wake.wait()
+                wake.clear()
+                try:
+                    gateway.reload(source.config())
+                except ConfigError as exc:
+                    log.error("cluster config rejected, keeping the running config: %s", exc)
+
+        wake.set()  # changes between the first list and now
+        task = asyncio.create_task(adopt())
+        yield
+        task.cancel()
+        source.stop()
+
+    app.cleanup_ctx.append(follow)
     return app
 
 
 def _following(
-    poll: Callable[[], object], interval_s: float, in_thread: bool = False
+    poll: Callable[[], object], interval_s: float
 ) -> Callable[[web.Application], AbstractAsyncContextManager[None]]:
-    """A cleanup context that calls `poll` every `interval_s` while the app runs; a failed
-    call is logged and the running config kept."""
+    """A cleanup context that calls `poll` every `interval_s` while the app runs."""
 
     @asynccontextmanager
     async def follow(app: web.Application) -> AsyncIterator[None]:
@@ -95,9 +107,9 @@ def _following(
             while True:
                 await asyncio.sleep(interval_s)
                 try:
-                    await asyncio.to_thread(poll) if in_thread else poll()
+                    poll()
                 except Exception:
-                    log.exception("reading the config source failed; keeping the running config")
+                    log.exception("reading the config failed; keeping the running config")
 
         task = asyncio.create_task(loop())
         yield

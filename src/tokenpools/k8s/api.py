@@ -8,7 +8,7 @@ manifests are written, so this layer only builds paths and decodes JSON.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +97,32 @@ class Kube:
         if resp.status >= 400:
             raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp)
         return json.loads(resp.data) if resp.data else None
+
+    def watch(
+        self, kind: Kind, namespace: str | None, resource_version: str, timeout_s: int
+    ) -> Iterator[Any]:
+        """The watch events after `resource_version`, one dict per line, until the server
+        ends the stream (after `timeout_s`)."""
+        query = {"watch": "true", "resourceVersion": resource_version,
+                 "timeoutSeconds": timeout_s, "allowWatchBookmarks": "true"}  # fmt: skip
+        _, url, headers, _, _ = self.api.param_serialize(
+            "GET", kind.path(namespace), query_params=list(query.items()),
+            header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
+        )  # fmt: skip
+        resp = self.api.call_api("GET", url, headers, _request_timeout=(5, timeout_s + 10))
+        if resp.status >= 400:
+            resp.read()  # type: ignore[no-untyped-call]
+            raise ApiException(status=resp.status, reason=resp.reason, http_resp=resp)
+        pending = b""
+        try:
+            for chunk in resp.response.stream(65536):
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
+        finally:
+            resp.response.release_conn()
 
     def get(self, kind: Kind, namespace: str | None, name: str, sub: str = "") -> Any:
         return self.request("GET", kind.path(namespace, name, sub))
