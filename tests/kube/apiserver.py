@@ -104,7 +104,7 @@ class KubeAPI(kmock.KubernetesScaffold):
         }
         self.rv = itertools.count(1)
         self.sequence: dict[tuple[str | None, str], int] = {}  # pod → when created / bound
-        self.changed = asyncio.Condition()
+        self.changed = asyncio.Event()  # replaced by a fresh one after each change
 
     # -- the object store ------------------------------------------------------------------
 
@@ -112,8 +112,8 @@ class KubeAPI(kmock.KubernetesScaffold):
         rv = next(self.rv)
         obj["metadata"]["resourceVersion"] = str(rv)
         self.history[key].append((rv, kind, copy.deepcopy(obj)))
-        async with self.changed:
-            self.changed.notify_all()
+        self.changed.set()  # wakes every watch waiting on this one
+        self.changed = asyncio.Event()
 
     async def _store(self, key: tuple[str, str], obj: dict[str, Any], kind: str) -> None:
         meta = obj["metadata"]
@@ -315,6 +315,7 @@ class KubeAPI(kmock.KubernetesScaffold):
         deadline = asyncio.get_running_loop().time() + float(query.get("timeoutSeconds") or 300)
         try:
             while True:
+                changed = self.changed  # set by any change from here on, scanned or not
                 for rv, kind, obj in [h for h in self.history[key] if h[0] > since]:
                     since = rv
                     if (ns is None or obj["metadata"].get("namespace") == ns) and _matches(
@@ -324,9 +325,8 @@ class KubeAPI(kmock.KubernetesScaffold):
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     break
-                async with self.changed:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.changed.wait(), timeout=min(left, 1.0))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), timeout=min(left, 1.0))
         except (ConnectionResetError, asyncio.CancelledError):
             return resp
         await resp.write_eof()
@@ -346,6 +346,12 @@ class ServerThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_until_complete(self._serve())
+        # end the watches still streaming, so no handler is destroyed mid-wait
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
 
     async def _serve(self) -> None:
         self.stop_event = asyncio.Event()
