@@ -53,6 +53,11 @@ def _eventually(check: Callable[[], Any], timeout_s: float = 20.0) -> Any:
         time.sleep(0.05)
 
 
+def _allocatable(kube: Kube, name: str) -> dict[str, str] | None:
+    node = kube.find(NODES, None, name)
+    return (node or {}).get("status", {}).get("allocatable")
+
+
 def test_kopf_runs_the_operator_against_the_api_server(
     server: ServerThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -75,10 +80,10 @@ def test_kopf_runs_the_operator_against_the_api_server(
     args = ["run", "--all-namespaces", "--standalone", "-m", "tokenpools.k8s.kopf_operator"]
     with KopfRunner(args, timeout=60) as runner:
         kube.create(POOLS, NS, POOL)
-        node = _eventually(lambda: kube.find(NODES, None, o.node_name(NS, "qwen")))
-        assert (
-            node is not None and node["status"]["allocatable"]["tokenpools.io/concurrency"] == "8"
-        )
+        # The Node is created first and its status patched after (as a kubelet does): wait
+        # for the capacity, not just the object.
+        node = _eventually(lambda: _allocatable(kube, o.node_name(NS, "qwen")))
+        assert node is not None and node["tokenpools.io/concurrency"] == "8"
         spec = {"tenantId": "t", "pool": "qwen", "serviceClass": "guaranteed", "concurrency": 4}
         kube.create(ENTITLEMENTS, NS, {"metadata": {"name": "gold"}, "spec": spec})
         pod = _eventually(lambda: kube.find(PODS, NS, "lease-gold"))
