@@ -7,18 +7,18 @@ from setuptools import setup
 
 COMPILED = [
     "src/tokenpools/state/accounts.py",
-    "src/tokenpools/state/base.py",
     "src/tokenpools/state/memory.py",
     "src/tokenpools/control/autoscale.py",
     "src/tokenpools/control/binding.py",
     "src/tokenpools/control/catalog.py",
     "src/tokenpools/control/core.py",
     "src/tokenpools/control/decisions.py",
-    "src/tokenpools/control/ledger.py",
+    "src/tokenpools/control/observation.py",
     "src/tokenpools/control/placement.py",
     "src/tokenpools/control/plans.py",
     "src/tokenpools/control/priority.py",
     "src/tokenpools/control/retry.py",
+    "src/tokenpools/control/store.py",
     "src/tokenpools/model/resources.py",
     "src/tokenpools/model/request.py",
 ]

@@ -31,6 +31,7 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import Config, parse_config
 from tokenpools.model.request import RequestCost, Usage
+from tokenpools.state.memory import MemoryStore
 
 CLASSES = [
     "guaranteed",
@@ -92,7 +93,7 @@ def build_config(n_entitlements: int) -> Config:
 def run_core(n_entitlements: int, decisions: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     config = build_config(n_entitlements)
-    core = DecisionCore(config, now=0.0)
+    core = DecisionCore(config, MemoryStore(), now=0.0)
     names = list(config.entitlements)
     costs = [RequestCost(rng.randint(32, 1024), rng.randint(16, 512)) for _ in range(4096)]
     picks = [rng.choice(names) for _ in range(4096)]

@@ -4,6 +4,7 @@ thread, so tests drive it with ordinary (blocking) clients such as the official 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +42,8 @@ class ServerThread:
         """Run `fn` on the server's loop and return its result (to read state safely)."""
 
         async def wrapper() -> Any:
-            return fn()
+            result = fn()
+            return await result if inspect.isawaitable(result) else result
 
         return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(10)
 

@@ -9,6 +9,7 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Check, Reason, Reject
 from tokenpools.model.config import Config, parse_config
 from tokenpools.model.request import RequestCost, Usage
+from tokenpools.state.memory import MemoryStore
 
 SMALL = RequestCost(input_tokens=64, max_output_tokens=64)  # 128 tokens, 128 KV tokens
 
@@ -41,7 +42,7 @@ BATCH = {"name": "batch", "serviceClass": "preemptible"}
 
 
 def test_admit_then_settle_refunds_and_returns_every_counter_to_zero() -> None:
-    core = DecisionCore(make_config([GUARANTEED], policy={"burstWindowS": 10}))
+    core = DecisionCore(make_config([GUARANTEED], policy={"burstWindowS": 10}), MemoryStore())
     d = admit(core, "gold")
     assert d.lease.tokens == 128 and d.lease.kv_tokens == 128 and not d.evict
     ent = core.store.entitlement_counters("gold", 0.0)
@@ -55,13 +56,13 @@ def test_admit_then_settle_refunds_and_returns_every_counter_to_zero() -> None:
 
 
 def test_missing_max_tokens_gets_the_entitlement_default() -> None:
-    core = DecisionCore(make_config([{**GUARANTEED, "defaultMaxTokens": 100}]))
+    core = DecisionCore(make_config([{**GUARANTEED, "defaultMaxTokens": 100}]), MemoryStore())
     d = admit(core, "gold", cost=RequestCost(input_tokens=20))
     assert d.lease.tokens == 120 and d.lease.kv_tokens == 120
 
 
 def test_guaranteed_concurrency_is_its_baseline_and_retry_after_is_computed() -> None:
-    core = DecisionCore(make_config([GUARANTEED]))
+    core = DecisionCore(make_config([GUARANTEED]), MemoryStore())
     for _ in range(6):
         admit(core, "gold")
     r = reject(core, "gold")
@@ -71,7 +72,7 @@ def test_guaranteed_concurrency_is_its_baseline_and_retry_after_is_computed() ->
 
 def test_guaranteed_throughput_is_rate_limited_by_its_own_bucket() -> None:
     # 180 tok/s, depth 1800: with 1000-token requests the second cannot fit at once.
-    core = DecisionCore(make_config([GUARANTEED], policy={"burstWindowS": 10}))
+    core = DecisionCore(make_config([GUARANTEED], policy={"burstWindowS": 10}), MemoryStore())
     big = RequestCost(input_tokens=500, max_output_tokens=500)
     admit(core, "gold", cost=big)
     r = reject(core, "gold", cost=big)
@@ -82,7 +83,7 @@ def test_guaranteed_throughput_is_rate_limited_by_its_own_bucket() -> None:
 
 
 def test_kv_entitlement_is_checked_separately_from_concurrency() -> None:
-    core = DecisionCore(make_config([{**GUARANTEED, "kvTokens": 1000}]))
+    core = DecisionCore(make_config([{**GUARANTEED, "kvTokens": 1000}]), MemoryStore())
     long = RequestCost(input_tokens=400, max_output_tokens=100)
     admit(core, "gold", cost=long)
     admit(core, "gold", cost=long)
@@ -91,7 +92,7 @@ def test_kv_entitlement_is_checked_separately_from_concurrency() -> None:
 
 
 def test_request_larger_than_the_pool_is_rejected_for_good() -> None:
-    core = DecisionCore(make_config([SPOT], kv_tokens=4096))
+    core = DecisionCore(make_config([SPOT], kv_tokens=4096), MemoryStore())
     r = reject(core, "spot", cost=RequestCost(input_tokens=4000, max_output_tokens=200))
     assert (r.reason, r.check, r.retry_after_s) == (Reason.EXCEEDS_POOL, Check.SIZE, None)
     assert "pool 'p'" in r.message
@@ -99,33 +100,35 @@ def test_request_larger_than_the_pool_is_rejected_for_good() -> None:
 
 
 def test_request_larger_than_the_entitlement_is_rejected_for_good() -> None:
-    core = DecisionCore(make_config([{**GUARANTEED, "kvTokens": 500}]))
+    core = DecisionCore(make_config([{**GUARANTEED, "kvTokens": 500}]), MemoryStore())
     r = reject(core, "gold", cost=RequestCost(input_tokens=400, max_output_tokens=200))
     assert (r.reason, r.retry_after_s) == (Reason.EXCEEDS_ENTITLEMENT, None)
 
 
 def test_zero_capacity_pool_admits_nothing_and_binds_no_reserved_baseline() -> None:
-    core = DecisionCore(make_config([GUARANTEED, SPOT], replicas=0))
+    core = DecisionCore(make_config([GUARANTEED, SPOT], replicas=0), MemoryStore())
     assert core.entitlements["gold"].state == "Pending"
     assert reject(core, "gold").reason == Reason.ENTITLEMENT_PENDING
     assert reject(core, "spot").reason == Reason.EXCEEDS_POOL
 
 
 def test_zero_baseline_guaranteed_can_never_be_admitted() -> None:
-    core = DecisionCore(make_config([{**GUARANTEED, "concurrency": 0}]))
+    core = DecisionCore(make_config([{**GUARANTEED, "concurrency": 0}]), MemoryStore())
     assert core.entitlements["gold"].state == "Bound"
     assert reject(core, "gold").reason == Reason.EXCEEDS_ENTITLEMENT
 
 
 def test_unknown_entitlement() -> None:
-    core = DecisionCore(make_config([GUARANTEED]))
+    core = DecisionCore(make_config([GUARANTEED]), MemoryStore())
     r = reject(core, "nobody")
     assert (r.reason, r.check) == (Reason.UNKNOWN_ENTITLEMENT, Check.STATE)
 
 
 def test_expired_entitlement_is_rejected_from_its_expiry_on() -> None:
     expiry = "2030-01-01T00:00:00Z"
-    core = DecisionCore(make_config([{**GUARANTEED, "expiresAt": expiry}]), now=1.0e9)
+    core = DecisionCore(
+        make_config([{**GUARANTEED, "expiresAt": expiry}]), MemoryStore(), now=1.0e9
+    )
     t_expiry = 1893456000.0
     admit(core, "gold", t=t_expiry - 1)
     r = reject(core, "gold", t=t_expiry)
@@ -135,7 +138,7 @@ def test_expired_entitlement_is_rejected_from_its_expiry_on() -> None:
 
 def test_spot_cannot_take_reserved_baselines_beyond_the_lend() -> None:
     # 16 slots, gold reserves 6, lend = 10 % of 16 = 1.6 → spot gets at most 11 slots.
-    core = DecisionCore(make_config([GUARANTEED, SPOT]))
+    core = DecisionCore(make_config([GUARANTEED, SPOT]), MemoryStore())
     admitted = 0
     while isinstance(core.admit("spot", SMALL, 0.0), Admit):
         admitted += 1
@@ -148,18 +151,18 @@ def test_spot_cannot_take_reserved_baselines_beyond_the_lend() -> None:
 
 
 def test_preemptible_backfills_everything_and_is_evicted_lowest_newest_first() -> None:
-    core = DecisionCore(make_config([GUARANTEED, BATCH]))
+    core = DecisionCore(make_config([GUARANTEED, BATCH]), MemoryStore())
     leases = [admit(core, "batch", t=float(i)).lease for i in range(16)]
     assert reject(core, "batch", t=16.0).reason == Reason.POOL_FULL
     d = admit(core, "gold", t=17.0)
     assert not d.overcommit
     assert [v.lease_id for v in d.evict] == [leases[-1].lease_id]  # the newest
-    assert core.store.get_lease(leases[-1].lease_id) is None
+    assert core.store.get_lease(leases[-1].lease_id, 17.0) is None
     assert core.store.pool_counters("p", 17.0).concurrency == 16
 
 
 def test_spot_is_never_evicted() -> None:
-    core = DecisionCore(make_config([GUARANTEED, SPOT, BATCH]))
+    core = DecisionCore(make_config([GUARANTEED, SPOT, BATCH]), MemoryStore())
     for _ in range(11):
         admit(core, "spot")
     d = admit(core, "gold")
@@ -173,7 +176,9 @@ ELASTIC_PAIR = [
 
 
 def test_near_full_pool_sheds_the_lower_priority_tenant_only_for_unmet_demand_above_it() -> None:
-    core = DecisionCore(make_config(ELASTIC_PAIR, concurrency=8, policy={"headroom": 0.25}))
+    core = DecisionCore(
+        make_config(ELASTIC_PAIR, concurrency=8, policy={"headroom": 0.25}), MemoryStore()
+    )
     # Alone in the pool, synth fills it to capacity: a tenant never blocks itself.
     synth = [admit(core, "synth") for _ in range(8)]
     for d in synth[:4]:
@@ -201,7 +206,7 @@ def test_check_5_sheds_the_lowest_priority_in_flight_not_the_middle() -> None:
         {"name": "reports", "serviceClass": "elastic", "sloTargetMs": 5000, "concurrency": 5},
     ]
     policy = {"headroom": 0.25, "elasticOversubscription": 2}
-    core = DecisionCore(make_config(three, concurrency=8, policy=policy))
+    core = DecisionCore(make_config(three, concurrency=8, policy=policy), MemoryStore())
     held = [admit(core, n) for n in ("copilot",) * 4 + ("synth",) * 2 + ("reports",) * 2]
     assert reject(core, "copilot", t=0.5).reason == Reason.POOL_FULL
     core.release(held[0].lease.lease_id, 0.6)
@@ -212,7 +217,7 @@ def test_check_5_sheds_the_lowest_priority_in_flight_not_the_middle() -> None:
 
 
 def test_capacity_shrink_evicts_preemptible_and_admits_nothing_beyond_it() -> None:
-    core = DecisionCore(make_config([SPOT, BATCH], replicas=2, concurrency=8))
+    core = DecisionCore(make_config([SPOT, BATCH], replicas=2, concurrency=8), MemoryStore())
     batch = [admit(core, "batch", t=float(i)).lease for i in range(8)]
     for i in range(8):  # spot outranks batch, so the contended half is no obstacle
         admit(core, "spot", t=10.0 + i)
@@ -228,7 +233,7 @@ def test_capacity_shrink_evicts_preemptible_and_admits_nothing_beyond_it() -> No
 def test_shrink_degrades_what_no_longer_fits_and_grow_rebinds_it() -> None:
     a = {**GUARANTEED, "name": "a"}
     b = {**GUARANTEED, "name": "b"}
-    core = DecisionCore(make_config([a, b], concurrency=8, replicas=2))
+    core = DecisionCore(make_config([a, b], concurrency=8, replicas=2), MemoryStore())
     assert {n: v.state for n, v in core.entitlements.items()} == {"a": "Bound", "b": "Bound"}
     change = core.set_replicas("p", 1, 1.0)
     assert change.states == {"b": "Degraded"}
@@ -241,7 +246,7 @@ def test_shrink_degrades_what_no_longer_fits_and_grow_rebinds_it() -> None:
 def test_pending_when_a_newcomer_does_not_fit_and_bound_ones_keep_their_place() -> None:
     a = {**GUARANTEED, "name": "a", "concurrency": 10}
     b = {**GUARANTEED, "name": "b", "concurrency": 10}
-    core = DecisionCore(make_config([a, b]))
+    core = DecisionCore(make_config([a, b]), MemoryStore())
     assert core.entitlements["a"].state == "Bound"
     assert core.entitlements["b"].state == "Pending"
     # Reordering the config does not unseat the bound one.
@@ -251,7 +256,7 @@ def test_pending_when_a_newcomer_does_not_fit_and_bound_ones_keep_their_place() 
 
 
 def test_lost_lease_expires_and_its_capacity_comes_back() -> None:
-    core = DecisionCore(make_config([SPOT], policy={"leaseTtlS": 30}))
+    core = DecisionCore(make_config([SPOT], policy={"leaseTtlS": 30}), MemoryStore())
     d = admit(core, "spot")
     assert core.tick(29.0).expired == ()
     result = core.tick(30.0)
@@ -261,7 +266,7 @@ def test_lost_lease_expires_and_its_capacity_comes_back() -> None:
 
 
 def test_renew_keeps_a_long_request_alive() -> None:
-    core = DecisionCore(make_config([SPOT], policy={"leaseTtlS": 30}))
+    core = DecisionCore(make_config([SPOT], policy={"leaseTtlS": 30}), MemoryStore())
     d = admit(core, "spot")
     assert core.renew(d.lease.lease_id, 20.0)
     assert core.tick(30.0).expired == ()
@@ -269,7 +274,7 @@ def test_renew_keeps_a_long_request_alive() -> None:
 
 
 def test_duplicate_request_id_is_refused() -> None:
-    core = DecisionCore(make_config([SPOT]))
+    core = DecisionCore(make_config([SPOT]), MemoryStore())
     assert isinstance(core.admit("spot", SMALL, 0.0, request_id="x"), Admit)
     with pytest.raises(ValueError, match="already holds a lease"):
         core.admit("spot", SMALL, 0.0, request_id="x")
@@ -286,19 +291,19 @@ def test_bad_costs_and_usage_raise_before_touching_state() -> None:
 
 
 def test_retry_after_is_jittered_per_request_and_deterministic() -> None:
-    core = DecisionCore(make_config([GUARANTEED]))
+    core = DecisionCore(make_config([GUARANTEED]), MemoryStore())
     for _ in range(6):
         admit(core, "gold")
     waits = {reject(core, "gold").retry_after_s for _ in range(20)}
     assert len(waits) > 5  # spread, not a herd
-    again = DecisionCore(make_config([GUARANTEED]))
+    again = DecisionCore(make_config([GUARANTEED]), MemoryStore())
     for _ in range(6):
         admit(again, "gold")
     assert {reject(again, "gold").retry_after_s for _ in range(20)} == waits
 
 
 def test_removed_entitlement_returns_its_leases_for_the_host_to_end() -> None:
-    core = DecisionCore(make_config([GUARANTEED, SPOT]))
+    core = DecisionCore(make_config([GUARANTEED, SPOT]), MemoryStore())
     d = admit(core, "spot")
     admit(core, "gold")
     ended = core.apply_config(make_config([GUARANTEED]), 1.0)
@@ -310,7 +315,7 @@ def test_removed_entitlement_returns_its_leases_for_the_host_to_end() -> None:
 def test_api_key_lookup_uses_hashes() -> None:
     from tokenpools.model.keys import hash_key
 
-    core = DecisionCore(make_config([{**SPOT, "apiKeys": [hash_key("sk-secret")]}]))
+    core = DecisionCore(make_config([{**SPOT, "apiKeys": [hash_key("sk-secret")]}]), MemoryStore())
     assert core.entitlement_for_key("sk-secret") == "spot"
     assert core.entitlement_for_key("sk-other") is None
 
@@ -337,7 +342,7 @@ def test_reload_moving_an_entitlement_to_another_pool_ends_its_leases() -> None:
             }
         )
 
-    core = DecisionCore(config("a"))
+    core = DecisionCore(config("a"), MemoryStore())
     d = admit(core, "g")
     ended = core.apply_config(config("b"), 1.0)
     assert [x.lease_id for x in ended] == [d.lease.lease_id]
@@ -351,7 +356,7 @@ def test_reload_moving_an_entitlement_to_another_pool_ends_its_leases() -> None:
 
 def test_over_served_elastic_tenant_earns_credit_and_loses_priority() -> None:
     elastic = {"name": "e", "serviceClass": "elastic", "sloTargetMs": 1000, "concurrency": 2}
-    core = DecisionCore(make_config([elastic]))  # λ_e = 2/16 × 480 = 60 tok/s
+    core = DecisionCore(make_config([elastic]), MemoryStore())  # λ_e = 2/16 × 480 = 60 tok/s
     start = core.entitlements["e"].priority
     t = 0.0
     core.tick(t)
@@ -361,7 +366,7 @@ def test_over_served_elastic_tenant_earns_credit_and_loses_priority() -> None:
             core.settle(d.lease.lease_id, Usage(64, 64), t)
         t += 5.0
         core.tick(t)
-    scores = core.store.scores("e")
+    scores = core.store.scores("e", t)
     assert -1.0 <= scores.debt < -0.9  # demand-capped gap: (60 − 256)/60 clamped to −1
     assert scores.burst > 2.0  # (256/60 − 1) in throughput
     assert core.entitlements["e"].priority < start / 10
@@ -370,7 +375,9 @@ def test_over_served_elastic_tenant_earns_credit_and_loses_priority() -> None:
 def test_entitlement_expiry_is_applied_by_tick() -> None:
     expiry = "2030-01-01T00:00:00Z"
     t_expiry = 1893456000.0
-    core = DecisionCore(make_config([{**GUARANTEED, "expiresAt": expiry}, SPOT]), now=1.0e9)
+    core = DecisionCore(
+        make_config([{**GUARANTEED, "expiresAt": expiry}, SPOT]), MemoryStore(), now=1.0e9
+    )
     assert core.tick(t_expiry - 1).states_changed == {}
     assert core.tick(t_expiry).states_changed == {"gold": "Expired"}
     assert core.store.pool_counters("p", t_expiry).holdback_concurrency == 0

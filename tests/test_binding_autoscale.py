@@ -8,10 +8,11 @@ from tests.builders import make_config
 from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.binding import bind
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.ledger import Observation
+from tokenpools.control.observation import Observation
 from tokenpools.model.entitlement import BindingState
 from tokenpools.model.request import RequestCost
 from tokenpools.model.resources import Resources
+from tokenpools.state.memory import MemoryStore
 
 BOUND, PENDING = BindingState.BOUND, BindingState.PENDING
 
@@ -78,7 +79,7 @@ def test_core_reports_desired_replicas_from_observed_demand() -> None:
         [ent("g", "guaranteed", 8), ent("e", "elastic", 16)],
         policy={"elasticOversubscription": 2},
     )
-    core = DecisionCore(config)
+    core = DecisionCore(config, MemoryStore())
     assert core.desired_replicas("p") == 1  # 8 slots reserved, elastic idle
     t = 0.0
     core.tick(t)

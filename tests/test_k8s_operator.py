@@ -239,6 +239,7 @@ def test_the_gateway_takes_the_binding_the_operator_wrote(cluster: Any) -> None:
     from tokenpools.k8s.api import SECRETS
     from tokenpools.k8s.source import ClusterSource
     from tokenpools.model.request import RequestCost
+    from tokenpools.state.memory import MemoryStore
 
     kube, rec, sched, _ = cluster
     kube.create(POOLS, NS, pool(replicas=2))
@@ -256,7 +257,7 @@ def test_the_gateway_takes_the_binding_the_operator_wrote(cluster: Any) -> None:
     assert states(kube) == {"gold": "Bound", "chat": "Degraded", "gold2": "Bound"}
 
     source = ClusterSource(kube, NS, {}).start()
-    core = DecisionCore(source.config(), now=0.0)
+    core = DecisionCore(source.config(), MemoryStore(), now=0.0)
     source.stop()
     assert core.entitlement_for_key("sk-gold") == "gold"
     cost = RequestCost(input_tokens=64, max_output_tokens=64)

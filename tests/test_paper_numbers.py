@@ -9,13 +9,14 @@ import pytest
 from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reject
-from tokenpools.control.ledger import Observation, ewma, service_gap
+from tokenpools.control.observation import Observation, ewma, service_gap
 from tokenpools.control.priority import priority
 from tokenpools.model.policy import Policy
 from tokenpools.model.profile import BUILTIN_PROFILES
 from tokenpools.model.request import RequestCost
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
+from tokenpools.state.memory import MemoryStore
 
 SMALL = RequestCost(input_tokens=64, max_output_tokens=64)
 SMALL_TOKENS = 128
@@ -27,7 +28,7 @@ EXP2 = [
 
 def exp2_core(extra: list[dict[str, object]] | None = None) -> DecisionCore:
     config = make_config(EXP2 + (extra or []), pool_extra={"sloReferenceMs": 15250})
-    return DecisionCore(config)
+    return DecisionCore(config, MemoryStore())
 
 
 def test_priorities_at_zero_debt_match_the_paper() -> None:
@@ -40,7 +41,7 @@ def test_priorities_at_zero_debt_match_the_paper() -> None:
 
 
 def test_unpinned_slo_reference_is_the_mean_of_bound_entitlements() -> None:
-    core = DecisionCore(make_config(EXP2))
+    core = DecisionCore(make_config(EXP2), MemoryStore())
     assert core.pools["p"].slo_reference_ms == 15250
     assert core.entitlements["copilot"].priority == pytest.approx(93.8, abs=0.05)
 
@@ -85,7 +86,7 @@ def test_debt_through_the_core_rises_under_starvation_and_decays_after() -> None
     """Drive the real admission and update loop: copilot holds the whole (8-slot) pool, synth
     asks for more than its baseline and is refused every time, then stops asking."""
     config = make_config(EXP2, concurrency=8, pool_extra={"sloReferenceMs": 15250})
-    core = DecisionCore(config)
+    core = DecisionCore(config, MemoryStore())
     held = [core.admit("copilot", SMALL, 0.0) for _ in range(8)]
     assert all(isinstance(d, Admit) for d in held)
     baseline = config.entitlements["synth"].baseline.throughput  # 5/8 of 480 tok/s
@@ -98,12 +99,12 @@ def test_debt_through_the_core_rises_under_starvation_and_decays_after() -> None
             assert isinstance(core.admit("synth", SMALL, t), Reject)
         t += period
         core.tick(t)
-    assert core.store.scores("synth").debt == pytest.approx(1.0, abs=1e-3)
+    assert core.store.scores("synth", t).debt == pytest.approx(1.0, abs=1e-3)
     # copilot holds 8 slots on a baseline of 5: Eq. 3 sees the concurrency burst (8/5 − 1).
-    assert core.store.scores("copilot").burst == pytest.approx(0.6, abs=1e-3)
+    assert core.store.scores("copilot", t).burst == pytest.approx(0.6, abs=1e-3)
     assert core.entitlements["synth"].priority == pytest.approx(20.27 * 5, rel=1e-3)
     updates = 0
-    while core.store.scores("synth").debt >= 0.03:  # no demand any more: nothing is owed
+    while core.store.scores("synth", t).debt >= 0.03:  # no demand any more: nothing is owed
         t += period
         core.tick(t)
         updates += 1

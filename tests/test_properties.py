@@ -12,9 +12,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reject
+from tokenpools.control.store import Lease
 from tokenpools.model.entitlement import BindingState
 from tokenpools.model.request import RequestCost, Usage
-from tokenpools.state.base import Lease
+from tokenpools.state.memory import MemoryStore
 
 EPS = 1e-6
 NAMES = ["gold-a", "gold-b", "dedicated", "elastic-a", "elastic-b", "spot", "batch"]
@@ -78,7 +79,7 @@ class PoolMachine(RuleBasedStateMachine):
             },
         )
         self.t = 0.0
-        self.core = DecisionCore(self.config, now=self.t)
+        self.core = DecisionCore(self.config, MemoryStore(), now=self.t)
         self.live: dict[str, Lease] = {}
         self.before_shrink: set[str] = set()  # non-preemptible leases admitted before a shrink
         self.policy = self.config.policy
@@ -206,7 +207,7 @@ class PoolMachine(RuleBasedStateMachine):
         if not hasattr(self, "core"):
             return
         for name in NAMES:
-            scores = self.core.store.scores(name)
+            scores = self.core.store.scores(name, self.t)
             assert -1 - EPS <= scores.debt <= 1 + EPS
             assert scores.burst >= 0
             assert self.core.entitlements[name].priority > 0 or name == "batch"

@@ -19,10 +19,11 @@ from redis.crc import key_slot
 from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reason, Reject
+from tokenpools.control.store import StoreUnavailable
 from tokenpools.model.config import Config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import free_port, redis_server
-from tokenpools.state.base import StoreUnavailable
+from tokenpools.state.memory import MemoryStore
 from tokenpools.state.redis_store import RedisStore
 
 ENTS: list[dict[str, Any]] = [
@@ -59,7 +60,12 @@ def config(overcommit: float = 0.1, ttl: float = 60, tokens_per_s: float = 240) 
 
 
 def redis_core(url: str, cfg: Config, replica: str = "r0", **kw: Any) -> DecisionCore:
-    return DecisionCore(cfg, store=RedisStore(url, timeout_s=1.0, **kw), replica=replica)
+    return DecisionCore(
+        cfg,
+        store=RedisStore(url, timeout_s=1.0, **kw),
+        replica=replica,
+        fallback_store=MemoryStore(),
+    )
 
 
 def close(x: float, y: float) -> bool:
@@ -74,7 +80,7 @@ def assert_same_state(a: DecisionCore, b: DecisionCore, t: float, where: Any) ->
         ea, eb = a.store.entitlement_counters(name, t), b.store.entitlement_counters(name, t)
         for f in fields(ea):
             assert close(getattr(ea, f.name), getattr(eb, f.name)), (where, name, f.name, ea, eb)
-        assert a.store.scores(name) == b.store.scores(name), (where, name)
+        assert a.store.scores(name, t) == b.store.scores(name, t), (where, name)
 
 
 def test_the_same_random_events_give_the_same_decisions(redis_url: str, redis_client) -> None:
@@ -89,7 +95,7 @@ def test_the_same_random_events_give_the_same_decisions(redis_url: str, redis_cl
             ttl=rng.choice([5, 60]),
             tokens_per_s=rng.choice([40, 240]),
         )
-        a, b = DecisionCore(cfg), redis_core(redis_url, cfg)
+        a, b = DecisionCore(cfg, MemoryStore()), redis_core(redis_url, cfg)
         t, live = 0.0, []
         for step in range(300):
             where = (seed, step)
@@ -111,10 +117,11 @@ def test_the_same_random_events_give_the_same_decisions(redis_url: str, redis_cl
                     seen["overcommit"] += da.overcommit
                 else:
                     assert isinstance(db, Reject), (where, da, db)
-                    assert (da.reason, da.check, da.retry_after_s) == (
+                    assert (da.reason, da.check, da.retry_after_s, da.quota) == (
                         db.reason,
                         db.check,
                         db.retry_after_s,
+                        db.quota,
                     ), where
                     seen[da.reason.value] += 1
             elif r < 0.8 and live:
@@ -243,7 +250,7 @@ def test_unreachable_redis_fails_closed_except_a_local_protected_budget(
     clock = Clock()
     cfg = config()
     store = RedisStore(f"redis://127.0.0.1:{port}/0", timeout_s=0.2, clock=clock)
-    core = DecisionCore(cfg, store=store, replica="r")
+    core = DecisionCore(cfg, store=store, replica="r", fallback_store=MemoryStore())
     spot = core.admit("spot", RequestCost(10, 10), 1.0)
     assert isinstance(spot, Reject) and spot.reason == Reason.STORE_UNAVAILABLE
     assert spot.retry_after_s == cfg.state.retry_interval_s
@@ -276,7 +283,7 @@ def test_a_stalled_redis_costs_one_timeout_then_none(redis_client) -> None:
         clock = Clock()
         cfg = config()
         store = RedisStore(url, timeout_s=0.2, clock=clock)
-        core = DecisionCore(cfg, store=store, replica="r")
+        core = DecisionCore(cfg, store=store, replica="r", fallback_store=MemoryStore())
         held = core.admit("elastic-a", RequestCost(10, 10), 1.0)
         assert isinstance(held, Admit)
         os.kill(proc.pid, signal.SIGSTOP)

@@ -21,6 +21,7 @@ from tokenpools.control.placement import (
 )
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
+from tokenpools.state.memory import MemoryStore
 
 TOLERATION = {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"}
 TAINT = {"key": "virtual-kubelet.io/provider", "value": "tokenpools", "effect": "NoSchedule"}
@@ -143,7 +144,7 @@ def test_core_binding_agrees_with_the_scheduler(events: list[tuple[str, Any]]) -
     ents: dict[str, dict[str, Any]] = {}
     replicas = 1
     config = _config(ents, replicas)
-    core = DecisionCore(config, now=0.0)
+    core = DecisionCore(config, MemoryStore(), now=0.0)
     cluster = StandInCluster()
     cluster.set_allocatable(
         pool_allocatable(config.pools["p"], config.policy.elastic_oversubscription)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenpools.state.base import INF, BucketSpec, Lease, ReservePlan, Scores
+from tokenpools.control.store import INF, BucketSpec, Lease, Reservation, ReservePlan, Scores
 from tokenpools.state.memory import MemoryStore
 
 NAMES = [f"e{i}" for i in range(6)]
@@ -53,22 +53,24 @@ def test_threshold_matches_brute_force(script: list[tuple[object, ...]]) -> None
     store.configure_pool("p", BucketSpec(INF, INF), BucketSpec(0.0, 0.0), 0.0)
     for name in NAMES:
         store.configure_entitlement(name, "p", BucketSpec(INF, INF), 0.0, 0.0, 0.0)
-        store.set_scores(name, Scores(priority=float(NAMES.index(name) % 3)))
+        store.set_scores(name, Scores(priority=float(NAMES.index(name) % 3)), 0.0)
     live: list[Lease] = []
     seq = 0
     for event in script:
         if event[0] == "book":
             seq += 1
             lease = Lease(str(seq), "p", event[1], 1.0, 1.0, 0.0, 1e9, False)
-            assert store.reserve(lease, OPEN, 0.0) is None
+            assert store.admit(Reservation(lease, OPEN, 0.0), 0.0).shortfall is None
             live.append(lease)
         elif event[0] == "end" and live:
             lease = live.pop(event[1] % len(live))
             assert store.release(lease.lease_id, 0.0) is lease
         elif event[0] == "priority":
-            store.set_scores(event[1], Scores(priority=float(event[2])))
+            store.set_scores(event[1], Scores(priority=float(event[2])), 0.0)
         pool = store._pools["p"]
         for name in NAMES:
-            others = [store.scores(x.entitlement).priority for x in live if x.entitlement != name]
+            others = [
+                store.scores(x.entitlement, 0.0).priority for x in live if x.entitlement != name
+            ]
             expected = min(others) if others else -INF
             assert pool.threshold(name, store._ents) == expected

@@ -18,6 +18,7 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.model.config import ConfigError, load_config
 from tokenpools.model.entitlement import BindingState
 from tokenpools.model.keys import hash_key
+from tokenpools.state.memory import MemoryStore
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
@@ -38,7 +39,7 @@ def check_config(
         config = load_config(path)
     except ConfigError as exc:
         fail(str(exc))
-    core = DecisionCore(config, now=time.time())
+    core = DecisionCore(config, MemoryStore(), now=time.time())
 
     pools = Table(title=f"pools in {path}", title_justify="left")
     for column in ("pool", "model", "KV B/token", "replicas", "tokens/s", "KV tokens", "seqs"):

@@ -13,7 +13,7 @@ import asyncio
 import copy
 import json
 import subprocess
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -91,15 +91,15 @@ async def run_demo(
     gateway = Gateway(parse_config(_without(data, absent)))
     gw_runner, gw_url = await _serve(make_gateway(gateway))
 
-    def change(ent: str, join: bool) -> Callable[[], None]:
-        def apply() -> None:
+    def change(ent: str, join: bool) -> Callable[[], Awaitable[None]]:
+        async def apply() -> None:
             if join:
                 absent.discard(ent)
             else:  # leaving: the entitlement expires now; its requests in flight finish
                 for e in data["entitlements"]:
                     if e["name"] == ent:
                         e["expiresAt"] = datetime.now(UTC)
-            gateway.reload(parse_config(_without(data, absent)))
+            await gateway.reload(parse_config(_without(data, absent)))
 
         return apply
 

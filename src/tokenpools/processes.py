@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -26,7 +27,7 @@ def spawn(args: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "tokenpools.cli", *args],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=None if os.environ.get("TOKENPOOLS_CHILD_LOGS") else subprocess.DEVNULL,
     )
 
 
@@ -62,7 +63,7 @@ def start_redis(port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=None if os.environ.get("TOKENPOOLS_CHILD_LOGS") else subprocess.DEVNULL,
     )
     wait_port(port, proc)
     return proc

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenpools.control.ledger import Observation
+from tokenpools.control.observation import Observation
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.pool import Pool
 from tokenpools.model.resources import Resources

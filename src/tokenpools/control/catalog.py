@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 from tokenpools.control import plans
 from tokenpools.control.binding import bind, external_states
 from tokenpools.control.priority import priority, slo_reference
+from tokenpools.control.store import BucketSpec, Lease, ReservePlan, Scores, Store, StoreUnavailable
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.keys import hash_key
 from tokenpools.model.pool import Pool
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
-from tokenpools.state.base import BucketSpec, Lease, ReservePlan, Scores, Store, StoreUnavailable
 
 
 @dataclass(slots=True)
@@ -79,7 +79,7 @@ class Catalog:
             new = config.entitlements.get(name)
             if new is None or new.pool != view.ent.pool:  # gone, or moved: start afresh
                 with contextlib.suppress(StoreUnavailable):  # its leases then expire there
-                    ended += self.store.remove_entitlement(name)
+                    ended += self.store.remove_entitlement(name, now)
                 del self._ents[name]
                 self._since.pop(name, None)
         pools: dict[str, PoolView] = {}
@@ -167,7 +167,7 @@ class Catalog:
                     max_tokens=max_tokens,
                     max_kv=max_kv,
                 )
-                self._refresh_priority(ent.name)
+                self._refresh_priority(ent.name, now)
             self._order_preemptible(view)
         self._next_expiry = min(
             (
@@ -194,16 +194,16 @@ class Catalog:
             self.policy,
         )
 
-    def _refresh_priority(self, name: str) -> None:
+    def _refresh_priority(self, name: str, now: float) -> None:
         view = self._ents[name]
         try:
-            scores = self.store.scores(name)
+            scores = self.store.scores(name, now)
         except StoreUnavailable:
             scores = Scores(priority=view.priority)
         view.priority = w = self._priority_of(view, scores)
         if w != scores.priority:
             with contextlib.suppress(StoreUnavailable):
-                self.store.set_scores(name, replace(scores, priority=w))
+                self.store.set_scores(name, replace(scores, priority=w), now)
 
     # -- lookups -------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
@@ -25,37 +25,35 @@ from tokenpools.control.decisions import (
     Reason,
     Reject,
     TickResult,
+    quota,
 )
-from tokenpools.control.fallback import LocalFallback
-from tokenpools.control.ledger import Observation, burst_excess, ewma, observe, service_gap
+from tokenpools.control.eviction import eviction_order
+from tokenpools.control.fallback import LocalFallback, LocalStore
+from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
 from tokenpools.control.retry import expected_wait_s, jittered
+from tokenpools.control.store import (
+    Lease,
+    Outcome,
+    Reservation,
+    Scores,
+    Store,
+    StoreUnavailable,
+)
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
-from tokenpools.state.base import (
-    EntitlementCounters,
-    Lease,
-    PoolCounters,
-    Scores,
-    Shortfall,
-    Store,
-    StoreUnavailable,
-)
-from tokenpools.state.memory import MemoryStore
 
-# The shortfalls a protected request's overcommit can cover (its path has no reserved checks).
-_POOL_SHORTFALLS = frozenset(
-    {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
-)
-_ENTITLEMENT_SHORTFALLS = frozenset(
-    {
-        Shortfall.ENTITLEMENT_CONCURRENCY,
-        Shortfall.ENTITLEMENT_THROUGHPUT,
-        Shortfall.ENTITLEMENT_KV,
-    }
-)
-_NO_COUNTERS = EntitlementCounters(0.0, 0.0, 0.0, 0)  # for waits that do not read them
+
+@dataclass(slots=True)
+class Pending:
+    """An admission between `prepare` and `decide`: the host runs `reservation` on its store
+    (awaiting it, if the store is remote) and hands the outcome back."""
+
+    view: EntitlementView
+    pool_view: PoolView
+    reservation: Reservation
+    max_tokens: int  # the request's max_tokens, the entitlement's default if it set none
 
 
 class DecisionCore(Catalog):
@@ -63,13 +61,22 @@ class DecisionCore(Catalog):
     update and capacity changes, over the configured and bound views of `Catalog`."""
 
     def __init__(
-        self, config: Config, store: Store | None = None, now: float = 0.0, replica: str = "r0"
+        self,
+        config: Config,
+        store: Store,
+        now: float = 0.0,
+        replica: str = "r0",
+        fallback_store: LocalStore | None = None,
     ) -> None:
+        """`store` holds the ledger; `fallback_store`, a private one, holds what the outage
+        policy admits while a shared `store` is unreachable (none: everything fails closed)."""
         self._replica = replica
         self._seq = itertools.count(1)
         self.observations: dict[str, Observation] = {}
-        self.fallback = LocalFallback(config.state.fallback_fraction, config.state.retry_interval_s)
-        super().__init__(MemoryStore() if store is None else store, config, now)
+        self.fallback = LocalFallback(
+            config.state.fallback_fraction, config.state.retry_interval_s, fallback_store
+        )
+        super().__init__(store, config, now)
 
     def apply_config(self, config: Config, now: float) -> tuple[Lease, ...]:
         """Adopt a new config, keeping the state of entitlements that remain. Returns the
@@ -83,6 +90,21 @@ class DecisionCore(Catalog):
     def admit(
         self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
     ) -> Decision:
+        """Decide on a request with the store the core was given (the synchronous path; a
+        host that awaits its store calls `prepare`, runs the reservation, then `decide`)."""
+        step = self.prepare(entitlement, cost, now, request_id)
+        if isinstance(step, Reject):
+            return step
+        try:
+            outcome: Outcome | None = self.store.admit(step.reservation, now)
+        except StoreUnavailable:
+            outcome = None
+        return self.decide(step, outcome, now)
+
+    def prepare(
+        self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
+    ) -> Pending | Reject:
+        """Checks 1 and 2, and the reservation the store must run; a Reject needs no store."""
         view = self._ents.get(entitlement)
         if view is None:
             return Reject(
@@ -102,7 +124,6 @@ class DecisionCore(Catalog):
         max_out = cost.max_output_tokens or view.default_max_tokens  # paper check 2
         tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * max_out
         kv = float(cost.input_tokens + max_out)
-        store = self.store
         if tokens > view.max_tokens or kv > view.max_kv:
             # Not counted as demand: no capacity could ever serve it, so it is owed nothing.
             return self._too_big(view, pool_view, tokens, kv)
@@ -118,45 +139,35 @@ class DecisionCore(Catalog):
             now + self.policy.lease_ttl_s,
             view.preemptible,
         )
-        try:
-            if request_id is not None and store.get_lease(request_id) is not None:
-                raise ValueError(f"request id {request_id!r} already holds a lease")
-            return self._reserve(view, pool_view, lease, tokens, kv, now)
-        except StoreUnavailable:
-            if request_id is not None and request_id in self.fallback.leases:
-                raise ValueError(f"request id {request_id!r} already holds a lease") from None
-            return self.fallback.admit(ent, view.own_bucket, view.priority, lease, now)
+        victims = self._victims(pool_view, view.priority)
+        reservation = Reservation(lease, view.plan, tokens, victims, ent.protected)
+        return Pending(view, pool_view, reservation, max_out)
 
-    def _reserve(
-        self,
-        view: EntitlementView,
-        pool_view: PoolView,
-        lease: Lease,
-        tokens: float,
-        kv: float,
-        now: float,
-    ) -> Decision:
-        store = self.store
-        plan = view.plan
-        pool = pool_view.pool.name
-        short = store.reserve(lease, plan, now, demand=tokens)
-        if short is None:
-            return Admit(lease, view.priority)
-        counters = store.pool_counters(pool, now)
-        if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV):
-            victims = self._choose_victims(view, pool_view, counters, kv)
-            if (
-                victims
-                and store.reserve(lease, plan, now, evict=[v.lease_id for v in victims]) is None
-            ):
-                return Admit(lease, view.priority, evict=tuple(victims))
-        if (
-            view.ent.protected
-            and short in _POOL_SHORTFALLS
-            and store.reserve(lease, plan, now, overcommit=True) is None
-        ):
-            return Admit(lease, view.priority, overcommit=True)
-        return self._reject(short, view, pool_view, counters, tokens, kv, lease.lease_id, now)
+    def decide(self, step: Pending, outcome: Outcome | None, now: float) -> Decision:
+        """The decision, from what the store did with the reservation (None: the store was
+        unreachable, and the outage policy decides)."""
+        view, lease = step.view, step.reservation.lease
+        if outcome is None:
+            if lease.lease_id in self.fallback.leases:
+                raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
+            decision = self.fallback.admit(view.ent, view.own_bucket, view.priority, lease, now)
+            if isinstance(decision, Admit):
+                decision.max_tokens = step.max_tokens
+            return decision
+        if outcome.shortfall is None:
+            return Admit(lease, view.priority, outcome.evicted, outcome.overcommit, step.max_tokens)
+        return self._reject(outcome, step, now)
+
+    def _victims(self, pool_view: PoolView, priority: float) -> tuple[str, ...]:
+        """The entitlements a request of `priority` may evict: preemptible ones strictly
+        below it, lowest first."""
+        order = pool_view.preemptible_order
+        count = 0
+        for name in order:
+            if self._ents[name].priority >= priority:
+                break
+            count += 1
+        return tuple(order[:count]) if count else ()
 
     def _too_big(
         self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float
@@ -180,63 +191,26 @@ class DecisionCore(Catalog):
             f"{needs}; pool {pool_view.pool.name!r} can never hold that at its current capacity",
         )
 
-    def _choose_victims(
-        self, view: EntitlementView, pool_view: PoolView, counters: PoolCounters, kv: float
-    ) -> list[Lease]:
-        """Preemptible leases of strictly lower priority until the request fits the pool's
-        capacity; none if it never would."""
-        need_c = counters.concurrency + 1 - view.plan.shared_concurrency
-        need_k = counters.kv_tokens + kv - view.plan.shared_kv
-        if need_c > counters.preemptible_concurrency or need_k > counters.preemptible_kv:
-            return []
-        victims: list[Lease] = []
-        for lease in self._eviction_order(pool_view.pool.name, below=view.priority):
-            if need_c <= 0 and need_k <= 0:
-                break
-            victims.append(lease)
-            need_c -= 1
-            need_k -= lease.kv_tokens
-        return victims if need_c <= 0 and need_k <= 0 else []
-
-    def _eviction_order(self, pool: str, below: float) -> Iterator[Lease]:
-        """Preemptible leases with priority below `below`: lowest priority first, and the
-        newest first within an entitlement (it has lost the least work)."""
-        groups = self.store.preemptible_leases(pool)
-        for name in self._pools[pool].preemptible_order:
-            if self._ents[name].priority >= below:
-                return
-            group = groups.get(name)
-            if group:
-                yield from reversed(list(group.values()))
-
-    def _reject(
-        self,
-        short: Shortfall,
-        view: EntitlementView,
-        pool_view: PoolView,
-        counters: PoolCounters,
-        tokens: float,
-        kv: float,
-        request_id: str,
-        now: float,
-    ) -> Reject:
+    def _reject(self, outcome: Outcome, step: Pending, now: float) -> Reject:
+        short = outcome.shortfall
+        assert short is not None and outcome.pool is not None
+        view, lease = step.view, step.reservation.lease
         reason, check, dimension, message = SHORTFALL_REJECTS[short]
         period = self.policy.update_period_s
         wait = expected_wait_s(
             short,
-            tokens,
-            kv,
+            lease.tokens,
+            lease.kv_tokens,
             view.plan,
-            counters,
-            self.store.entitlement_counters(view.ent.name, now)
-            if short in _ENTITLEMENT_SHORTFALLS
-            else _NO_COUNTERS,
-            pool_view.bucket,
+            outcome.pool,
+            outcome.entitlement,
+            step.pool_view.bucket,
             view.own_bucket,
-            pool_view.mean_service_s,
+            step.pool_view.mean_service_s,
             period - math.fmod(now, period),
         )
-        return Reject(reason, check, message, jittered(wait, request_id, self.policy), dimension)
+        wait = jittered(wait, lease.lease_id, self.policy)
+        return Reject(reason, check, message, wait, dimension, quota(view, outcome, wait))
 
     # -- ends of requests ----------------------------------------------------------------
 
@@ -244,21 +218,30 @@ class DecisionCore(Catalog):
         """The request finished; charge what it really used and refund the rest."""
         local = lease_id in self.fallback.leases
         try:
-            lease = (self.fallback.store if local else self.store).get_lease(lease_id)
+            lease = (self.fallback if local else self.store).get_lease(lease_id, now)
             if lease is None:
                 return None
-            pool_view = self._pools[lease.pool]
-            pool = pool_view.pool
-            used = (
-                pool.input_token_weight * usage.input_tokens
-                + pool.output_token_weight * usage.output_tokens
-            )
+            used = self.used_tokens(lease, usage)
             (self.fallback if local else self.store).settle(lease_id, used, now)
         except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
-        duration = now - lease.started_at
-        pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * max(0.0, duration)
+        self.finished(lease, now)
         return lease
+
+    def used_tokens(self, lease: Lease, usage: Usage) -> float:
+        """What a finished request is charged, in its pool's weighted tokens."""
+        pool = self._pools[lease.pool].pool
+        return (
+            pool.input_token_weight * usage.input_tokens
+            + pool.output_token_weight * usage.output_tokens
+        )
+
+    def finished(self, lease: Lease, now: float) -> None:
+        """A request settled: its duration feeds the Retry-After estimate."""
+        pool_view = self._pools.get(lease.pool)
+        if pool_view is not None:
+            duration = max(0.0, now - lease.started_at)
+            pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * duration
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         """The request ended without usage (backend down, cancelled before it ran: refund;
@@ -275,9 +258,9 @@ class DecisionCore(Catalog):
         lease has ended (evicted by another replica, or expired) and its request must end."""
         expires_at = now + self.policy.lease_ttl_s
         if lease_id in self.fallback.leases:
-            return self.fallback.renew(lease_id, expires_at)
+            return self.fallback.renew(lease_id, expires_at, now)
         try:
-            return self.store.renew(lease_id, expires_at)
+            return self.store.renew(lease_id, expires_at, now)
         except StoreUnavailable:  # keep running; the store is asked again next time
             return True
 
@@ -305,7 +288,7 @@ class DecisionCore(Catalog):
         for name, pool_view in self._pools.items():
             if period > pool_view.last_period:
                 pool_view.last_period = period
-                if self.store.claim_update(name, period):
+                if self.store.claim_update(name, period, now):
                     self._update_scores(pool_view, now)
                     updated.append(name)
                     self._order_preemptible(pool_view)
@@ -314,7 +297,7 @@ class DecisionCore(Catalog):
             elif pool_view.scores_pending:
                 pool_view.scores_pending = False
                 for member in pool_view.members:
-                    self._ents[member].priority = self.store.scores(member).priority
+                    self._ents[member].priority = self.store.scores(member, now).priority
                 self._order_preemptible(pool_view)
         return updated
 
@@ -325,7 +308,7 @@ class DecisionCore(Catalog):
             ent = view.ent
             obs = observe(self.store.take_window(name, now))
             self.observations[name] = obs
-            old = self.store.scores(name)
+            old = self.store.scores(name, now)
             bound = view.state == BindingState.BOUND
             debt = (
                 ewma(old.debt, service_gap(ent.baseline.throughput, obs), policy.gamma_debt)
@@ -335,7 +318,7 @@ class DecisionCore(Catalog):
             burst = ewma(old.burst, burst_excess(ent.baseline, obs), policy.gamma_burst)
             scores = Scores(debt=debt, burst=burst)
             view.priority = w = self._priority_of(view, scores)
-            self.store.set_scores(name, replace(scores, priority=w))
+            self.store.set_scores(name, replace(scores, priority=w), now)
 
     def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
         return self.set_capacity(pool_name, now, replicas=replicas)
@@ -367,7 +350,8 @@ class DecisionCore(Catalog):
             counters = self.store.pool_counters(pool_name, now)
             over_c = counters.concurrency - cap.concurrency
             over_k = counters.kv_tokens - cap.kv_tokens
-            for lease in self._eviction_order(pool_name, below=math.inf):
+            groups = self.store.preemptible_leases(pool_name, now)
+            for lease in eviction_order(groups, view.preemptible_order):
                 if over_c <= 0 and over_k <= 0:
                     break
                 self.store.release(lease.lease_id, now, refund=False)

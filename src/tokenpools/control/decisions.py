@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
+from tokenpools.control.store import Lease, Outcome, Shortfall
 from tokenpools.model.entitlement import BindingState
-from tokenpools.state.base import Lease, Shortfall
+
+if TYPE_CHECKING:
+    from tokenpools.control.catalog import EntitlementView
 
 
 class Reason(StrEnum):
@@ -110,8 +114,20 @@ class Admit:
     priority: float
     evict: tuple[Lease, ...] = ()  # in-flight preemptible requests the host must terminate
     overcommit: bool = False
+    max_tokens: int = 0  # what the reservation assumed: the request's, or the default
 
     admitted = True
+
+
+@dataclass(slots=True)
+class Quota:
+    """An entitlement's limits and what is left of them, as the x-ratelimit-* headers say."""
+
+    limit_requests: float  # requests in flight; inf: no limit of its own
+    remaining_requests: float
+    limit_tokens: float  # its token bucket's depth; inf: no bucket
+    remaining_tokens: float
+    reset_s: float  # when a retry can expect room
 
 
 @dataclass(slots=True)
@@ -121,8 +137,21 @@ class Reject:
     message: str
     retry_after_s: float | None = None  # None: retrying the same request cannot succeed
     dimension: str | None = None  # for pool_full: concurrency, kv_tokens or throughput
+    quota: Quota | None = None  # for a refusal of room; read from the store in the same step
 
     admitted = False
+
+
+def quota(view: EntitlementView, outcome: Outcome, reset_s: float) -> Quota:
+    limit = view.plan.ent_concurrency
+    counters = outcome.entitlement
+    return Quota(
+        limit,
+        max(0.0, limit - counters.concurrency),
+        view.own_bucket.depth,
+        max(0.0, counters.bucket),
+        reset_s,
+    )
 
 
 Decision = Admit | Reject

@@ -4,34 +4,46 @@ Spot, preemptible and elastic traffic fails closed: without the shared ledger a 
 know what the others admitted. A bound protected (dedicated, guaranteed) entitlement keeps a
 local budget on each replica — `fraction` of its baseline — so guaranteed traffic keeps
 flowing. The leases admitted here live in a private memory store; once the shared store answers
-again they are handed over to it, each exactly once, and settle there.
+again they are handed over to it, each exactly once, and settle there. The host gives it that
+private store (a memory store); without one, every class fails closed.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
+from typing import Protocol
 
 from tokenpools.control import plans
 from tokenpools.control.decisions import SHORTFALL_REJECTS, Admit, Check, Decision, Reason, Reject
+from tokenpools.control.store import INF, BucketSpec, Lease, Reservation, ReservePlan, Store
 from tokenpools.model.entitlement import Entitlement
-from tokenpools.state.base import INF, BucketSpec, Lease, ReservePlan, Store
-from tokenpools.state.memory import MemoryStore
 
 _UNBOUNDED = BucketSpec(INF, INF)
 
 
+class LocalStore(Store, Protocol):
+    """A store in this process, whose leases can be listed."""
+
+    @property
+    def leases(self) -> Mapping[str, Lease]: ...
+
+
 class LocalFallback:
-    def __init__(self, fraction: float, retry_after_s: float) -> None:
+    # A gateway on a shared store runs its ticks on a worker thread while admissions run on
+    # the event loop: the lock keeps the private store whole. It is never held across I/O.
+    def __init__(self, fraction: float, retry_after_s: float, store: LocalStore | None) -> None:
         self.fraction = fraction
         self.retry_after_s = retry_after_s
-        self.store = MemoryStore()
+        self.store = store
+        self._lock = threading.Lock()
         self._limits: dict[str, tuple[BucketSpec, ReservePlan]] = {}
         self._pools: set[str] = set()
 
     def admit(
         self, ent: Entitlement, own: BucketSpec, priority: float, lease: Lease, now: float
     ) -> Decision:
-        if not ent.protected or self.fraction <= 0:
+        if self.store is None or not ent.protected or self.fraction <= 0:
             return Reject(
                 Reason.STORE_UNAVAILABLE,
                 Check.STATE,
@@ -39,21 +51,24 @@ class LocalFallback:
                 "is refused until it is back",
                 self.retry_after_s,
             )
-        plan = self._configure(ent, own, lease.pool, now)
-        short = self.store.reserve(lease, plan, now)
+        with self._lock:
+            plan = self._configure(self.store, ent, own, lease.pool, now)
+            short = self.store.admit(Reservation(lease, plan, 0.0), now).shortfall
         if short is not None:
             reason, check, dimension, message = SHORTFALL_REJECTS[short]
             message = f"{message} (local budget while the shared state store is unreachable)"
             return Reject(reason, check, message, self.retry_after_s, dimension)
         return Admit(lease, priority)
 
-    def _configure(self, ent: Entitlement, own: BucketSpec, pool: str, now: float) -> ReservePlan:
+    def _configure(
+        self, store: Store, ent: Entitlement, own: BucketSpec, pool: str, now: float
+    ) -> ReservePlan:
         plan, bucket = plans.fallback_limits(ent, own, self.fraction)
         if pool not in self._pools:
-            self.store.configure_pool(pool, _UNBOUNDED, _UNBOUNDED, now)
+            store.configure_pool(pool, _UNBOUNDED, _UNBOUNDED, now)
             self._pools.add(pool)
         if self._limits.get(ent.name) != (bucket, plan):
-            self.store.configure_entitlement(
+            store.configure_entitlement(
                 ent.name, pool, bucket, plan.base_concurrency, plan.base_kv, now, protected=True
             )
             self._limits[ent.name] = (bucket, plan)
@@ -62,26 +77,42 @@ class LocalFallback:
     @property
     def leases(self) -> Mapping[str, Lease]:
         """The requests admitted here and not ended yet, by lease id."""
-        return self.store.leases
+        return {} if self.store is None else self.store.leases
+
+    # The rest is only called for a lease in `leases`, so the store exists.
 
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
-        return self.store.settle(lease_id, used_tokens, now)
+        assert self.store is not None
+        with self._lock:
+            return self.store.settle(lease_id, used_tokens, now)
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
-        return self.store.release(lease_id, now, refund=refund)
+        assert self.store is not None
+        with self._lock:
+            return self.store.release(lease_id, now, refund=refund)
 
-    def renew(self, lease_id: str, expires_at: float) -> bool:
-        return self.store.renew(lease_id, expires_at)
+    def renew(self, lease_id: str, expires_at: float, now: float) -> bool:
+        assert self.store is not None
+        with self._lock:
+            return self.store.renew(lease_id, expires_at, now)
+
+    def get_lease(self, lease_id: str, now: float) -> Lease | None:
+        return None if self.store is None else self.store.get_lease(lease_id, now)
 
     def expire(self, now: float) -> list[Lease]:
-        return self.store.expire(now)
+        if self.store is None:
+            return []
+        with self._lock:
+            return self.store.expire(now)
 
     def hand_over(self, shared: Store, now: float) -> int:
         """Book the local leases in the shared store and forget them here. Raises
         StoreUnavailable if it went away again; what was handed over stays handed over."""
         count = 0
-        for lease in list(self.leases.values()):
+        with self._lock:
+            leases = list(self.leases.values())
+        for lease in leases:
             shared.adopt(lease, now)  # idempotent: a lease already there is not booked twice
-            self.store.release(lease.lease_id, now, refund=False)
+            self.release(lease.lease_id, now, refund=False)
             count += 1
         return count

@@ -12,11 +12,11 @@ The capacity rules, per dimension, with C the pool capacity and o = overcommit Ã
 
 from __future__ import annotations
 
+from tokenpools.control.store import INF, BucketSpec, ReservePlan
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
 from tokenpools.model.service_class import ServiceClass
-from tokenpools.state.base import INF, BucketSpec, ReservePlan
 
 
 def pool_bucket(pool: Pool, policy: Policy) -> BucketSpec:

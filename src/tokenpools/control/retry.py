@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import zlib
 
-from tokenpools.model.policy import Policy
-from tokenpools.state.base import (
+from tokenpools.control.store import (
     INF,
     BucketSpec,
     EntitlementCounters,
@@ -13,6 +12,7 @@ from tokenpools.state.base import (
     ReservePlan,
     Shortfall,
 )
+from tokenpools.model.policy import Policy
 
 
 def expected_wait_s(

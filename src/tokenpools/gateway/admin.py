@@ -1,26 +1,30 @@
 """The admin API (`/admin/pools`, `/admin/entitlements`): admin keys only; the store's
-counters, scores and the core's views as JSON."""
+counters, scores and the core's views as JSON, read off the event loop."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
+from tokenpools.control.store import StoreUnavailable
 from tokenpools.gateway.responses import error
-from tokenpools.gateway.runtime import GATEWAY
-from tokenpools.state.base import StoreUnavailable
+from tokenpools.gateway.runtime import GATEWAY, Gateway
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
-def admin_only(handler: Handler) -> Handler:
+def admin_only(report: Callable[[Gateway], dict[str, Any]]) -> Handler:
+    """A handler that answers admins with `report`, computed where store reads may wait."""
+
     async def guarded(request: web.Request) -> web.Response:
-        if not request.app[GATEWAY].is_admin(request):
+        gw = request.app[GATEWAY]
+        if not gw.is_admin(request):
             return error(401, "admin key required", "invalid_request_error", "invalid_api_key")
         try:
-            return await handler(request)
+            return web.json_response(await gw.ledger.background(report, gw))
         except StoreUnavailable as exc:
             return error(
                 503, f"state store unreachable: {exc}", "server_error", "store_unavailable"
@@ -30,8 +34,7 @@ def admin_only(handler: Handler) -> Handler:
 
 
 @admin_only
-async def admin_pools(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
+def admin_pools(gw: Gateway) -> dict[str, Any]:
     now = gw.clock()
     out = {}
     for name, view in gw.core.pools.items():
@@ -56,17 +59,16 @@ async def admin_pools(request: web.Request) -> web.Response:
                 for b in gw.pools[name].backends
             ],
         }
-    return web.json_response(out)
+    return out
 
 
 @admin_only
-async def admin_entitlements(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
+def admin_entitlements(gw: Gateway) -> dict[str, Any]:
     now = gw.clock()
     out = {}
     for name, view in gw.core.entitlements.items():
         c = gw.core.store.entitlement_counters(name, now)
-        scores = gw.core.store.scores(name)
+        scores = gw.core.store.scores(name, now)
         obs = gw.core.observations.get(name)
         base = view.ent.baseline
         out[name] = {
@@ -93,4 +95,4 @@ async def admin_entitlements(request: web.Request) -> web.Response:
             "burst": scores.burst,
             "priority": view.priority,
         }
-    return web.json_response(out)
+    return out

@@ -10,6 +10,7 @@ never retries its own 429s.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -31,6 +32,7 @@ from tokenpools.openai_api import (
 )
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
+log = logging.getLogger("tokenpools.gateway")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -54,9 +56,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = parse_body(raw, path)
     except BadRequest as exc:
         return error(400, str(exc), "invalid_request_error", None, exc.param)
-    view = gw.core.entitlements[entitlement]
     pool_name = gw.model_pool.get(body["model"])
-    if pool_name is None or pool_name != view.ent.pool:
+    if pool_name is None or pool_name != gw.core.entitlements[entitlement].ent.pool:
         return error(
             404,
             f"model {body['model']!r} does not exist or this key has no access to it",
@@ -66,31 +67,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     prompt_tokens = estimate_prompt_tokens(body, settings.chars_per_token)
     requested = max_tokens(body)
-    decision = gw.core.admit(entitlement, RequestCost(prompt_tokens, requested), gw.clock())
+    cost = RequestCost(prompt_tokens, requested)
+    decision = await gw.ledger.admit(entitlement, cost, gw.clock())
     gw.metrics.decided(entitlement, decision)
     if isinstance(decision, Reject):
-        return rejection(gw, entitlement, decision)
+        return rejection(decision)
     for victim in decision.evict:
         gw.evict(victim.lease_id)
-    lease_id = decision.lease.lease_id
-    handle = InFlight(asyncio.current_task())
-    gw.inflight[lease_id] = handle
+    lease = decision.lease
+    handle = InFlight(asyncio.current_task(), lease)
+    gw.inflight[lease.lease_id] = handle
     backend = gw.pools[pool_name].choose()
     try:
         if backend is None:
-            gw.core.release(lease_id, gw.clock())
+            gw.ledger.end(lease, None, gw.clock())
             return error(
                 503, f"no healthy backend for pool {pool_name!r}", "server_error", "no_backend"
             )
         forward: bytes | None = raw  # unchanged bodies go upstream as they came
         if requested is None:  # the reservation assumed the default: make it true
-            body["max_tokens"] = view.default_max_tokens
+            body["max_tokens"] = decision.max_tokens
             forward = None
-        return await proxy(
-            request, gw, backend, body, forward, path, lease_id, prompt_tokens, handle
-        )
+        return await proxy(request, gw, backend, body, forward, path, prompt_tokens, handle)
     finally:
-        gw.inflight.pop(lease_id, None)
+        gw.inflight.pop(lease.lease_id, None)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -118,7 +118,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    return web.Response(body=gw.metrics.render(), content_type="text/plain")
+    body = await gw.ledger.background(gw.metrics.render)  # reads the store: off the loop
+    return web.Response(body=body, content_type="text/plain")
 
 
 def make_app(
@@ -138,11 +139,15 @@ def make_app(
     async def background(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         gateway.session = aiohttp.ClientSession(connector=connector)
+        await gateway.ledger.start()
 
         async def ticking() -> None:
             while True:
                 await asyncio.sleep(tick_interval_s)
-                gateway.tick()
+                try:
+                    await gateway.tick()
+                except Exception:  # a bad tick must not end ticking for good
+                    log.exception("tick failed")
 
         async def health() -> None:
             while True:
@@ -168,6 +173,8 @@ def make_app(
         yield
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await gateway.ledger.aclose()
         await gateway.session.close()
 
     app.cleanup_ctx.append(background)

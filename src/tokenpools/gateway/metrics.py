@@ -13,7 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenpools.control.decisions import Admit, Decision
-from tokenpools.state.base import StoreUnavailable
+from tokenpools.control.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from tokenpools.gateway.runtime import Gateway
@@ -92,7 +92,7 @@ class _StateCollector(Collector):
         for name, view in gw.core.entitlements.items():
             labels = [view.ent.pool, name, view.ent.service_class.value]
             c = gw.core.store.entitlement_counters(name, now)
-            scores = gw.core.store.scores(name)
+            scores = gw.core.store.scores(name, now)
             families["in_flight"].add_metric(labels, c.leases)
             families["reserved"].add_metric([*labels, "concurrency"], c.concurrency)
             families["reserved"].add_metric([*labels, "kv_tokens"], c.kv_tokens)

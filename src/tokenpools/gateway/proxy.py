@@ -27,7 +27,6 @@ async def proxy(
     body: dict[str, Any],
     raw: bytes | None,
     path: str,
-    lease_id: str,
     prompt_tokens: int,
     handle: InFlight,
 ) -> web.StreamResponse:
@@ -48,11 +47,7 @@ async def proxy(
         if settled or handle.evicted:
             return
         settled = True
-        now = gw.clock()
-        if usage is not None:
-            gw.core.settle(lease_id, usage, now)
-        else:
-            gw.core.release(lease_id, now, refund=refund)
+        gw.ledger.end(handle.lease, usage, gw.clock(), refund=refund)
 
     try:
         async with gw.session.post(

@@ -3,18 +3,12 @@ Retry-After and x-ratelimit-* headers, and the bearer key of a request."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from tokenpools.control.decisions import Reason, Reject
 from tokenpools.openai_api import error_body
-from tokenpools.state.base import StoreUnavailable
-
-if TYPE_CHECKING:
-    from tokenpools.gateway.runtime import Gateway
 
 NOT_RETRYABLE = {
     Reason.EXCEEDS_ENTITLEMENT: 400,
@@ -46,7 +40,7 @@ def error(
     )
 
 
-def rejection(gw: Gateway, entitlement: str, decision: Reject) -> web.Response:
+def rejection(decision: Reject) -> web.Response:
     status = NOT_RETRYABLE.get(decision.reason)
     message = f"{decision.message} ({decision.reason.value})"
     if decision.reason == Reason.STORE_UNAVAILABLE:
@@ -57,20 +51,15 @@ def rejection(gw: Gateway, entitlement: str, decision: Reject) -> web.Response:
         param = "max_tokens" if status == 400 else None
         return error(status, message, kind, decision.reason.value, param)
     wait = decision.retry_after_s if decision.retry_after_s is not None else 60.0
-    view = gw.core.entitlements[entitlement]
-    limit_requests = view.plan.ent_concurrency
-    headers = {
-        **retry_after(wait),
-        "x-ratelimit-limit-requests": _num(limit_requests),
-        "x-ratelimit-reset-requests": f"{wait:.3f}s",
-        "x-ratelimit-limit-tokens": _num(view.own_bucket.depth),
-        "x-ratelimit-reset-tokens": f"{wait:.3f}s",
-    }
-    with contextlib.suppress(StoreUnavailable):  # the remaining counts need the store
-        counters = gw.core.store.entitlement_counters(entitlement, gw.clock())
-        remaining = max(0.0, limit_requests - counters.concurrency)
-        headers["x-ratelimit-remaining-requests"] = _num(remaining)
-        headers["x-ratelimit-remaining-tokens"] = _num(max(0.0, counters.bucket))
+    headers = retry_after(wait)
+    q = decision.quota  # read in the admission's own store call: no second round trip
+    if q is not None:
+        headers["x-ratelimit-limit-requests"] = _num(q.limit_requests)
+        headers["x-ratelimit-remaining-requests"] = _num(q.remaining_requests)
+        headers["x-ratelimit-reset-requests"] = f"{q.reset_s:.3f}s"
+        headers["x-ratelimit-limit-tokens"] = _num(q.limit_tokens)
+        headers["x-ratelimit-remaining-tokens"] = _num(q.remaining_tokens)
+        headers["x-ratelimit-reset-tokens"] = f"{q.reset_s:.3f}s"
     return error(429, message, "rate_limit_exceeded", decision.reason.value, headers=headers)
 
 

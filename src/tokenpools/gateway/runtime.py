@@ -1,5 +1,6 @@
 """The gateway's running state: the decision core and its store, the backend pools, the
-requests in flight (which eviction cancels), ticks, lease renewal and capacity feedback."""
+requests in flight (which eviction cancels), ticks, lease renewal and capacity feedback.
+Work that touches the store goes through `GatewayLedger`, so the event loop never waits on it."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from aiohttp import web
 
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.feedback import next_fraction
+from tokenpools.control.store import Lease
 from tokenpools.gateway.backends import BackendPool
+from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.gateway.responses import bearer
-from tokenpools.model.config import Config, StateSettings
+from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.openai_api import vllm_gauges
-from tokenpools.state.base import Store
 from tokenpools.state.memory import MemoryStore
 
 log = logging.getLogger("tokenpools.gateway")
@@ -35,20 +37,26 @@ class InFlight:
     """A request between admission and settlement; eviction cancels its task."""
 
     task: asyncio.Task[Any] | None
+    lease: Lease
     evicted: bool = False
 
 
-def open_store(settings: StateSettings) -> Store:
+def open_core(config: Config, now: float, replica: str) -> GatewayLedger:
+    """The decision core on the store the config names, and the gateway's way to it."""
+    settings = config.state
     if settings.backend == "memory":
-        return MemoryStore()
+        return GatewayLedger(DecisionCore(config, MemoryStore(), now=now, replica=replica))
     from tokenpools.state.redis_store import RedisStore  # redis-py only where it is used
 
-    return RedisStore(
+    store = RedisStore(
         settings.url,
         timeout_s=settings.timeout_s,
         retry_interval_s=settings.retry_interval_s,
         prefix=settings.key_prefix,
     )
+    # The private store holds what the outage policy admits while Redis is unreachable.
+    core = DecisionCore(config, store, now=now, replica=replica, fallback_store=MemoryStore())
+    return GatewayLedger(core, store.hot_path())
 
 
 def replica_name() -> str:
@@ -70,10 +78,8 @@ class Gateway:
     capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
 
     def __post_init__(self) -> None:
-        self.store = open_store(self.config.state)
-        self.core = DecisionCore(
-            self.config, store=self.store, now=self.clock(), replica=self.replica
-        )
+        self.ledger = open_core(self.config, self.clock(), self.replica)
+        self.core = self.ledger.core
         self._next_renewal = 0.0
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.metrics = GatewayMetrics(self)
@@ -83,13 +89,13 @@ class Gateway:
     def _models(config: Config) -> dict[str, str]:
         return {m: p.name for p in config.pools.values() for m in p.models}
 
-    def reload(self, config: Config) -> None:
+    async def reload(self, config: Config) -> None:
         """Adopt a validated config; leases of removed entitlements end their requests. The
         state backend is chosen at start: a change of it waits for a restart."""
         if config.state != self.config.state:
             log.warning("the state section changed: it takes effect at the next restart")
             config = replace(config, state=self.config.state)
-        for lease in self.core.apply_config(config, self.clock()):
+        for lease in await self.ledger.background(self.core.apply_config, config, self.clock()):
             self.evict(lease.lease_id)
         old = self.pools
         self.pools = {}
@@ -130,8 +136,12 @@ class Gateway:
         fraction = next_fraction(current, waiting, kv, fb)
         if fraction != current:
             self.capacity_fraction[pool_name] = fraction
-            change = self.core.set_capacity(
-                pool_name, self.clock(), per_replica=pool.per_replica.scale(fraction)
+            change = await self.ledger.background(
+                self.core.set_capacity,
+                pool_name,
+                self.clock(),
+                None,
+                pool.per_replica.scale(fraction),
             )
             log.warning(
                 "pool %s: capacity at %.0f%% (engine waiting %g, KV %.2f)",
@@ -143,15 +153,15 @@ class Gateway:
             for lease in change.evict:
                 self.evict(lease.lease_id)
 
-    def tick(self) -> None:
+    async def tick(self) -> None:
         now = self.clock()
-        result = self.core.tick(now)
+        result = await self.ledger.background(self.core.tick, now)
         for lease in result.expired:
             self.evict(lease.lease_id)
         if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
             self._next_renewal = now + self.core.policy.lease_ttl_s / 4
-            for lease_id in list(self.inflight):
-                if not self.core.renew(lease_id, now):
+            for lease_id, handle in list(self.inflight.items()):
+                if not await self.ledger.renew(handle.lease, now):
                     self.evict(lease_id)
 
     def is_admin(self, request: web.Request) -> bool:

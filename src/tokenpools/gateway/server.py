@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -19,14 +19,14 @@ from tokenpools.model.config import ConfigError, load_config
 log = logging.getLogger("tokenpools.gateway")
 
 
-def reload_from(gateway: Gateway, path: Path) -> bool:
+async def reload_from(gateway: Gateway, path: Path) -> bool:
     """Load and adopt `path`; an invalid file is logged and the running config kept."""
     try:
         config = load_config(path)
     except ConfigError as exc:
         log.error("config reload rejected, keeping the running config: %s", exc)
         return False
-    gateway.reload(config)
+    await gateway.reload(config)
     log.info("config reloaded from %s", path)
     return True
 
@@ -48,14 +48,24 @@ def build(path: Path, watch_interval_s: float = 2.0) -> web.Application:
 
     async def signals(app: web.Application) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, reload_from, gateway, path)
+        reloads: set[asyncio.Task[bool]] = set()
+
+        def on_sighup() -> None:
+            task = loop.create_task(reload_from(gateway, path))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
         yield
         loop.remove_signal_handler(signal.SIGHUP)
 
     app.cleanup_ctx.append(signals)
-    app.cleanup_ctx.append(
-        _following(lambda: changed() and reload_from(gateway, path), watch_interval_s)
-    )
+
+    async def poll() -> None:
+        if changed():
+            await reload_from(gateway, path)
+
+    app.cleanup_ctx.append(_following(poll, watch_interval_s))
     return app
 
 
@@ -82,7 +92,7 @@ def build_kubernetes(kube: Any, namespace: str, base: dict[str, Any]) -> web.App
                 await wake.wait()
                 wake.clear()
                 try:
-                    gateway.reload(source.config())
+                    await gateway.reload(source.config())
                 except ConfigError as exc:
                     log.error("cluster config rejected, keeping the running config: %s", exc)
 
@@ -97,7 +107,7 @@ def build_kubernetes(kube: Any, namespace: str, base: dict[str, Any]) -> web.App
 
 
 def _following(
-    poll: Callable[[], object], interval_s: float
+    poll: Callable[[], Awaitable[None]], interval_s: float
 ) -> Callable[[web.Application], AbstractAsyncContextManager[None]]:
     """A cleanup context that calls `poll` every `interval_s` while the app runs."""
 
@@ -107,7 +117,7 @@ def _following(
             while True:
                 await asyncio.sleep(interval_s)
                 try:
-                    poll()
+                    await poll()
                 except Exception:
                     log.exception("reading the config failed; keeping the running config")
 

@@ -25,6 +25,7 @@ from tokenpools.sim.policy import (
     TenantLimits,
     Verdict,
 )
+from tokenpools.state.memory import MemoryStore
 
 
 class NoAdmissionControl(Policy):
@@ -178,7 +179,7 @@ class TokenPools(Policy):
     def __init__(self, config: Config, now: float, absent: frozenset[str] = frozenset()) -> None:
         self.config = config
         self.absent = set(absent)  # entitlements not created yet
-        self.core = DecisionCore(self._current(), now=now)
+        self.core = DecisionCore(self._current(), MemoryStore(), now=now)
         self.pool = next(iter(config.pools))
         self.per_replica = config.pools[self.pool].per_replica
         self.tenant_of: dict[str, str] = {}  # entitlement → tenant
@@ -236,12 +237,12 @@ class TokenPools(Policy):
         change = self.core.set_replicas(self.pool, replicas, now)
         return [lease.lease_id for lease in change.evict]
 
-    def scores(self) -> dict[str, tuple[float, float]]:
+    def scores(self, now: float) -> dict[str, tuple[float, float]]:
         out = {}
         for ent, tenant in self.tenant_of.items():
             if ent in self.absent:
                 continue
-            scores = self.core.store.scores(ent)
+            scores = self.core.store.scores(ent, now)
             out[tenant] = (scores.debt, scores.priority)
         return out
 

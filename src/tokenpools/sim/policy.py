@@ -91,7 +91,7 @@ class Policy:
         token throughput; returns in-flight requests to evict."""
         return []
 
-    def scores(self) -> dict[str, tuple[float, float]]:
+    def scores(self, now: float) -> dict[str, tuple[float, float]]:
         """(debt, priority) per tenant, for policies that have them."""
         return {}
 

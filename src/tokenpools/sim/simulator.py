@@ -367,7 +367,7 @@ class Simulation:
                 slots=self.slots,
                 kv_usage=self.kv_usage,
                 running_by_tenant={k: v for k, v in running.items() if v},
-                scores=self.policy.scores(),
+                scores=self.policy.scores(self.now),
                 rejected_by_tenant=dict(self._rejected),
                 low_priority_by_tenant=dict(self._low_priority),
             )

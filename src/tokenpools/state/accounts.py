@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from tokenpools.state.base import INF, BucketSpec, Lease
+from tokenpools.control.store import INF, BucketSpec, Lease
 
 
 class Bucket:

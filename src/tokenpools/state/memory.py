@@ -6,16 +6,23 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
-from tokenpools.state.base import (
+from tokenpools.control.eviction import choose_victims
+from tokenpools.control.store import (
     BucketSpec,
     EntitlementCounters,
     Lease,
+    Outcome,
     PoolCounters,
+    Reservation,
     ReservePlan,
     Scores,
     Shortfall,
     Window,
+)
+from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
+
+_POOL_SHORTFALLS = frozenset(
+    {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
 )
 
 
@@ -77,13 +84,13 @@ class MemoryStore:
         agg.refill(now)
         agg.level = max(min(agg.level, agg.depth), min(total, agg.depth))
 
-    def remove_entitlement(self, name: str) -> list[Lease]:
+    def remove_entitlement(self, name: str, now: float) -> list[Lease]:
         e = self._ents.get(name)
         if e is None:
             return []
         ended = [lease for lease in self._leases.values() if lease.entitlement == name]
         for lease in ended:
-            self._finish(lease, e.t_acc, bucket_used=lease.tokens, observed=0.0)
+            self._finish(lease, now, bucket_used=lease.tokens, observed=0.0)
         p = self._pools[e.pool]
         e.base_concurrency = e.base_kv = 0.0
         self._update_holdback(e, p)
@@ -95,7 +102,38 @@ class MemoryStore:
 
     # -- the atomic step -----------------------------------------------------------------
 
-    def reserve(
+    def admit(self, reservation: Reservation, now: float) -> Outcome:
+        lease, plan = reservation.lease, reservation.plan
+        if lease.lease_id in self._leases:
+            raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
+        short = self._reserve(lease, plan, now, demand=reservation.demand)
+        if short is None:
+            return Outcome(None, self.entitlement_counters(lease.entitlement, now))
+        if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV) and reservation.victims:
+            victims = choose_victims(
+                self.pool_counters(lease.pool, now),
+                plan,
+                lease.kv_tokens,
+                self._pools[lease.pool].preemptible_by_ent,
+                reservation.victims,
+            )
+            ids = [v.lease_id for v in victims]
+            if victims and self._reserve(lease, plan, now, evict=ids) is None:
+                counters = self.entitlement_counters(lease.entitlement, now)
+                return Outcome(None, counters, evicted=tuple(victims))
+        if (
+            reservation.may_overcommit
+            and short in _POOL_SHORTFALLS
+            and self._reserve(lease, plan, now, overcommit=True) is None
+        ):
+            return Outcome(None, self.entitlement_counters(lease.entitlement, now), overcommit=True)
+        return Outcome(
+            short,
+            self.entitlement_counters(lease.entitlement, now),
+            self.pool_counters(lease.pool, now),
+        )
+
+    def _reserve(
         self,
         lease: Lease,
         plan: ReservePlan,
@@ -293,7 +331,7 @@ class MemoryStore:
         self._book(lease, e, p, now)
         return True
 
-    def renew(self, lease_id: str, expires_at: float) -> bool:
+    def renew(self, lease_id: str, expires_at: float, now: float) -> bool:
         lease = self._leases.get(lease_id)
         if lease is None:
             return False
@@ -315,7 +353,7 @@ class MemoryStore:
             heap.clear()  # drop stale entries of settled leases
         return ended
 
-    def get_lease(self, lease_id: str) -> Lease | None:
+    def get_lease(self, lease_id: str, now: float) -> Lease | None:
         return self._leases.get(lease_id)
 
     @property
@@ -323,7 +361,7 @@ class MemoryStore:
         """Every lease in flight, by id. A read-only view: do not mutate."""
         return self._leases
 
-    def preemptible_leases(self, pool: str) -> Mapping[str, Mapping[str, Lease]]:
+    def preemptible_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
         return self._pools[pool].preemptible_by_ent
 
     # -- observation and scores ----------------------------------------------------------
@@ -343,17 +381,17 @@ class MemoryStore:
         e.settled = e.demand = e.admitted = e.conc_seconds = e.kv_seconds = 0.0
         return window
 
-    def scores(self, name: str) -> Scores:
+    def scores(self, name: str, now: float) -> Scores:
         e = self._ents[name]
         return Scores(e.debt, e.burst, e.priority)
 
-    def set_scores(self, name: str, scores: Scores) -> None:
+    def set_scores(self, name: str, scores: Scores, now: float) -> None:
         e = self._ents[name]
         if e.priority != scores.priority:
             self._pools[e.pool].low = None
         e.debt, e.burst, e.priority = scores.debt, scores.burst, scores.priority
 
-    def claim_update(self, pool: str, period: int) -> bool:
+    def claim_update(self, pool: str, period: int, now: float) -> bool:
         p = self._pools[pool]
         if period <= p.last_period:
             return False

@@ -1,9 +1,14 @@
 """The shared store: one Redis holds the ledger of every gateway replica.
 
 Each operation is one call of one Lua script (state/lua/, run by EVALSHA and loaded again on
-NOSCRIPT; state/redis_wire.py writes its arguments and reads its replies), so the
-check-and-reserve step is atomic across replicas and costs one round trip. A pool's keys share
-one hash tag, so a pool lives on one Redis Cluster shard.
+NOSCRIPT; state/redis_wire.py declares its arguments and replies), so a whole admission is
+atomic across replicas and costs one round trip. A pool's keys share one hash tag, so a pool
+lives on one Redis Cluster shard.
+
+`RedisStore` is the synchronous Store (simulations, tests, the gateway's background work on its
+worker thread); `RedisStore.hot_path()` gives the gateway the same ledger awaited, for admit,
+settle, release and renew, so its event loop never waits on Redis. Both share this replica's
+bookkeeping.
 
 Redis may be unreachable. Every call has a timeout; after a failure the store answers
 `StoreUnavailable` at once, without trying, for `retry_interval_s`, so a stalled Redis costs a
@@ -17,31 +22,44 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tokenpools.state import redis_wire as wire
-from tokenpools.state.base import (
+from tokenpools.control.store import (
     BucketSpec,
     EntitlementCounters,
     Lease,
+    Outcome,
     PoolCounters,
-    ReservePlan,
+    Reservation,
     Scores,
     Shortfall,
     StoreUnavailable,
     Window,
 )
+from tokenpools.state import redis_wire as wire
+
+if TYPE_CHECKING:
+    from tokenpools.state.redis_async import AsyncRedisLedger
 
 # Any error from Redis (unreachable, timed out, out of memory, busy) makes the store unavailable
 # for a while: the core then applies the outage policy rather than failing the request.
-_FAILURES = (redis.RedisError, OSError)
+FAILURES = (redis.RedisError, OSError)
 log = logging.getLogger("tokenpools.state")
+
+
+def client_options(timeout_s: float) -> dict[str, Any]:
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),  # no hidden retries: a request waits one timeout
+    }
 
 
 class RedisStore:
@@ -54,12 +72,8 @@ class RedisStore:
         clock: Callable[[], float] = time.monotonic,
         client: redis.Redis | None = None,
     ) -> None:
-        self.client = client or redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),  # no hidden retries: a request waits one timeout
-        )
+        self.url, self.timeout_s = url, timeout_s
+        self.client = client or redis.Redis.from_url(url, **client_options(timeout_s))
         self._script = self.client.register_script(wire.SCRIPT)
         self._prefix = prefix
         self._retry_interval_s = retry_interval_s
@@ -70,11 +84,10 @@ class RedisStore:
         self._ent_args: dict[str, list[str]] = {}
         self._ent_pool: dict[str, str] = {}
         self._mine: dict[str, Lease] = {}  # leases booked by this replica and not seen ended
-        self._unsent: list[tuple[str, list[str]]] = []  # ends of leases Redis has not heard of
-        self._now = 0.0
-        # The counters a refused reserve answered with, valid until the next call: the core
-        # reads them right after a refusal, and this saves that round trip.
-        self._refusal: tuple[str, str, float, PoolCounters, EntitlementCounters] | None = None
+        self._unsent: list[tuple[str, float, list[str]]] = []  # lease ends Redis has not heard
+        # The hot path and the worker thread may both rejoin, or send what was kept.
+        self._rejoining = threading.Lock()
+        self._sending = threading.Lock()
 
     @property
     def available(self) -> bool:
@@ -83,67 +96,111 @@ class RedisStore:
     def key(self, pool: str) -> str:
         return f"{self._prefix}:{{{pool}}}"
 
+    def epoch(self, pool: str) -> str:
+        return self._epoch.get(pool, "")
+
+    @property
+    def has_unsent(self) -> bool:
+        return bool(self._unsent)
+
+    def forget(self, lease_id: str) -> Lease | None:
+        """Stop tracking one of our leases (it is ending); the lease, if it was ours."""
+        return self._mine.pop(lease_id, None)
+
+    def hot_path(self) -> AsyncRedisLedger:
+        """The same ledger for an asyncio host: admit, settle, release and renew awaited."""
+        from tokenpools.state.redis_async import AsyncRedisLedger
+
+        return AsyncRedisLedger(self)
+
     # -- calls ---------------------------------------------------------------------------
 
-    def _call(self, pool: str, op: str, now: float, *args: str) -> Any:
+    def check_available(self) -> None:
         if self._clock() < self._down_until:
             raise StoreUnavailable("redis is unreachable; retrying later")
-        self._now = now
-        self._refusal = None
-        try:
-            if self._unsent:
-                self._send_unsent()
-            reply = self._run(pool, op, now, args)
-        except _FAILURES as exc:
-            if self._down_until == -float("inf"):
-                log.warning("redis: %s; the outage policy applies until it answers", exc)
-            self._down_until = self._clock() + self._retry_interval_s
-            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    def went_down(self, exc: Exception) -> StoreUnavailable:
+        if self._down_until == -float("inf"):
+            log.warning("redis: %s; the outage policy applies until it answers", exc)
+        self._down_until = self._clock() + self._retry_interval_s
+        return StoreUnavailable(f"redis: {exc}")
+
+    def answered(self) -> None:
         if self._down_until != -float("inf"):
             self._down_until = -float("inf")
             log.warning("redis answers again")
+
+    def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
+        self.check_available()
+        try:
+            if self._unsent:
+                self.send_unsent()
+            reply = self._run(pool, op, now, args)
+        except FAILURES as exc:
+            raise self.went_down(exc) from exc
+        self.answered()
         return reply
 
-    def _eval(self, pool: str, op: str, epoch: str, now: float, *args: str) -> Any:
-        """One call of the script: ARGV is op, epoch, now, then the operation's own."""
-        return self._script(keys=[self.key(pool)], args=[op, epoch, wire.num(now), *args])
+    def call_args(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
+        """KEYS and ARGV of one call of the script: ARGV is the header, then `args`."""
+        return [self.key(pool)], [op, epoch, wire.num(now), *args]
+
+    def _eval(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
+        keys, argv = self.call_args(pool, op, epoch, now, args)
+        return self._script(keys=keys, args=argv)
 
     def _run(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
+        epoch = self.epoch(pool)
         try:
-            return self._eval(pool, op, self._epoch.get(pool, ""), now, *args)
+            return self._eval(pool, op, epoch, now, args)
         except redis.ResponseError as exc:
-            if not str(exc).startswith("TPEPOCH"):
+            if not self.needs_rejoin(exc):
                 raise
-        self._rejoin(pool, now)
-        return self._eval(pool, op, self._epoch.get(pool, ""), now, *args)
+        self.rejoin(pool, now, epoch)
+        return self._eval(pool, op, self.epoch(pool), now, args)
 
-    def _rejoin(self, pool: str, now: float) -> None:
+    @staticmethod
+    def needs_rejoin(exc: redis.ResponseError) -> bool:
+        """True for the script's "you know another epoch of this pool"; a refused duplicate
+        request id becomes the ValueError the core raises for it."""
+        message = str(exc)
+        if message.startswith("TPDUPLICATE "):
+            raise ValueError(message.removeprefix("TPDUPLICATE ")) from None
+        return message.startswith("TPEPOCH")
+
+    def rejoin(self, pool: str, now: float, seen: str) -> None:
         """The pool in Redis is not the one we knew (first contact, or Redis lost its data):
-        configure it again and book the leases this replica holds there, once each."""
-        args = self._pool_args.get(pool)
-        if args is None:
-            raise redis.ResponseError(f"pool {pool!r} was never configured")
-        epoch = self._eval(pool, "configure_pool", "", now, *args, secrets.token_hex(8)).decode()
-        self._epoch[pool] = epoch
-        for name, ent_args in self._ent_args.items():
-            if self._ent_pool[name] == pool:
-                self._eval(pool, "configure_entitlement", epoch, now, name, *ent_args)
-        for lease in list(self._mine.values()):
-            if lease.pool == pool:
-                self._eval(pool, "adopt", epoch, now, *wire.lease_args(lease))
+        configure it again and book the leases this replica holds there, once each. `seen`:
+        the epoch the refused call carried (if ours moved on since, another call rejoined)."""
+        with self._rejoining:
+            if self.epoch(pool) != seen:
+                return
+            args = self._pool_args.get(pool)
+            if args is None:
+                raise redis.ResponseError(f"pool {pool!r} was never configured")
+            args = [*args[:-1], secrets.token_hex(8)]  # a new epoch, should this create it
+            epoch = self._eval(pool, "configure_pool", "", now, args).decode()
+            self._epoch[pool] = epoch
+            for name, ent_args in list(self._ent_args.items()):
+                if self._ent_pool[name] == pool:
+                    self._eval(pool, "configure_entitlement", epoch, now, ent_args)
+            for lease in list(self._mine.values()):
+                if lease.pool == pool:
+                    self._eval(pool, "adopt", epoch, now, wire.lease_args(lease))
 
-    def _send_unsent(self) -> None:
-        while self._unsent:
-            pool, args = self._unsent[0]
-            self._run(pool, "finish", float(args[0]), args[1:])
-            self._unsent.pop(0)
+    def send_unsent(self) -> None:
+        with self._sending:
+            while self._unsent:
+                pool, now, args = self._unsent[0]
+                self._run(pool, "finish", now, args)
+                self._unsent.pop(0)
 
-    def _pool_of_lease(self, lease_id: str) -> str | None:
+    def _pool_of_lease(self, lease_id: str, now: float) -> str | None:
         lease = self._mine.get(lease_id)
         if lease is not None:
             return lease.pool
-        for pool in self._pool_args:
-            if self._call(pool, "get_lease", self._now, lease_id) is not None:
+        for pool in list(self._pool_args):
+            if self._call(pool, "get_lease", now, wire.args("get_lease", id=lease_id)) is not None:
                 return pool
         return None
 
@@ -152,15 +209,17 @@ class RedisStore:
     def configure_pool(
         self, pool: str, bucket: BucketSpec, protected_bucket: BucketSpec, now: float
     ) -> None:
-        args = [
-            wire.num(bucket.rate),
-            wire.num(bucket.depth),
-            wire.num(protected_bucket.rate),
-            wire.num(protected_bucket.depth),
-        ]
+        args = wire.args(
+            "configure_pool",
+            b_rate=wire.num(bucket.rate),
+            b_depth=wire.num(bucket.depth),
+            pb_rate=wire.num(protected_bucket.rate),
+            pb_depth=wire.num(protected_bucket.depth),
+            new_epoch=secrets.token_hex(8),  # the epoch, should this call create the pool
+        )
         self._pool_args[pool] = args
-        try:  # the last argument: the epoch, should this call create the pool
-            epoch = self._call(pool, "configure_pool", now, *args, secrets.token_hex(8))
+        try:
+            epoch = self._call(pool, "configure_pool", now, args)
         except StoreUnavailable:
             return  # replayed when Redis answers again
         # A pool another replica created, or ours: either way, our leases are its leases
@@ -180,24 +239,28 @@ class RedisStore:
         now: float,
         protected: bool = False,
     ) -> None:
-        args = [
-            wire.num(own_bucket.rate),
-            wire.num(own_bucket.depth),
-            wire.num(holdback_concurrency),
-            wire.num(holdback_kv),
-            "1" if protected else "0",
-        ]
+        args = wire.args(
+            "configure_entitlement",
+            name=name,
+            o_rate=wire.num(own_bucket.rate),
+            o_depth=wire.num(own_bucket.depth),
+            hold_c=wire.num(holdback_concurrency),
+            hold_k=wire.num(holdback_kv),
+            protected="1" if protected else "0",
+        )
         self._ent_args[name] = args
         self._ent_pool[name] = pool
         with contextlib.suppress(StoreUnavailable):  # replayed when Redis answers again
-            self._call(pool, "configure_entitlement", now, name, *args)
+            self._call(pool, "configure_entitlement", now, args)
 
-    def remove_entitlement(self, name: str) -> list[Lease]:
+    def remove_entitlement(self, name: str, now: float) -> list[Lease]:
         pool = self._ent_pool.pop(name, None)
         self._ent_args.pop(name, None)
         if pool is None:
             return []
-        rows = self._call(pool, "remove_entitlement", self._now, name)
+        rows = self._call(
+            pool, "remove_entitlement", now, wire.args("remove_entitlement", name=name)
+        )
         ended = [wire.lease(row, pool) for row in rows]
         for lease in ended:
             self._mine.pop(lease.lease_id, None)
@@ -205,56 +268,51 @@ class RedisStore:
 
     # -- the atomic step -----------------------------------------------------------------
 
-    def reserve(
-        self,
-        lease: Lease,
-        plan: ReservePlan,
-        now: float,
-        overcommit: bool = False,
-        evict: Sequence[str] = (),
-        demand: float = 0.0,
-    ) -> Shortfall | None:
-        reply = self._call(
-            lease.pool,
-            "reserve",
-            now,
-            *wire.lease_args(lease),
-            "1" if overcommit else "0",
-            wire.num(demand),
-            *wire.plan_args(plan),
-            *evict,
+    def admit(self, reservation: Reservation, now: float) -> Outcome:
+        pool = reservation.lease.pool
+        return self.admitted(
+            reservation, self._call(pool, "admit", now, wire.admit_args(reservation))
         )
-        if reply[0] != b"ok":
-            self._refusal = (
-                lease.pool,
-                lease.entitlement,
-                now,
-                wire.pool_counters(reply[1]),
-                wire.entitlement_counters(reply[2]),
-            )
-            return Shortfall(reply[0].decode())
-        lease.reserved_path = reply[1] == b"1"
-        lease.drew_own = reply[2] == b"1"
+
+    def admitted(self, reservation: Reservation, reply: Sequence[Any]) -> Outcome:
+        """Read the admit reply and book what it did in this replica's view."""
+        lease = reservation.lease
+        status, flags, ent, pool, rows = reply
+        counters = wire.entitlement_counters(ent)
+        if status != b"ok":
+            return Outcome(Shortfall(status.decode()), counters, wire.pool_counters(pool))
+        reserved, own, overcommit = (f == b"1" for f in flags)
+        lease.reserved_path, lease.drew_own = reserved, own
+        evicted = tuple(wire.lease(row, lease.pool) for row in rows)
         self._mine[lease.lease_id] = lease
-        for victim in evict:
-            self._mine.pop(victim, None)
-        return None
+        for victim in evicted:
+            self._mine.pop(victim.lease_id, None)
+        return Outcome(None, counters, evicted=evicted, overcommit=overcommit)
 
     # -- ending leases -------------------------------------------------------------------
 
     def _finish(self, lease_id: str, now: float, used: str, observed: float) -> Lease | None:
-        pool = self._pool_of_lease(lease_id)
+        pool = self._pool_of_lease(lease_id, now)
         if pool is None:
             return None
-        mine = self._mine.pop(lease_id, None)
+        args = self.finish_args(lease_id, used, observed)
+        mine = self.forget(lease_id)
         try:
-            row = self._call(pool, "finish", now, lease_id, used, wire.num(observed))
+            row = self._call(pool, "finish", now, args)
         except StoreUnavailable:
-            if mine is None:
-                raise
-            self._unsent.append((pool, [wire.num(now), lease_id, used, wire.num(observed)]))
-            return mine
+            return self.unsent(mine, pool, now, args)
         return None if row is None else wire.lease(row, pool)
+
+    @staticmethod
+    def finish_args(lease_id: str, used: str, observed: float) -> list[str]:
+        return wire.args("finish", id=lease_id, used=used, observed=wire.num(observed))
+
+    def unsent(self, mine: Lease | None, pool: str, now: float, args: list[str]) -> Lease:
+        """Keep the end of one of our leases for when Redis answers again."""
+        if mine is None:
+            raise StoreUnavailable("redis is unreachable and the lease is not ours")
+        self._unsent.append((pool, now, args))
+        return mine
 
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
         return self._finish(lease_id, now, wire.num(used_tokens), used_tokens)
@@ -262,11 +320,15 @@ class RedisStore:
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         return self._finish(lease_id, now, "0.0" if refund else "all", 0.0)
 
-    def renew(self, lease_id: str, expires_at: float) -> bool:
-        pool = self._pool_of_lease(lease_id)
+    def renew(self, lease_id: str, expires_at: float, now: float) -> bool:
+        pool = self._pool_of_lease(lease_id, now)
         if pool is None:
             return False
-        if self._call(pool, "renew", self._now, lease_id, wire.num(expires_at)) == 1:
+        args = wire.args("renew", id=lease_id, expires=wire.num(expires_at))
+        return self.renewed(lease_id, expires_at, self._call(pool, "renew", now, args))
+
+    def renewed(self, lease_id: str, expires_at: float, reply: Any) -> bool:
+        if reply == 1:
             mine = self._mine.get(lease_id)
             if mine is not None:
                 mine.expires_at = expires_at
@@ -275,33 +337,33 @@ class RedisStore:
         return False
 
     def adopt(self, lease: Lease, now: float) -> bool:
-        if self._call(lease.pool, "adopt", now, *wire.lease_args(lease)) != 1:
+        if self._call(lease.pool, "adopt", now, wire.lease_args(lease)) != 1:
             return False
         self._mine[lease.lease_id] = lease
         return True
 
     def expire(self, now: float) -> list[Lease]:
         ended = []
-        for pool in self._pool_args:
-            for row in self._call(pool, "expire", now):
+        for pool in list(self._pool_args):
+            for row in self._call(pool, "expire", now, ()):
                 lease = wire.lease(row, pool)
                 self._mine.pop(lease.lease_id, None)
                 ended.append(lease)
         return ended
 
-    def get_lease(self, lease_id: str) -> Lease | None:
+    def get_lease(self, lease_id: str, now: float) -> Lease | None:
         mine = self._mine.get(lease_id)
         if mine is not None:
             return mine
-        for pool in self._pool_args:
-            row = self._call(pool, "get_lease", self._now, lease_id)
+        for pool in list(self._pool_args):
+            row = self._call(pool, "get_lease", now, wire.args("get_lease", id=lease_id))
             if row is not None:
                 return wire.lease(row, pool)
         return None
 
-    def preemptible_leases(self, pool: str) -> Mapping[str, Mapping[str, Lease]]:
+    def preemptible_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
         groups: dict[str, dict[str, Lease]] = {}
-        for row in self._call(pool, "preemptible", self._now):
+        for row in self._call(pool, "preemptible", now, ()):
             lease = wire.lease(row, pool)
             groups.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         return groups
@@ -309,41 +371,37 @@ class RedisStore:
     # -- observation and scores ----------------------------------------------------------
 
     def take_window(self, name: str, now: float) -> Window:
-        reply = self._call(self._ent_pool[name], "take_window", now, name)
+        args = wire.args("take_window", name=name)
+        reply = self._call(self._ent_pool[name], "take_window", now, args)
         seconds, settled, demand, admitted, conc, kv = map(float, reply)
         return Window(seconds, settled, demand, admitted, conc, kv)
 
-    def scores(self, name: str) -> Scores:
-        reply = self._call(self._ent_pool[name], "scores", self._now, name)
+    def scores(self, name: str, now: float) -> Scores:
+        reply = self._call(self._ent_pool[name], "scores", now, wire.args("scores", name=name))
         if reply[0] is None:
             return Scores()
         debt, burst, priority = map(float, reply)
         return Scores(debt, burst, priority)
 
-    def set_scores(self, name: str, scores: Scores) -> None:
-        self._call(
-            self._ent_pool[name],
+    def set_scores(self, name: str, scores: Scores, now: float) -> None:
+        args = wire.args(
             "set_scores",
-            self._now,
-            name,
-            wire.num(scores.debt),
-            wire.num(scores.burst),
-            wire.num(scores.priority),
+            name=name,
+            debt=wire.num(scores.debt),
+            burst=wire.num(scores.burst),
+            priority=wire.num(scores.priority),
         )
+        self._call(self._ent_pool[name], "set_scores", now, args)
 
-    def claim_update(self, pool: str, period: int) -> bool:
-        return bool(self._call(pool, "claim_update", self._now, str(period)) == 1)
+    def claim_update(self, pool: str, period: int, now: float) -> bool:
+        args = wire.args("claim_update", period=str(period))
+        return bool(self._call(pool, "claim_update", now, args) == 1)
 
     def pool_counters(self, pool: str, now: float) -> PoolCounters:
-        refusal = self._refusal
-        if refusal is not None and refusal[0] == pool and refusal[2] == now:
-            return refusal[3]
-        return wire.pool_counters(self._call(pool, "pool_counters", now))
+        return wire.pool_counters(self._call(pool, "pool_counters", now, ()))
 
     def entitlement_counters(self, name: str, now: float) -> EntitlementCounters:
-        refusal = self._refusal
-        if refusal is not None and refusal[1] == name and refusal[2] == now:
-            return refusal[4]
+        args = wire.args("entitlement_counters", name=name)
         return wire.entitlement_counters(
-            self._call(self._ent_pool[name], "entitlement_counters", now, name)
+            self._call(self._ent_pool[name], "entitlement_counters", now, args)
         )

@@ -3,8 +3,9 @@
 -- leases
 
 local function lease_reply(id, l)
-  return { id, l.ent, fmt(l.tokens), fmt(l.kv), fmt(l.started), fmt(l.expires), fmt(l.pre),
-    fmt(l.reserved), fmt(l.own) }
+  local row = { id }
+  for _, f in ipairs(LEASE_ROW) do row[#row + 1] = fmt(l[f]) end
+  return row
 end
 
 local function book(id, l, e, p, now)

@@ -1,43 +1,41 @@
 -- Part 4 of the pool ledger script: the other operations and the dispatch.
 
 local function configure_pool(now)
-  -- ARGV: op, epoch, now, b_rate, b_depth, pb_rate, pb_depth, new epoch
   local p = load(P)
   if p == nil then
     p = { conc = 0.0, kv = 0.0, pre_c = 0.0, pre_k = 0.0, hold_c = 0.0, hold_k = 0.0, leases = 0 }
-    new_bucket(p, 'b_', tonumber(ARGV[4]), tonumber(ARGV[5]), now)
-    new_bucket(p, 'pb_', tonumber(ARGV[6]), tonumber(ARGV[7]), now)
+    new_bucket(p, 'b_', tonumber(ARGV[A.b_rate]), tonumber(ARGV[A.b_depth]), now)
+    new_bucket(p, 'pb_', tonumber(ARGV[A.pb_rate]), tonumber(ARGV[A.pb_depth]), now)
     save(P, p, POOL_FIELDS)
-    redis.call('HSET', P, 'epoch', ARGV[8], 'last_period', -1, 'seq', 0)
-    return ARGV[8]
+    redis.call('HSET', P, 'epoch', ARGV[A.new_epoch], 'last_period', -1, 'seq', 0)
+    return ARGV[A.new_epoch]
   end
-  reshape(p, 'b_', tonumber(ARGV[4]), tonumber(ARGV[5]), now)
-  reshape(p, 'pb_', tonumber(ARGV[6]), tonumber(ARGV[7]), now)
+  reshape(p, 'b_', tonumber(ARGV[A.b_rate]), tonumber(ARGV[A.b_depth]), now)
+  reshape(p, 'pb_', tonumber(ARGV[A.pb_rate]), tonumber(ARGV[A.pb_depth]), now)
   resync_protected_bucket(p, now)
   save(P, p, POOL_FIELDS)
   return p.epoch
 end
 
 local function configure_entitlement(p, now)
-  -- ARGV: op, epoch, now, name, o_rate, o_depth, hold_c, hold_k, protected
-  local name = ARGV[4]
+  local name = ARGV[A.name]
   local key = ent_key(name)
   local e = load(key)
   if e == nil then
     e = { conc = 0.0, kv = 0.0, leases = 0, hold_c = 0.0, hold_k = 0.0, t_acc = now,
       window_start = now, conc_s = 0.0, kv_s = 0.0, settled = 0.0, demand = 0.0, admitted = 0.0 }
-    new_bucket(e, 'o_', tonumber(ARGV[5]), tonumber(ARGV[6]), now)
+    new_bucket(e, 'o_', tonumber(ARGV[A.o_rate]), tonumber(ARGV[A.o_depth]), now)
     redis.call('HSET', key, 'debt', 0, 'burst', 0, 'priority', 0)
   else
-    reshape(e, 'o_', tonumber(ARGV[5]), tonumber(ARGV[6]), now)
+    reshape(e, 'o_', tonumber(ARGV[A.o_rate]), tonumber(ARGV[A.o_depth]), now)
   end
-  e.protected = tonumber(ARGV[9])
+  e.protected = tonumber(ARGV[A.protected])
   if e.protected == 1 then
     redis.call('SADD', P .. ':prot', name)
   else
     redis.call('SREM', P .. ':prot', name)
   end
-  e.base_c, e.base_k = tonumber(ARGV[7]), tonumber(ARGV[8])
+  e.base_c, e.base_k = tonumber(ARGV[A.hold_c]), tonumber(ARGV[A.hold_k])
   update_holdback(e, p)
   save(key, e, ENT_FIELDS)
   resync_protected_bucket(p, now)
@@ -45,8 +43,8 @@ local function configure_entitlement(p, now)
   return 'ok'
 end
 
-local function remove_entitlement(p)
-  local name = ARGV[4]
+local function remove_entitlement(p, now)
+  local name = ARGV[A.name]
   local key = ent_key(name)
   local e = load(key)
   if e == nil then return {} end
@@ -54,7 +52,7 @@ local function remove_entitlement(p)
   for _, id in ipairs(redis.call('ZRANGE', P .. ':exp', 0, -1)) do
     local l = load(lease_key(id))
     if l ~= nil and l.ent == name then
-      finish(id, l, e, p, e.t_acc, l.tokens, 0.0)
+      finish(id, l, e, p, now, l.tokens, 0.0)
       ended[#ended + 1] = lease_reply(id, l)
     end
   end
@@ -71,15 +69,14 @@ end
 local function adopt(p, now)
   -- Book a lease admitted elsewhere (a replica's local fallback, or a lease Redis lost) with no
   -- checks: the request is running. Charged to the pool bucket; settling refunds the rest.
-  -- ARGV: op, epoch, now, id, ent, tokens, kv, started, expires, pre
-  local id, name = ARGV[4], ARGV[5]
+  local id, name = ARGV[A.id], ARGV[A.ent]
   if redis.call('EXISTS', lease_key(id)) == 1 then return 0 end
   local ekey = ent_key(name)
   local e = load(ekey)
   if e == nil then return 0 end
-  local l = { ent = name, tokens = tonumber(ARGV[6]), kv = tonumber(ARGV[7]),
-    started = tonumber(ARGV[8]), expires = tonumber(ARGV[9]), pre = tonumber(ARGV[10]),
-    reserved = 0, own = 0 }
+  local l = { ent = name, tokens = tonumber(ARGV[A.tokens]), kv = tonumber(ARGV[A.kv]),
+    started = tonumber(ARGV[A.started]), expires = tonumber(ARGV[A.expires]),
+    pre = tonumber(ARGV[A.pre]), reserved = 0, own = 0 }
   refill(p, 'b_', now)
   p.b_level = p.b_level - l.tokens
   e.admitted = e.admitted + l.tokens
@@ -100,7 +97,7 @@ local function expire(p, now)
 end
 
 local function take_window(now)
-  local key = ent_key(ARGV[4])
+  local key = ent_key(ARGV[A.name])
   local e = load(key)
   accumulate(e, now)
   local reply = { fmt(now - e.window_start), fmt(e.settled), fmt(e.demand), fmt(e.admitted),
@@ -112,9 +109,10 @@ local function take_window(now)
 end
 
 local function set_scores()
-  local name = ARGV[4]
-  redis.call('HSET', ent_key(name), 'debt', ARGV[5], 'burst', ARGV[6], 'priority', ARGV[7])
-  redis.call('ZADD', P .. ':low', 'XX', ARGV[7], name)
+  local name = ARGV[A.name]
+  redis.call('HSET', ent_key(name), 'debt', ARGV[A.debt], 'burst', ARGV[A.burst],
+    'priority', ARGV[A.priority])
+  redis.call('ZADD', P .. ':low', 'XX', ARGV[A.priority], name)
   return 'ok'
 end
 
@@ -122,7 +120,7 @@ local now = tonumber(ARGV[3])
 if op == 'configure_pool' then return configure_pool(now) end
 -- the operations that change the pool's counters read its whole hash, epoch included
 local p = nil
-if op == 'reserve' or op == 'finish' then
+if op == 'admit' or op == 'finish' then
   p = load(P)
   if p == nil or p.epoch ~= ARGV[2] then
     return redis.error_reply('TPEPOCH ' .. tostring(p and p.epoch))
@@ -133,32 +131,32 @@ else
 end
 
 if op == 'renew' then
-  local key = lease_key(ARGV[4])
+  local key = lease_key(ARGV[A.id])
   if redis.call('EXISTS', key) == 0 then return 0 end
-  redis.call('HSET', key, 'expires', ARGV[5])
-  redis.call('ZADD', P .. ':exp', ARGV[5], ARGV[4])
+  redis.call('HSET', key, 'expires', ARGV[A.expires])
+  redis.call('ZADD', P .. ':exp', ARGV[A.expires], ARGV[A.id])
   return 1
 end
 if op == 'get_lease' then
-  local l = load(lease_key(ARGV[4]))
+  local l = load(lease_key(ARGV[A.id]))
   if l == nil then return nil end
-  return lease_reply(ARGV[4], l)
+  return lease_reply(ARGV[A.id], l)
 end
 if op == 'scores' then
-  return redis.call('HMGET', ent_key(ARGV[4]), 'debt', 'burst', 'priority')
+  return redis.call('HMGET', ent_key(ARGV[A.name]), 'debt', 'burst', 'priority')
 end
 if op == 'set_scores' then return set_scores() end
 if op == 'take_window' then return take_window(now) end
 if op == 'entitlement_counters' then
-  local key = ent_key(ARGV[4])
+  local key = ent_key(ARGV[A.name])
   local e = load(key)
   refill(e, 'o_', now)
   save(key, e, { 'o_level', 'o_t' })
-  return ent_counters(e)
+  return counters(e, ENT_COUNTERS)
 end
 if op == 'claim_update' then
-  if tonumber(ARGV[4]) <= tonumber(redis.call('HGET', P, 'last_period')) then return 0 end
-  redis.call('HSET', P, 'last_period', ARGV[4])
+  if tonumber(ARGV[A.period]) <= tonumber(redis.call('HGET', P, 'last_period')) then return 0 end
+  redis.call('HSET', P, 'last_period', ARGV[A.period])
   return 1
 end
 if op == 'preemptible' then
@@ -170,24 +168,23 @@ if op == 'preemptible' then
   return out
 end
 
-if op == 'reserve' then return reserve(p, now) end
+if op == 'admit' then return admit(p, now) end
 if op == 'finish' then
-  -- ARGV: op, epoch, now, id, used ('all' or tokens), observed
-  local used_all = ARGV[5] == 'all'
-  local l = finish_one(ARGV[4], p, now, used_all, tonumber(ARGV[5]) or 0.0, tonumber(ARGV[6]))
+  local id, used = ARGV[A.id], ARGV[A.used]
+  local l = finish_one(id, p, now, used == 'all', tonumber(used) or 0.0, tonumber(ARGV[A.observed]))
   if l == nil then return nil end
   save(P, p, POOL_FIELDS)
-  return lease_reply(ARGV[4], l)
+  return lease_reply(id, l)
 end
 p = load(P)
 if op == 'configure_entitlement' then return configure_entitlement(p, now) end
-if op == 'remove_entitlement' then return remove_entitlement(p) end
+if op == 'remove_entitlement' then return remove_entitlement(p, now) end
 if op == 'adopt' then return adopt(p, now) end
 if op == 'expire' then return expire(p, now) end
 if op == 'pool_counters' then
   refill(p, 'b_', now)
   refill(p, 'pb_', now)
   save(P, p, POOL_FIELDS)
-  return pool_counters(p)
+  return counters(p, POOL_COUNTERS)
 end
 return redis.error_reply('TPUNKNOWN operation ' .. op)

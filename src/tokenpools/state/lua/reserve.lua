@@ -1,95 +1,69 @@
 -- Part 3 of the pool ledger script (parts are joined in order; see storage.lua).
 
--- operations
+-- admission: a port of MemoryStore.admit and _reserve, and of control/eviction.py
 
-local function pool_counters(p)
-  return { fmt(p.conc), fmt(p.kv), fmt(p.pre_c), fmt(p.pre_k), fmt(p.hold_c), fmt(p.hold_k),
-    fmt(p.b_level), fmt(p.pb_level), fmt(p.leases) }
+local function counters(t, names)
+  local out = {}
+  for _, f in ipairs(names) do out[#out + 1] = fmt(t[f]) end
+  return out
 end
 
-local function ent_counters(e)
-  return { fmt(e.conc), fmt(e.kv), fmt(e.o_level), fmt(e.leases) }
-end
-
-local function reserve(p, now)
-  -- ARGV: op, epoch, now, id, ent, tokens, kv, started, expires, pre, overcommit, demand,
-  --       21 plan numbers, victim ids...
-  local id, name = ARGV[4], ARGV[5]
-  local tokens, kv = tonumber(ARGV[6]), tonumber(ARGV[7])
-  local overcommit, demand = ARGV[11] == '1', tonumber(ARGV[12])
-  local plan = {}
-  for i = 1, 21 do plan[i] = tonumber(ARGV[12 + i]) end
-  local ent_c, ent_k, own_required, base_c, base_k = plan[1], plan[2], plan[3] == 1, plan[4], plan[5]
-  local res_c, res_k, res_f, oc_c, oc_k, oc_f = plan[6], plan[7], plan[8], plan[9], plan[10], plan[11]
-  local sh_c, sh_k, np_c, np_k, sh_f, np_f = plan[12], plan[13], plan[14], plan[15], plan[16], plan[17]
-  local ct_c, ct_k, ct_b, window = plan[18], plan[19], plan[20], plan[21]
-
-  local ekey = ent_key(name)
-  local e = load(ekey)
-  if e == nil then return redis.error_reply('TPUNKNOWN entitlement ' .. name) end
-  if redis.call('EXISTS', lease_key(id)) == 1 then -- a retried call that had succeeded
-    local done = load(lease_key(id))
-    return { 'ok', fmt(done.reserved), fmt(done.own) }
-  end
-  e.demand = e.demand + demand
+-- One attempt to book lease `l` of entitlement `e`: nil if it fits (and is booked), else the
+-- comparison that failed. `victims` ({id, lease} pairs) count as gone, and end if it fits.
+local function attempt(p, e, l, plan, now, overcommit, victims)
+  local tokens, kv = l.tokens, l.kv
   local used_c, used_k, pre_c, pre_k = p.conc, p.kv, p.pre_c, p.pre_k
-  local victims = {}
-  for i = 34, #ARGV do
-    local v = load(lease_key(ARGV[i]))
-    if v ~= nil and v.pre == 1 then
-      victims[#victims + 1] = { ARGV[i], v }
-      used_c = used_c - 1
-      pre_c = pre_c - 1
-      used_k = used_k - v.kv
-      pre_k = pre_k - v.kv
-    end
-  end
-  -- A refusal answers with the counters the caller reads next (Retry-After, victims), read
-  -- as the memory store's pool_counters and entitlement_counters would: one round trip.
-  local function refuse(short, contended)
-    if contended then refused(name, e.priority, now) end
-    refill(e, 'o_', now)
-    refill(p, 'b_', now)
-    refill(p, 'pb_', now)
-    save(ekey, e, ENT_FIELDS)
-    save(P, p, POOL_FIELDS)
-    return { short, pool_counters(p), ent_counters(e) }
+  for _, victim in ipairs(victims) do
+    used_c = used_c - 1
+    pre_c = pre_c - 1
+    used_k = used_k - victim[2].kv
+    pre_k = pre_k - victim[2].kv
   end
   local conc_after = e.conc + 1
-  if conc_after > ent_c then return refuse('entitlement_concurrency', false) end
+  if conc_after > plan.ent_concurrency then return 'entitlement_concurrency' end
   refill(e, 'o_', now)
   local own_ok = e.o_level >= tokens
-  if own_required and not own_ok then return refuse('entitlement_throughput', false) end
+  if plan.own_required == 1 and not own_ok then return 'entitlement_throughput' end
   local kv_after = e.kv + kv
-  if kv_after > ent_k then return refuse('entitlement_kv', false) end
+  if kv_after > plan.ent_kv then return 'entitlement_kv' end
   refill(p, 'b_', now)
   refill(p, 'pb_', now)
+  local name = l.ent
+  local function contended(short)
+    refused(name, e.priority, now)
+    return short
+  end
 
-  local l = { ent = name, tokens = tokens, kv = kv, started = tonumber(ARGV[8]),
-    expires = tonumber(ARGV[9]), pre = tonumber(ARGV[10]), reserved = 0, own = 0 }
-  if own_ok and conc_after <= base_c and kv_after <= base_k then
-    local lc, lk, lf = res_c, res_k, res_f
-    if overcommit then lc, lk, lf = oc_c, oc_k, oc_f end
-    if used_c + 1 > lc then return refuse('pool_concurrency', true) end
-    if used_k + kv > lk then return refuse('pool_kv', true) end
-    if p.b_level - tokens < lf then return refuse('pool_throughput', true) end
+  if own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv then
+    local lc, lk, lf = plan.reserved_concurrency, plan.reserved_kv, plan.reserved_bucket_floor
+    if overcommit then
+      lc, lk, lf = plan.overcommit_concurrency, plan.overcommit_kv, plan.overcommit_bucket_floor
+    end
+    if used_c + 1 > lc then return contended('pool_concurrency') end
+    if used_k + kv > lk then return contended('pool_kv') end
+    if p.b_level - tokens < lf then return contended('pool_throughput') end
     e.o_level = e.o_level - tokens
     p.pb_level = p.pb_level - tokens
     l.reserved, l.own = 1, 1
   else
     local hold_c, hold_k = p.hold_c, p.hold_k
     local unreserved = p.b_level - p.pb_level - tokens
-    if (used_c + hold_c + 1 > ct_c or used_k + hold_k + kv > ct_k or unreserved < ct_b)
-        and outranked(name, e.priority, now - window) then
-      return refuse('low_priority', true)
+    if (used_c + hold_c + 1 > plan.contended_concurrency
+        or used_k + hold_k + kv > plan.contended_kv
+        or unreserved < plan.contended_bucket)
+        and outranked(name, e.priority, now - plan.contention_window_s) then
+      return contended('low_priority')
     end
-    if used_c - pre_c + hold_c + 1 > np_c then return refuse('reserved_concurrency', true) end
-    if used_k - pre_k + hold_k + kv > np_k then return refuse('reserved_kv', true) end
-    if unreserved < np_f then return refuse('reserved_throughput', true) end
-    if used_c + 1 > sh_c then return refuse('pool_concurrency', true) end
-    if used_k + kv > sh_k then return refuse('pool_kv', true) end
-    if p.b_level - tokens < sh_f then return refuse('pool_throughput', true) end
-    if own_required then
+    -- What is held for protected baselines first: evicting preemptible work cannot help there.
+    if used_c - pre_c + hold_c + 1 > plan.shared_np_concurrency then
+      return contended('reserved_concurrency')
+    end
+    if used_k - pre_k + hold_k + kv > plan.shared_np_kv then return contended('reserved_kv') end
+    if unreserved < plan.shared_np_bucket_floor then return contended('reserved_throughput') end
+    if used_c + 1 > plan.shared_concurrency then return contended('pool_concurrency') end
+    if used_k + kv > plan.shared_kv then return contended('pool_kv') end
+    if p.b_level - tokens < plan.shared_bucket_floor then return contended('pool_throughput') end
+    if plan.own_required == 1 then
       e.o_level = e.o_level - tokens
       l.own = 1
     end
@@ -107,8 +81,93 @@ local function reserve(p, now)
   end
   p.b_level = p.b_level - tokens
   e.admitted = e.admitted + tokens
-  book(id, l, e, p, now)
+  book(l.id, l, e, p, now)
+  return nil
+end
+
+-- Preemptible leases of the entitlements in `order` (that order; the newest first within
+-- one) until a request of `kv` tokens fits the pool's shared capacity; none if it never would.
+local function choose_victims(p, plan, kv, order)
+  local need_c = p.conc + 1 - plan.shared_concurrency
+  local need_k = p.kv + kv - plan.shared_kv
+  if need_c > p.pre_c or need_k > p.pre_k then return {} end
+  local wanted, groups = {}, {}
+  for _, name in ipairs(order) do wanted[name] = true end
+  for _, id in ipairs(redis.call('ZREVRANGE', P .. ':pre', 0, -1)) do
+    local v = load(lease_key(id))
+    if v ~= nil and wanted[v.ent] then
+      local group = groups[v.ent]
+      if group == nil then
+        group = {}
+        groups[v.ent] = group
+      end
+      group[#group + 1] = { id, v }
+    end
+  end
+  local victims = {}
+  for _, name in ipairs(order) do
+    for _, victim in ipairs(groups[name] or {}) do
+      if need_c <= 0 and need_k <= 0 then return victims end
+      victims[#victims + 1] = victim
+      need_c = need_c - 1
+      need_k = need_k - victim[2].kv
+    end
+  end
+  if need_c <= 0 and need_k <= 0 then return victims end
+  return {}
+end
+
+local POOL_SHORTFALLS = { pool_concurrency = true, pool_kv = true, pool_throughput = true }
+
+local function admit(p, now)
+  local id, name = ARGV[A.id], ARGV[A.ent]
+  local plan = {}
+  for i, f in ipairs(PLAN_FIELDS) do plan[f] = tonumber(ARGV[PLAN_AT + i - 1]) end
+  local order = {}
+  for i = VICTIMS_AT, #ARGV do order[#order + 1] = ARGV[i] end
+  local ekey = ent_key(name)
+  local e = load(ekey)
+  if e == nil then return redis.error_reply('TPUNKNOWN entitlement ' .. name) end
+  if redis.call('EXISTS', lease_key(id)) == 1 then
+    return redis.error_reply('TPDUPLICATE request id ' .. id .. ' already holds a lease')
+  end
+  local function new_lease()
+    return { id = id, ent = name, tokens = tonumber(ARGV[A.tokens]),
+      kv = tonumber(ARGV[A.kv]), started = tonumber(ARGV[A.started]),
+      expires = tonumber(ARGV[A.expires]), pre = tonumber(ARGV[A.pre]),
+      reserved = 0, own = 0 }
+  end
+  e.demand = e.demand + tonumber(ARGV[A.demand])
+  local l = new_lease()
+  local short = attempt(p, e, l, plan, now, false, {})
+  local overcommit, evicted = 0, {}
+  if short == 'pool_concurrency' or short == 'pool_kv' then
+    local victims = {}
+    if #order > 0 then victims = choose_victims(p, plan, l.kv, order) end
+    if #victims > 0 then
+      l = new_lease()
+      if attempt(p, e, l, plan, now, false, victims) == nil then
+        for _, victim in ipairs(victims) do evicted[#evicted + 1] = lease_reply(victim[1], victim[2]) end
+        short = nil
+      end
+    end
+  end
+  if short ~= nil and ARGV[A.may_overcommit] == '1' and POOL_SHORTFALLS[short] then
+    l = new_lease()
+    if attempt(p, e, l, plan, now, true, {}) == nil then
+      overcommit = 1
+      short = nil
+    end
+  end
+  refill(e, 'o_', now)
+  local pool = {}
+  if short ~= nil then
+    refill(p, 'b_', now)
+    refill(p, 'pb_', now)
+    pool = counters(p, POOL_COUNTERS)
+  end
   save(ekey, e, ENT_FIELDS)
   save(P, p, POOL_FIELDS)
-  return { 'ok', fmt(l.reserved), fmt(l.own) }
+  local flags = { reserved = l.reserved, own = l.own, overcommit = overcommit }
+  return { short or 'ok', counters(flags, ADMIT_FLAGS), counters(e, ENT_COUNTERS), pool, evicted }
 end

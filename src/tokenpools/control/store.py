@@ -1,9 +1,12 @@
-"""The store port: everything the decision core keeps between events.
+"""The store port: what the decision core keeps between events, and the words it uses.
 
-The one capacity-changing step, `reserve`, checks a lease's cost against the numbers of a
-`ReservePlan` and books it, atomically. The plan is plain numbers that control/ computed from the
-config, so a Redis Lua script can run the same comparisons in one round trip. Everything else
-(settle, release, expiry, windows, scores) touches one lease or one entitlement at a time.
+The core owns this contract; state/ implements it (in memory, or in Redis for several gateway
+replicas) and hosts choose which store the core gets. The one capacity-changing step, `admit`,
+runs a whole admission atomically: the paper's checks against the numbers of a `ReservePlan`,
+the choice of preemptible victims, the overcommit retry, and the counters a refusal is explained
+with, so a shared store answers it in one round trip. The plan is plain numbers that control/
+computed from the config. Everything else (settle, release, expiry, windows, scores) touches one
+lease or one entitlement at a time. Every method takes `now`: no store keeps a clock.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class StoreUnavailable(Exception):
 
 
 class Shortfall(StrEnum):
-    """Which comparison of `reserve` failed, in the order they are made."""
+    """Which comparison of an admission failed, in the order they are made."""
 
     ENTITLEMENT_CONCURRENCY = "entitlement_concurrency"  # paper check 3
     ENTITLEMENT_THROUGHPUT = "entitlement_throughput"  # paper check 4
@@ -133,6 +136,30 @@ class Scores:
     priority: float = 0.0
 
 
+@dataclass(slots=True)
+class Reservation:
+    """One admission as the store runs it, in one atomic step."""
+
+    lease: Lease
+    plan: ReservePlan
+    demand: float  # tokens added to the entitlement's demand window, admitted or not
+    # Entitlements whose preemptible leases may be ended to make room, in eviction order
+    # (lowest priority first); within one, the newest lease goes first.
+    victims: Sequence[str] = ()
+    may_overcommit: bool = False  # a protected request may lend past a full pool
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the store did with a `Reservation`."""
+
+    shortfall: Shortfall | None  # None: admitted (lease.reserved_path and drew_own are set)
+    entitlement: EntitlementCounters  # after the step: the rate-limit headers need them
+    pool: PoolCounters | None = None  # after a refusal: Retry-After needs them
+    evicted: tuple[Lease, ...] = ()  # preemptible leases ended to admit this one
+    overcommit: bool = False
+
+
 class Store(Protocol):
     def configure_pool(
         self, pool: str, bucket: BucketSpec, protected_bucket: BucketSpec, now: float
@@ -149,29 +176,20 @@ class Store(Protocol):
         protected: bool = False,
     ) -> None: ...
 
-    def remove_entitlement(self, name: str) -> list[Lease]: ...
+    def remove_entitlement(self, name: str, now: float) -> list[Lease]: ...
 
-    def reserve(
-        self,
-        lease: Lease,
-        plan: ReservePlan,
-        now: float,
-        overcommit: bool = False,
-        evict: Sequence[str] = (),
-        demand: float = 0.0,
-    ) -> Shortfall | None:
-        """Check the lease against the plan and book it, atomically; None on success.
-
-        `evict` names preemptible leases of the pool to end in the same step: the checks
-        count them as gone, and they are ended only if the reservation succeeds. `demand`
-        tokens are added to the entitlement's demand window whatever the outcome."""
+    def admit(self, reservation: Reservation, now: float) -> Outcome:
+        """Check the lease against the plan and book it, atomically. Failing on the pool's
+        concurrency or KV, it tries again counting the chosen victims as gone (they end only if
+        that succeeds); failing on the pool with `may_overcommit`, it tries the overcommit
+        limits. The refusal reported is the first attempt's."""
         ...
 
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None: ...
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None: ...
 
-    def renew(self, lease_id: str, expires_at: float) -> bool: ...
+    def renew(self, lease_id: str, expires_at: float, now: float) -> bool: ...
 
     def adopt(self, lease: Lease, now: float) -> bool:
         """Book a lease admitted elsewhere (a replica's local fallback while the store was
@@ -180,20 +198,20 @@ class Store(Protocol):
 
     def expire(self, now: float) -> list[Lease]: ...
 
-    def get_lease(self, lease_id: str) -> Lease | None: ...
+    def get_lease(self, lease_id: str, now: float) -> Lease | None: ...
 
-    def preemptible_leases(self, pool: str) -> Mapping[str, Mapping[str, Lease]]:
+    def preemptible_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
         """In-flight preemptible leases by entitlement, then by id, oldest first; only
         entitlements with leases appear. A read-only view: do not mutate."""
         ...
 
     def take_window(self, name: str, now: float) -> Window: ...
 
-    def scores(self, name: str) -> Scores: ...
+    def scores(self, name: str, now: float) -> Scores: ...
 
-    def set_scores(self, name: str, scores: Scores) -> None: ...
+    def set_scores(self, name: str, scores: Scores, now: float) -> None: ...
 
-    def claim_update(self, pool: str, period: int) -> bool: ...
+    def claim_update(self, pool: str, period: int, now: float) -> bool: ...
 
     def pool_counters(self, pool: str, now: float) -> PoolCounters: ...
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenpools.control.store import Window
 from tokenpools.model.resources import Resources
-from tokenpools.state.base import Window
 
 
 @dataclass(frozen=True, slots=True)

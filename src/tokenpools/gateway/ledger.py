@@ -1,0 +1,101 @@
+"""The gateway's way to the decision core and its store, so the event loop never waits on
+the network.
+
+With the embedded memory store every call runs inline: nothing waits. With a shared store
+(Redis), the request path (admit, settle, release, renew) awaits one round trip each through
+the store's asyncio client, with the core deciding before and after (`prepare`, `decide`); the
+background work (ticks, reloads, capacity changes, metrics and admin reads), several calls each,
+runs on one worker thread, one piece at a time, so it never runs alongside itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
+
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Decision, Reject
+from tokenpools.control.store import Lease, Outcome, StoreUnavailable
+from tokenpools.model.request import RequestCost, Usage
+
+if TYPE_CHECKING:
+    from tokenpools.state.redis_async import AsyncRedisLedger
+
+T = TypeVar("T")
+
+
+class GatewayLedger:
+    def __init__(self, core: DecisionCore, shared: AsyncRedisLedger | None = None) -> None:
+        self.core = core
+        self.shared = shared
+        self._worker = (
+            None if shared is None else ThreadPoolExecutor(1, thread_name_prefix="tokenpools")
+        )
+        self._ending: set[asyncio.Task[None]] = set()
+
+    async def admit(self, entitlement: str, cost: RequestCost, now: float) -> Decision:
+        if self.shared is None:
+            return self.core.admit(entitlement, cost, now)
+        step = self.core.prepare(entitlement, cost, now)
+        if isinstance(step, Reject):
+            return step
+        try:
+            outcome: Outcome | None = await self.shared.admit(step.reservation, now)
+        except StoreUnavailable:
+            outcome = None
+        return self.core.decide(step, outcome, now)
+
+    def end(self, lease: Lease, usage: Usage | None, now: float, refund: bool = True) -> None:
+        """Settle a finished request on its usage, or release it (no usage: `refund` or charge
+        the whole reservation). With a shared store the call is a task of its own, so a
+        request cancelled mid-way still ends its lease."""
+        if self.shared is None or lease.lease_id in self.core.fallback.leases:
+            if usage is None:
+                self.core.release(lease.lease_id, now, refund=refund)
+            else:
+                self.core.settle(lease.lease_id, usage, now)
+            return
+        task = asyncio.get_running_loop().create_task(self._end(lease, usage, now, refund))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def _end(self, lease: Lease, usage: Usage | None, now: float, refund: bool) -> None:
+        assert self.shared is not None
+        try:
+            if usage is None:
+                await self.shared.release(lease, now, refund=refund)
+            else:
+                await self.shared.settle(lease, self.core.used_tokens(lease, usage), now)
+                self.core.finished(lease, now)
+        except StoreUnavailable:  # ours is sent when Redis answers; another's expires there
+            pass
+
+    async def renew(self, lease: Lease, now: float) -> bool:
+        """False: the lease has ended elsewhere (evicted by another replica, or expired)."""
+        if self.shared is None or lease.lease_id in self.core.fallback.leases:
+            return self.core.renew(lease.lease_id, now)
+        try:
+            return await self.shared.renew(lease, now + self.core.policy.lease_ttl_s, now)
+        except StoreUnavailable:  # keep running; the store is asked again next time
+            return True
+
+    async def background(self, fn: Callable[..., T], *args: object) -> T:
+        """Run work that may call the store several times: inline on the memory store, on
+        the worker thread on a shared one."""
+        if self._worker is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def start(self) -> None:
+        if self.shared is not None:
+            await self.shared.warm()
+
+    async def aclose(self) -> None:
+        """Wait for the lease ends in flight, then close the store's connections."""
+        if self._ending:
+            await asyncio.gather(*self._ending, return_exceptions=True)
+        if self.shared is not None:
+            await self.shared.aclose()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)

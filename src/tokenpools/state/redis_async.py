@@ -1,0 +1,119 @@
+"""The Redis store's hot path for an asyncio host: admit, settle, release and renew, each one
+awaited call of the same script (redis.asyncio), sharing the replica's bookkeeping with its
+`RedisStore`. What is rare and may take several calls (booking our leases again after Redis
+lost its data, sending lease ends kept during an outage) runs on a worker thread through the
+synchronous store, so the event loop never waits on Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
+from tokenpools.state import redis_wire as wire
+from tokenpools.state.redis_store import FAILURES, RedisStore, client_options
+
+# Connections to Redis per replica. Redis runs one script at a time, so more buy nothing; a
+# request beyond them waits for one (bounded: each call holds it at most one timeout), which
+# is congestion here, not an unreachable Redis.
+CONNECTIONS = 32
+POOL_WAIT_S = 5.0
+
+
+class AsyncRedisLedger:
+    def __init__(self, store: RedisStore) -> None:
+        self.store = store
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            store.url,
+            max_connections=CONNECTIONS,
+            timeout=POOL_WAIT_S,
+            **client_options(store.timeout_s),
+        )
+        self.client = redis.asyncio.Redis(connection_pool=pool)
+        self._script = self.client.register_script(wire.SCRIPT)
+        self._flushing: asyncio.Task[None] | None = None
+
+    async def warm(self) -> None:
+        """Open the connections before the first requests, so that a burst of them does not
+        pay for (or time out on) opening them; an unreachable Redis is left to the calls."""
+        pool = self.client.connection_pool
+        opened = await asyncio.gather(
+            *(pool.get_connection() for _ in range(CONNECTIONS)),  # type: ignore[no-untyped-call]
+            return_exceptions=True,
+        )
+        for conn in opened:
+            if not isinstance(conn, BaseException):
+                await pool.release(conn)
+
+    async def aclose(self) -> None:
+        if self._flushing is not None:
+            await asyncio.gather(self._flushing, return_exceptions=True)
+        await self.client.aclose()
+
+    async def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
+        store = self.store
+        store.check_available()
+        if store.has_unsent and self._flushing is None:
+            # Sent aside, not waited for: until they arrive Redis counts those leases as
+            # still running, which errs on the safe side.
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        try:
+            reply = await self._run(pool, op, now, args)
+        except FAILURES as exc:
+            raise store.went_down(exc) from exc
+        store.answered()
+        return reply
+
+    async def _flush(self) -> None:
+        try:
+            await asyncio.to_thread(self.store.send_unsent)
+        except FAILURES as exc:
+            self.store.went_down(exc)
+        finally:
+            self._flushing = None
+
+    async def _eval(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
+        keys, argv = self.store.call_args(pool, op, epoch, now, args)
+        # One timeout for the whole call, the wait for a free connection included: a stalled
+        # Redis costs a request one timeout, however many requests queue behind it.
+        async with asyncio.timeout(self.store.timeout_s):
+            return await self._script(keys=keys, args=argv)
+
+    async def _run(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
+        epoch = self.store.epoch(pool)
+        try:
+            return await self._eval(pool, op, epoch, now, args)
+        except redis.ResponseError as exc:
+            if not self.store.needs_rejoin(exc):
+                raise
+        await asyncio.to_thread(self.store.rejoin, pool, now, epoch)
+        return await self._eval(pool, op, self.store.epoch(pool), now, args)
+
+    async def admit(self, reservation: Reservation, now: float) -> Outcome:
+        pool = reservation.lease.pool
+        reply = await self._call(pool, "admit", now, wire.admit_args(reservation))
+        return self.store.admitted(reservation, reply)
+
+    async def settle(self, lease: Lease, used_tokens: float, now: float) -> None:
+        await self._finish(lease, now, wire.num(used_tokens), used_tokens)
+
+    async def release(self, lease: Lease, now: float, refund: bool = True) -> None:
+        await self._finish(lease, now, "0.0" if refund else "all", 0.0)
+
+    async def _finish(self, lease: Lease, now: float, used: str, observed: float) -> None:
+        store = self.store
+        args = store.finish_args(lease.lease_id, used, observed)
+        mine = store.forget(lease.lease_id)
+        try:
+            await self._call(lease.pool, "finish", now, args)
+        except StoreUnavailable:
+            store.unsent(mine, lease.pool, now, args)  # raises again if it is not ours
+
+    async def renew(self, lease: Lease, expires_at: float, now: float) -> bool:
+        args = wire.args("renew", id=lease.lease_id, expires=wire.num(expires_at))
+        reply = await self._call(lease.pool, "renew", now, args)
+        return self.store.renewed(lease.lease_id, expires_at, reply)
