@@ -3,10 +3,11 @@
 1. Admission: `DecisionCore.admit` + `settle` on a RedisStore against a redis-server on
    loopback, 100 entitlements of every class in one pool, a mix that is admitted and rejected.
    Latency per call, several runs; the memory store is measured in the same run as baseline.
-2. Gateway: closed loop, 64 concurrent non-streaming requests, against one gateway process on
+2. Round trips: script calls Redis served for one admission, one refusal and one settle.
+3. Gateway: closed loop, 64 concurrent non-streaming requests, against one gateway process on
    Redis, then three (the client spreads its requests over them), with an emulator (no step
-   delay) as backend; one gateway on the memory store is the baseline. The machine has 2 cores
-   shared by every process: read ratios, not absolutes.
+   delay) as backend; one gateway on the memory store is the baseline, measured in turn with
+   them in each repeat. The machine has 2 cores shared by every process: read ratios.
 
     python benchmarks/redis_store.py --json out/redis_store.json [--seconds 5] [--repeats 3]
 """
@@ -33,6 +34,7 @@ from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
+from tokenpools.state.memory import MemoryStore
 from tokenpools.state.redis_store import RedisStore
 
 CLASSES = ["guaranteed", "dedicated", "elastic", "spot", "preemptible"]
@@ -103,9 +105,11 @@ def admission(url: str, repeats: int, n: int) -> dict[str, Any]:
         rows["ping"].append({"p50_ms": p50, "p99_ms": p99})
         for backend in ("memory", "redis"):
             store = (
-                RedisStore(url, timeout_s=1.0, prefix=f"bench{run}") if backend == "redis" else None
+                RedisStore(url, timeout_s=1.0, prefix=f"bench{run}")
+                if backend == "redis"
+                else MemoryStore()
             )
-            core = DecisionCore(config, store=store, now=1000.0 * run)
+            core = DecisionCore(config, store, now=1000.0 * run)
             admit_s, settle_s = admission_run(core, n, run)
             rows[backend].append(
                 {
@@ -125,49 +129,84 @@ def admission(url: str, repeats: int, n: int) -> dict[str, Any]:
     return rows
 
 
-async def gateways_rps(
-    emu_url: str, state: dict[str, Any], replicas: int, seconds: float, repeats: int
-) -> list[float]:
+async def start_gateways(
+    emu_url: str, state: dict[str, Any], replicas: int
+) -> tuple[list[str], list[Any], Path]:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(bench_config(emu_url, state), f)
     ports = [free_port() for _ in range(replicas)]
     procs = [spawn(["serve", "--config", f.name, "--port", str(p)]) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    try:
-        for url, proc in zip(urls, procs, strict=True):
-            await wait_ready(f"{url}/readyz", proc)
-        runs = []
-        for _ in range(repeats):
-            # 64 clients in all, spread evenly over the replicas
-            rates = await asyncio.gather(
-                *(closed_loop(url, 64 // replicas, seconds) for url in urls)
-            )
-            runs.append(sum(rates))
-        return runs
-    finally:
-        stop(*procs)
-        Path(f.name).unlink()
+    for url, proc in zip(urls, procs, strict=True):
+        await wait_ready(f"{url}/readyz", proc)
+    return urls, procs, Path(f.name)
 
 
 async def gateway(url: str, seconds: float, repeats: int) -> dict[str, list[float]]:
+    """Every setup runs at once, idle but for the one measured; the setups take turns in
+    each repeat, so drift on this shared machine touches them alike."""
     emu_port = free_port()
     emu_url = f"http://127.0.0.1:{emu_port}"
     emulator = spawn(
         ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "0", "--port", str(emu_port)]
     )
     redis_state = {"backend": "redis", "url": url, "keyPrefix": "gwbench"}
+    setups = {"memory_1": ({}, 1), "redis_1": (redis_state, 1), "redis_3": (redis_state, 3)}
+    started: dict[str, tuple[list[str], list[Any], Path]] = {}
     try:
         await wait_ready(f"{emu_url}/health", emulator)
-        out = {
-            "memory_1": await gateways_rps(emu_url, {}, 1, seconds, repeats),
-            "redis_1": await gateways_rps(emu_url, redis_state, 1, seconds, repeats),
-            "redis_3": await gateways_rps(emu_url, redis_state, 3, seconds, repeats),
-        }
+        for name, (state, replicas) in setups.items():
+            started[name] = await start_gateways(emu_url, state, replicas)
+        out: dict[str, list[float]] = {name: [] for name in setups}
+        for _ in range(repeats):
+            for name, (urls, _, _) in started.items():
+                # 64 clients in all, spread evenly over the replicas
+                rates = await asyncio.gather(
+                    *(closed_loop(u, 64 // len(urls), seconds) for u in urls)
+                )
+                out[name].append(sum(rates))
         for name, runs in out.items():
             print(f"gateway {name}: {', '.join(f'{r:.0f}' for r in runs)} req/s", file=sys.stderr)
         return out
     finally:
+        for _, procs, path in started.values():
+            stop(*procs)
+            path.unlink()
         stop(emulator)
+
+
+def round_trips(url: str) -> dict[str, int]:
+    """Script calls Redis served for one admitted request (admit, settle) and one refusal."""
+    config = parse_config(
+        {
+            **core_config(),
+            "entitlements": [
+                {"name": "gold", "serviceClass": "guaranteed", "pool": "p", "concurrency": 1}
+            ],
+        }
+    )
+    client = redis.Redis.from_url(url)
+    core = DecisionCore(config, RedisStore(url, timeout_s=1.0, prefix="trips"), now=1.0)
+
+    def calls() -> int:
+        stats = client.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+    core.tick(1.0)  # configuration and the first update period done before counting
+    before = calls()
+    first = core.admit("gold", RequestCost(10, 10), 1.0)
+    after_admit = calls()
+    refused = core.admit("gold", RequestCost(10, 10), 1.0)
+    after_refusal = calls()
+    assert isinstance(first, Admit) and not isinstance(refused, Admit)
+    core.settle(first.lease.lease_id, Usage(10, 10), 1.0)
+    after_settle = calls()
+    client.close()
+    return {
+        "admit": after_admit - before,
+        "refusal": after_refusal - after_admit,
+        "settle": after_settle - after_refusal,
+    }
 
 
 def main() -> None:
@@ -179,7 +218,9 @@ def main() -> None:
     args = parser.parse_args()
     with redis_server() as (url, _):
         adm = admission(url, args.repeats, args.decisions)
+        trips = round_trips(url)
         gw = asyncio.run(gateway(url, args.seconds, args.repeats))
+    ratios = [r / m for r, m in zip(gw["redis_1"], gw["memory_1"], strict=True)]
 
     def med(rows: list[dict[str, float]], key: str) -> float:
         return statistics.median(r[key] for r in rows)
@@ -196,7 +237,11 @@ def main() -> None:
         "memory_admission_p50_ms": med(adm["memory"], "admit_p50_ms"),
         "memory_admission_p99_ms": med(adm["memory"], "admit_p99_ms"),
         "memory_gateway_rps_1_replica": statistics.median(gw["memory_1"]),
-        "runs": {"admission": adm, "gateway_rps": gw},
+        "gateway_rps_memory": statistics.median(gw["memory_1"]),
+        # each run's Redis replica against the memory replica measured next to it
+        "gateway_redis_vs_memory": statistics.median(ratios),
+        "round_trips": trips,
+        "runs": {"admission": adm, "gateway_rps": gw, "redis_vs_memory": ratios},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
