@@ -53,7 +53,7 @@ def test_counters_and_lease_rows_map_every_field_to_a_stored_one() -> None:
 
 def test_the_generated_prelude_is_what_the_script_starts_with() -> None:
     assert wire.SCRIPT.startswith(wire.prelude())
-    assert "local ARGS" in wire.prelude() and "local PLAN_AT" in wire.prelude()
+    assert "local A = {}" in wire.prelude() and "local PLAN_AT" in wire.prelude()
 
 
 def test_arguments_are_checked_by_name() -> None:
