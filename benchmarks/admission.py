@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from tokenpools import core_build
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import Config, parse_config
@@ -181,6 +182,7 @@ def main() -> None:
             "baseline_token_bucket_per_s": statistics.median(baselines),
             "ratio_to_baseline": statistics.median(rate) / statistics.median(baselines),
             "repeats": args.repeats,
+            "core": core_build(),  # "compiled" (mypyc) or "pure Python"
             "decisions": args.decisions,
         }
         rows.append(row)

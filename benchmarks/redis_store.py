@@ -29,6 +29,7 @@ import redis
 import yaml
 
 from gateway import bench_config, closed_loop, pct
+from tokenpools import core_build
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
@@ -249,6 +250,7 @@ def main() -> None:
         # each run's Redis replica against the memory replica measured next to it
         "gateway_redis_vs_memory": statistics.median(ratios),
         "round_trips": trips,
+        "core": core_build(),
         "runs": {"admission": adm, "gateway_rps": gw, "redis_vs_memory": ratios},
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from tokenpools import core_build
 from tokenpools.sim.scenario import load_scenario
 from tokenpools.sim.simulator import simulate
 
@@ -53,6 +54,7 @@ def main() -> None:
             "ratio_to_none": statistics.median(walls) / statistics.median(base_walls),
             "goal_s": goal,
             "repeats": args.repeats,
+            "core": core_build(),  # "compiled" (mypyc) or "pure Python"
         }
         rows.append(row)
         print(

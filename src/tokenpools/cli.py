@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tokenpools import core_build
 from tokenpools.commands.backend import backend_app
 from tokenpools.commands.common import fail, progress
 from tokenpools.commands.k8s import k8s_app, operator
@@ -88,6 +89,7 @@ def check_config(
     unbound = [n for n, v in core.entitlements.items() if v.state != BindingState.BOUND]
     if unbound:
         console.print(f"[yellow]not bound:[/] {', '.join(unbound)}")
+    console.print(f"decision core: {core_build()}")
     state = config.state
     if state.backend == "redis":  # not contacted here: checking a file needs no Redis
         console.print(

@@ -100,7 +100,7 @@ def _lua_list(names: Sequence[str]) -> str:
 def prelude() -> str:
     """The Lua constants generated from the declarations above."""
     # Only the called operation's table is built: the script runs this on every call.
-    ops = []
+    ops: list[str] = []
     for op, names in OPS.items():
         at = ", ".join(f"{name} = {len(HEADER) + i + 1}" for i, name in enumerate(names))
         ops.append(f"{'if' if not ops else 'elseif'} ARGV[1] == '{op}' then A = {{ {at} }}")
