@@ -60,7 +60,7 @@ def test_threshold_matches_brute_force(script: list[tuple[object, ...]]) -> None
         if event[0] == "book":
             seq += 1
             lease = Lease(str(seq), "p", event[1], 1.0, 1.0, 0.0, 1e9, False)
-            assert store.admit(Reservation(lease, OPEN, 0.0), 0.0).shortfall is None
+            assert store.admit(Reservation(lease, OPEN, 0.0, (), 0, False), 0.0).shortfall is None
             live.append(lease)
         elif event[0] == "end" and live:
             lease = live.pop(event[1] % len(live))

@@ -32,6 +32,7 @@ class EntitlementView:
     plan: ReservePlan
     own_bucket: BucketSpec
     preemptible: bool
+    protected: bool  # dedicated or guaranteed: may overcommit past a full pool
     default_max_tokens: int
     max_tokens: float  # a request above either limit can never be admitted
     max_kv: float
@@ -48,6 +49,7 @@ class PoolView:
     last_period: int = -1
     scores_pending: bool = False  # another replica's update of this period is not read yet
     preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
+    preemptible_priorities: list[float] = field(default_factory=list)  # theirs, same order
     per_replica_override: Resources | None = None  # set by set_capacity; outlives reloads
 
 
@@ -163,6 +165,7 @@ class Catalog:
                     plan=plan,
                     own_bucket=own,
                     preemptible=ent.service_class == ServiceClass.PREEMPTIBLE,
+                    protected=ent.protected,
                     default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
                     max_tokens=max_tokens,
                     max_kv=max_kv,
@@ -182,6 +185,7 @@ class Catalog:
     def _order_preemptible(self, view: PoolView) -> None:
         names = [n for n in view.members if self._ents[n].preemptible]
         view.preemptible_order = sorted(names, key=lambda n: (self._ents[n].priority, n))
+        view.preemptible_priorities = [self._ents[n].priority for n in view.preemptible_order]
 
     def _priority_of(self, view: EntitlementView, scores: Scores) -> float:
         ent = view.ent

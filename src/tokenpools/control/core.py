@@ -7,6 +7,7 @@ caches; everything that changes per request lives in the store.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -46,13 +47,12 @@ from tokenpools.model.resources import Resources
 
 
 @dataclass(slots=True)
-class Pending:
-    """An admission between `prepare` and `decide`: the host runs `reservation` on its store
-    (awaiting it, if the store is remote) and hands the outcome back."""
+class Pending(Reservation):
+    """A reservation between `prepare` and `decide`, with what the core decides on: the host
+    runs it on its store (awaiting it, if the store is remote) and hands the outcome back."""
 
     view: EntitlementView
     pool_view: PoolView
-    reservation: Reservation
     max_tokens: int  # the request's max_tokens, the entitlement's default if it set none
 
 
@@ -96,7 +96,7 @@ class DecisionCore(Catalog):
         if isinstance(step, Reject):
             return step
         try:
-            outcome: Outcome | None = self.store.admit(step.reservation, now)
+            outcome: Outcome | None = self.store.admit(step, now)
         except StoreUnavailable:
             outcome = None
         return self.decide(step, outcome, now)
@@ -139,14 +139,17 @@ class DecisionCore(Catalog):
             now + self.policy.lease_ttl_s,
             view.preemptible,
         )
-        victims = self._victims(pool_view, view.priority)
-        reservation = Reservation(lease, view.plan, tokens, victims, ent.protected)
-        return Pending(view, pool_view, reservation, max_out)
+        # Who this request may evict: the pool's preemptible entitlements strictly below it.
+        count = bisect.bisect_left(pool_view.preemptible_priorities, view.priority)
+        order = pool_view.preemptible_order
+        return Pending(
+            lease, view.plan, tokens, order, count, view.protected, view, pool_view, max_out
+        )
 
     def decide(self, step: Pending, outcome: Outcome | None, now: float) -> Decision:
         """The decision, from what the store did with the reservation (None: the store was
         unreachable, and the outage policy decides)."""
-        view, lease = step.view, step.reservation.lease
+        view, lease = step.view, step.lease
         if outcome is None:
             if lease.lease_id in self.fallback.leases:
                 raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
@@ -157,17 +160,6 @@ class DecisionCore(Catalog):
         if outcome.shortfall is None:
             return Admit(lease, view.priority, outcome.evicted, outcome.overcommit, step.max_tokens)
         return self._reject(outcome, step, now)
-
-    def _victims(self, pool_view: PoolView, priority: float) -> tuple[str, ...]:
-        """The entitlements a request of `priority` may evict: preemptible ones strictly
-        below it, lowest first."""
-        order = pool_view.preemptible_order
-        count = 0
-        for name in order:
-            if self._ents[name].priority >= priority:
-                break
-            count += 1
-        return tuple(order[:count]) if count else ()
 
     def _too_big(
         self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float
@@ -193,8 +185,8 @@ class DecisionCore(Catalog):
 
     def _reject(self, outcome: Outcome, step: Pending, now: float) -> Reject:
         short = outcome.shortfall
-        assert short is not None and outcome.pool is not None
-        view, lease = step.view, step.reservation.lease
+        assert short is not None and outcome.pool is not None and outcome.entitlement is not None
+        view, lease = step.view, step.lease
         reason, check, dimension, message = SHORTFALL_REJECTS[short]
         period = self.policy.update_period_s
         wait = expected_wait_s(

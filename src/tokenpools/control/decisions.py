@@ -145,6 +145,7 @@ class Reject:
 def quota(view: EntitlementView, outcome: Outcome, reset_s: float) -> Quota:
     limit = view.plan.ent_concurrency
     counters = outcome.entitlement
+    assert counters is not None  # a refusal always carries them
     return Quota(
         limit,
         max(0.0, limit - counters.concurrency),

@@ -143,10 +143,12 @@ class Reservation:
     lease: Lease
     plan: ReservePlan
     demand: float  # tokens added to the entitlement's demand window, admitted or not
-    # Entitlements whose preemptible leases may be ended to make room, in eviction order
-    # (lowest priority first); within one, the newest lease goes first.
-    victims: Sequence[str] = ()
-    may_overcommit: bool = False  # a protected request may lend past a full pool
+    # The first `victim_count` of `victims` are the entitlements whose preemptible leases may
+    # be ended to make room, in eviction order (lowest priority first; within one, the newest
+    # lease first). A count, not a copy: the pool's order is shared by every admission.
+    victims: Sequence[str]
+    victim_count: int
+    may_overcommit: bool  # a protected request may lend past a full pool
 
 
 @dataclass(slots=True)
@@ -154,10 +156,14 @@ class Outcome:
     """What the store did with a `Reservation`."""
 
     shortfall: Shortfall | None  # None: admitted (lease.reserved_path and drew_own are set)
-    entitlement: EntitlementCounters  # after the step: the rate-limit headers need them
-    pool: PoolCounters | None = None  # after a refusal: Retry-After needs them
+    # After a refusal, the counters its Retry-After and rate-limit headers are computed from.
+    entitlement: EntitlementCounters | None = None
+    pool: PoolCounters | None = None
     evicted: tuple[Lease, ...] = ()  # preemptible leases ended to admit this one
     overcommit: bool = False
+
+
+ADMITTED = Outcome(None)  # the plain admission's outcome, shared: treat it as read-only
 
 
 class Store(Protocol):

@@ -41,7 +41,7 @@ class GatewayLedger:
         if isinstance(step, Reject):
             return step
         try:
-            outcome: Outcome | None = await self.shared.admit(step.reservation, now)
+            outcome: Outcome | None = await self.shared.admit(step, now)
         except StoreUnavailable:
             outcome = None
         return self.core.decide(step, outcome, now)

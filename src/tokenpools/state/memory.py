@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from tokenpools.control.eviction import choose_victims
 from tokenpools.control.store import (
+    ADMITTED,
     BucketSpec,
     EntitlementCounters,
     Lease,
@@ -108,25 +109,24 @@ class MemoryStore:
             raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
         short = self._reserve(lease, plan, now, demand=reservation.demand)
         if short is None:
-            return Outcome(None, self.entitlement_counters(lease.entitlement, now))
-        if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV) and reservation.victims:
+            return ADMITTED
+        if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV) and reservation.victim_count:
             victims = choose_victims(
                 self.pool_counters(lease.pool, now),
                 plan,
                 lease.kv_tokens,
                 self._pools[lease.pool].preemptible_by_ent,
-                reservation.victims,
+                reservation.victims[: reservation.victim_count],
             )
             ids = [v.lease_id for v in victims]
             if victims and self._reserve(lease, plan, now, evict=ids) is None:
-                counters = self.entitlement_counters(lease.entitlement, now)
-                return Outcome(None, counters, evicted=tuple(victims))
+                return Outcome(None, evicted=tuple(victims))
         if (
             reservation.may_overcommit
             and short in _POOL_SHORTFALLS
             and self._reserve(lease, plan, now, overcommit=True) is None
         ):
-            return Outcome(None, self.entitlement_counters(lease.entitlement, now), overcommit=True)
+            return Outcome(None, overcommit=True)
         return Outcome(
             short,
             self.entitlement_counters(lease.entitlement, now),

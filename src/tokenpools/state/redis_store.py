@@ -278,16 +278,16 @@ class RedisStore:
         """Read the admit reply and book what it did in this replica's view."""
         lease = reservation.lease
         status, flags, ent, pool, rows = reply
-        counters = wire.entitlement_counters(ent)
         if status != b"ok":
-            return Outcome(Shortfall(status.decode()), counters, wire.pool_counters(pool))
+            short = Shortfall(status.decode())
+            return Outcome(short, wire.entitlement_counters(ent), wire.pool_counters(pool))
         reserved, own, overcommit = (f == b"1" for f in flags)
         lease.reserved_path, lease.drew_own = reserved, own
         evicted = tuple(wire.lease(row, lease.pool) for row in rows)
         self._mine[lease.lease_id] = lease
         for victim in evicted:
             self._mine.pop(victim.lease_id, None)
-        return Outcome(None, counters, evicted=evicted, overcommit=overcommit)
+        return Outcome(None, evicted=evicted, overcommit=overcommit)
 
     # -- ending leases -------------------------------------------------------------------
 

@@ -88,8 +88,8 @@ LEASE_ROW = {
     "reserved_path": "reserved",
     "drew_own": "own",
 }
-# The admit reply: status ('ok' or a Shortfall), the three flags, the entitlement counters,
-# the pool counters (empty when admitted) and the evicted leases' rows.
+# The admit reply: status ('ok' or a Shortfall), the three flags, the entitlement counters and
+# the pool counters (both empty when admitted), and the evicted leases' rows.
 ADMIT_FLAGS = ("reserved", "own", "overcommit")
 
 
@@ -206,5 +206,5 @@ def admit_args(reservation: Reservation) -> list[str]:
         *lease_args(reservation.lease),
         *own,
         *plan_args(reservation.plan),
-        *reservation.victims,
+        *reservation.victims[: reservation.victim_count],
     ]

@@ -159,15 +159,15 @@ local function admit(p, now)
       short = nil
     end
   end
-  refill(e, 'o_', now)
-  local pool = {}
-  if short ~= nil then
+  local ent, pool = {}, {}
+  if short ~= nil then -- what the refusal's Retry-After and rate-limit headers are read from
+    refill(e, 'o_', now)
     refill(p, 'b_', now)
     refill(p, 'pb_', now)
-    pool = counters(p, POOL_COUNTERS)
+    ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
   end
   save(ekey, e, ENT_FIELDS)
   save(P, p, POOL_FIELDS)
   local flags = { reserved = l.reserved, own = l.own, overcommit = overcommit }
-  return { short or 'ok', counters(flags, ADMIT_FLAGS), counters(e, ENT_COUNTERS), pool, evicted }
+  return { short or 'ok', counters(flags, ADMIT_FLAGS), ent, pool, evicted }
 end
