@@ -16,9 +16,9 @@ from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.policy import (
+    AdmissionPolicy,
     Admitted,
     Cluster,
-    Policy,
     Queued,
     Rejected,
     SimRequest,
@@ -28,13 +28,13 @@ from tokenpools.sim.policy import (
 from tokenpools.state.memory import MemoryStore
 
 
-class NoAdmissionControl(Policy):
+class NoAdmissionControl(AdmissionPolicy):
     """The paper's baseline: every request goes to the engine queue."""
 
     name = "none"
 
 
-class RequestRate(Policy):
+class RequestRate(AdmissionPolicy):
     """Per-tenant requests per minute in fixed calendar-minute windows, as LiteLLM's rpm
     limits; its 429s carry no Retry-After."""
 
@@ -55,7 +55,7 @@ class RequestRate(Policy):
         return Admitted()
 
 
-class TokenRate(Policy):
+class TokenRate(AdmissionPolicy):
     """Per-tenant tokens per minute counted after the response, as LiteLLM does: a request is
     admitted while the minute's *completed* tokens are under the limit, so concurrent requests
     all pass before any is counted."""
@@ -81,7 +81,7 @@ class TokenRate(Policy):
         self.window[req.tenant] = (int(now // 60), used)
 
 
-class StaticConcurrency(Policy):
+class StaticConcurrency(AdmissionPolicy):
     """Static per-tenant limits on requests in flight."""
 
     name = "concurrency"
@@ -103,7 +103,7 @@ class StaticConcurrency(Policy):
         self.inflight[req.tenant] -= 1
 
 
-class PriorityShed(Policy):
+class PriorityShed(AdmissionPolicy):
     """Gateway API Inference Extension style: sheddable traffic (negative priority: spot and
     preemptible by default) is rejected while the engines are saturated — a waiting queue of
     at least `queue_threshold` or KV usage of at least `kv_threshold` (the extension's
@@ -131,7 +131,7 @@ class PriorityShed(Policy):
         return Admitted()
 
 
-class VirtualTokenCounter(Policy):
+class VirtualTokenCounter(AdmissionPolicy):
     """VTC (Sheng et al., OSDI 2024) as an admission order: requests wait in per-tenant queues
     at the gateway and go to the engines when they have a free slot, the backlogged tenant with
     the smallest counter of weighted tokens first (input 1, output 2); a tenant that becomes
@@ -171,7 +171,7 @@ class VirtualTokenCounter(Policy):
         self.counter[req.tenant] += self.w_out * output_tokens
 
 
-class TokenPools(Policy):
+class TokenPools(AdmissionPolicy):
     """The decision core itself, called exactly as the gateway calls it."""
 
     name = "tokenpools"
@@ -299,8 +299,8 @@ def make_policy(
     cluster: Cluster,
     now: float,
     absent: frozenset[str] = frozenset(),
-) -> Policy:
-    factories: dict[str, Callable[[], Policy]] = {
+) -> AdmissionPolicy:
+    factories: dict[str, Callable[[], AdmissionPolicy]] = {
         "none": NoAdmissionControl,
         "request-rate": lambda: RequestRate(limits),
         "token-rate": lambda: TokenRate(limits),

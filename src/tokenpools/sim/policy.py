@@ -67,7 +67,7 @@ class TenantLimits:
     sheddable: bool
 
 
-class Policy:
+class AdmissionPolicy:
     name = "none"
     holds_requests = False  # keeps attempts and releases them through `dispatch`
 

@@ -18,7 +18,14 @@ from tokenpools.engine.profile import EngineProfile, load_profile
 from tokenpools.model.config import ConfigError
 from tokenpools.sim.autoscaler import Autoscaler, ReplicaMeter
 from tokenpools.sim.policies import derive_limits, make_policy
-from tokenpools.sim.policy import Admitted, Policy, Queued, Rejected, SimRequest, TenantLimits
+from tokenpools.sim.policy import (
+    AdmissionPolicy,
+    Admitted,
+    Queued,
+    Rejected,
+    SimRequest,
+    TenantLimits,
+)
 from tokenpools.sim.records import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
 from tokenpools.sim.workload import backoff_s, next_gap, workload_at
@@ -70,7 +77,7 @@ class Simulation:
         self._joining = {
             t.name: t.entitlement or t.name for t in scenario.tenants if t.entitlement_while_active
         }
-        self.policy: Policy = make_policy(
+        self.policy: AdmissionPolicy = make_policy(
             policy, self.config, limits, self, 0.0, frozenset(self._joining.values())
         )
         self.policy_name = policy
