@@ -60,7 +60,7 @@ bench: $(VENV)/.built $(PVENV)/.built
 	$(BIN)/python benchmarks/real_llamacpp.py --json out/real_llamacpp.json
 
 clean:
-	rm -rf $(VENV) $(PVENV) .venv-compiled build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # deploy/base/crds.yaml and priorityclasses.yaml, generated from the schema (a test checks them)
 manifests: $(PVENV)/.built
