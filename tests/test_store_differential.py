@@ -64,6 +64,12 @@ def tight_plans(draw: Any) -> ReservePlan:
     return ReservePlan(**values)
 
 
+OPEN = ReservePlan(**{
+    f.name: -INF if "floor" in f.name or f.name == "contended_bucket" else INF
+    for f in fields(ReservePlan)
+} | {"own_required": False, "contention_window_s": 0.0})  # fmt: skip
+
+
 def close(a: float, b: float) -> bool:
     return a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
 
@@ -131,35 +137,46 @@ class SameLedger(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.configured)))
         victims = data.draw(st.permutations(sorted(self.configured)))
         for _ in range(burst):  # the same request again and again: pools fill up
-            self.seq += 1
-            lease = Lease(
-                f"l{self.seq}",
-                POOL_OF[name],
-                name,
-                tokens,
-                kv,
+            self.admit_both(name, tokens, kv, preemptible, plan, victims, may_overcommit)
+
+    def admit_both(
+        self, name: str, tokens: float, kv: float, preemptible: bool, plan: ReservePlan,
+        victims: list[str], may_overcommit: bool,
+    ) -> None:  # fmt: skip
+        self.seq += 1
+        lease = Lease(
+            f"l{self.seq}", POOL_OF[name], name, tokens, kv, self.now, self.now + 30, preemptible
+        )
+        a, b = (
+            store.admit(
+                Reservation(replace(lease), plan, tokens, victims, len(victims), may_overcommit),
                 self.now,
-                self.now + 30,
-                preemptible,
             )
-            a, b = (
-                store.admit(
-                    Reservation(
-                        replace(lease), plan, tokens, victims, len(victims), may_overcommit
-                    ),
-                    self.now,
-                )
-                for store in self.stores
-            )
-            assert (a.shortfall, a.overcommit) == (b.shortfall, b.overcommit)
-            assert [v.lease_id for v in a.evicted] == [v.lease_id for v in b.evicted]
-            assert (a.entitlement is None) == (b.entitlement is None)
-            REACHED[a.shortfall or ("evicting" if a.evicted else "admitted")] += 1
-            REACHED["overcommit"] += a.overcommit
-            if a.shortfall is None:
-                self.live.append(lease.lease_id)
-                gone = {v.lease_id for v in a.evicted}
-                self.live = [x for x in self.live if x not in gone]
+            for store in self.stores
+        )
+        assert (a.shortfall, a.overcommit) == (b.shortfall, b.overcommit)
+        assert [v.lease_id for v in a.evicted] == [v.lease_id for v in b.evicted]
+        assert (a.entitlement is None) == (b.entitlement is None)
+        REACHED[a.shortfall or ("evicting" if a.evicted else "admitted")] += 1
+        REACHED["overcommit"] += a.overcommit
+        if a.shortfall is None:
+            self.live.append(lease.lease_id)
+            gone = {v.lease_id for v in a.evicted}
+            self.live = [x for x in self.live if x not in gone]
+
+    @precondition(lambda self: len(self.configured & {"a", "b", "c"}) >= 2)
+    @rule(data=st.data(), overcommit=st.booleans())
+    def crowd_out(self, data: Any, overcommit: bool) -> None:
+        """Preemptible work fills pool p; then a request needs its room: by evicting it, or
+        (a protected request within its baseline) by overcommitting."""
+        victim, taker = data.draw(st.permutations(sorted(self.configured & {"a", "b", "c"})))[:2]
+        self.admit_both(victim, 1.0, 1.0, True, OPEN, [], False)
+        used = self.memory.pool_counters("p", self.now).concurrency
+        if overcommit:
+            plan = replace(OPEN, base_concurrency=INF, reserved_concurrency=used)
+        else:
+            plan = replace(OPEN, base_concurrency=0.0, shared_concurrency=used)
+        self.admit_both(taker, 1.0, 1.0, False, plan, [victim], overcommit)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), used=st.sampled_from([0.0, 10.0, 500.0]), how=st.sampled_from("srR"))

@@ -10,49 +10,30 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import hiredis
 import redis
 import redis.asyncio
 
 from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
+from tokenpools.state import redis_connect
 from tokenpools.state import redis_wire as wire
-from tokenpools.state.redis_store import FAILURES, RedisStore, client_options
-
-# Connections to Redis per replica. Redis runs one script at a time, so more buy nothing; a
-# request beyond them waits for one (bounded: each call holds it at most one timeout), which
-# is congestion here, not an unreachable Redis.
-CONNECTIONS = 32
-POOL_WAIT_S = 5.0
-
-
-class _Connection(redis.asyncio.Connection):
-    """Commands packed by hiredis (a dependency): redis-py's asyncio connection packs them in
-    Python, a fifth of the gateway's CPU per admission when profiled."""
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        return [hiredis.pack_command(args)]
+from tokenpools.state.redis_store import FAILURES, RedisStore
 
 
 class AsyncRedisLedger:
     def __init__(self, store: RedisStore) -> None:
         self.store = store
-        pool = redis.asyncio.BlockingConnectionPool.from_url(
-            store.url,
-            max_connections=CONNECTIONS,
-            timeout=POOL_WAIT_S,
-            connection_class=_Connection,
-            **client_options(store.timeout_s),
-        )
-        self.client = redis.asyncio.Redis(connection_pool=pool)
+        self.client = redis_connect.async_client(store.url, store.timeout_s)
         self._script = self.client.register_script(wire.SCRIPT)
         self._flushing: asyncio.Task[None] | None = None
 
     async def warm(self) -> None:
         """Open the connections before the first requests, so that a burst of them does not
         pay for (or time out on) opening them; an unreachable Redis is left to the calls."""
-        pool = self.client.connection_pool
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is None:  # a cluster client opens its connections per node, as they are needed
+            return
         opened = await asyncio.gather(
-            *(pool.get_connection() for _ in range(CONNECTIONS)),  # type: ignore[no-untyped-call]
+            *(pool.get_connection() for _ in range(redis_connect.CONNECTIONS)),
             return_exceptions=True,
         )
         for conn in opened:

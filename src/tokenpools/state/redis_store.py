@@ -3,7 +3,7 @@
 Each operation is one call of one Lua script (state/lua/, run by EVALSHA and loaded again on
 NOSCRIPT; state/redis_wire.py declares its arguments and replies), so a whole admission is
 atomic across replicas and costs one round trip. A pool's keys share one hash tag, so a pool
-lives on one Redis Cluster shard.
+lives on one Redis Cluster shard (state/redis_connect.py makes the clients).
 
 `RedisStore` is the synchronous Store (simulations, tests, the gateway's background work on its
 worker thread); `RedisStore.hot_path()` gives the gateway the same ledger awaited, for admit,
@@ -28,8 +28,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from tokenpools.control.store import (
     BucketSpec,
@@ -43,6 +41,7 @@ from tokenpools.control.store import (
     StoreUnavailable,
     Window,
 )
+from tokenpools.state import redis_connect
 from tokenpools.state import redis_wire as wire
 
 if TYPE_CHECKING:
@@ -54,14 +53,6 @@ FAILURES = (redis.RedisError, OSError)
 log = logging.getLogger("tokenpools.state")
 
 
-def client_options(timeout_s: float) -> dict[str, Any]:
-    return {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
-        "retry": Retry(NoBackoff(), 0),  # no hidden retries: a request waits one timeout
-    }
-
-
 class RedisStore:
     def __init__(
         self,
@@ -70,10 +61,10 @@ class RedisStore:
         retry_interval_s: float = 1.0,
         prefix: str = "tokenpools",
         clock: Callable[[], float] = time.monotonic,
-        client: redis.Redis | None = None,
+        client: Any = None,
     ) -> None:
         self.url, self.timeout_s = url, timeout_s
-        self.client = client or redis.Redis.from_url(url, **client_options(timeout_s))
+        self.client = client or redis_connect.sync_client(url, timeout_s)
         self._script = self.client.register_script(wire.SCRIPT)
         self._prefix = prefix
         self._retry_interval_s = retry_interval_s
