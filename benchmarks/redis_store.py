@@ -34,7 +34,7 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
-from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
+from tokenpools.processes import free_port, redis_cluster, redis_server, spawn, stop, wait_ready
 from tokenpools.state.memory import MemoryStore
 from tokenpools.state.redis_store import RedisStore
 
@@ -98,13 +98,17 @@ def ping_ms(url: str, n: int) -> tuple[float, float]:
     return pct(times, 50) * 1000, pct(times, 99) * 1000
 
 
-def admission(url: str, repeats: int, n: int) -> dict[str, Any]:
+def admission(
+    url: str, repeats: int, n: int, backends: tuple[str, ...] = ("memory", "redis")
+) -> dict[str, Any]:
     config = parse_config(core_config())
     rows: dict[str, list[dict[str, float]]] = {"redis": [], "memory": [], "ping": []}
+    p50 = p99 = float("nan")
     for run in range(repeats):
-        p50, p99 = ping_ms(url, n)
-        rows["ping"].append({"p50_ms": p50, "p99_ms": p99})
-        for backend in ("memory", "redis"):
+        if "memory" in backends:  # a bare PING, to one server
+            p50, p99 = ping_ms(url, n)
+            rows["ping"].append({"p50_ms": p50, "p99_ms": p99})
+        for backend in backends:
             store = (
                 RedisStore(url, timeout_s=1.0, prefix=f"bench{run}")
                 if backend == "redis"
@@ -229,6 +233,8 @@ def main() -> None:
         adm = admission(url, args.repeats, args.decisions)
         trips = round_trips(url)
         gw = asyncio.run(gateway(url, args.seconds, args.repeats))
+    with redis_cluster() as cluster:  # three masters with a replica each, on loopback
+        clustered = admission(cluster.url, args.repeats, args.decisions, backends=("redis",))
     ratios = [r / m for r, m in zip(gw["redis_1"], gw["memory_1"], strict=True)]
 
     def med(rows: list[dict[str, float]], key: str) -> float:
@@ -250,8 +256,15 @@ def main() -> None:
         # each run's Redis replica against the memory replica measured next to it
         "gateway_redis_vs_memory": statistics.median(ratios),
         "round_trips": trips,
+        "cluster_admission_p50_ms": med(clustered["redis"], "admit_p50_ms"),
+        "cluster_admission_p99_ms": med(clustered["redis"], "admit_p99_ms"),
         "core": core_build(),
-        "runs": {"admission": adm, "gateway_rps": gw, "redis_vs_memory": ratios},
+        "runs": {
+            "admission": adm,
+            "cluster_admission": clustered,
+            "gateway_rps": gw,
+            "redis_vs_memory": ratios,
+        },
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

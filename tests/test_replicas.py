@@ -10,6 +10,7 @@ measured (`pytest tests/test_replicas.py -rP` shows it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -105,44 +106,56 @@ class Cluster:
     max_backend: float = 0.0  # requests running + waiting at the backend
     max_reserved: float = 0.0  # concurrency reserved in Redis
     negative: list[str] = field(default_factory=list)  # counters seen below zero
+    client: Any = None  # a Redis Cluster client, when the store is one
 
     @property
-    def redis(self) -> redis.Redis:
-        return redis.Redis(port=self.redis_port, socket_timeout=1)
+    def redis(self) -> Any:
+        return self.client or redis.Redis(port=self.redis_port, socket_timeout=1)
 
     def restart_redis(self) -> None:
         self.redis_proc = start_redis(self.redis_port)
+
+
+@contextlib.contextmanager
+def gateways(
+    tmp_path: Path, redis_url: str, port: int, redis_proc: Any, client: Any = None
+) -> Iterator[Cluster]:
+    """An emulator and three `tokenpools serve` processes on the Redis at `redis_url`."""
+    emu_port = free_port()
+    backend = f"http://127.0.0.1:{emu_port}"
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(gateway_config(backend, redis_url)))
+    emulator = spawn(
+        ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "1", "--port", str(emu_port)]
+    )
+    ports = [free_port() for _ in range(3)]
+    procs = [spawn(["serve", "--config", str(path), "--port", str(p)]) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    c = Cluster(port, redis_proc, backend, urls, procs, client=client)
+
+    async def ready() -> None:
+        await wait_ready(f"{backend}/health", emulator)
+        for url, proc in zip(urls, procs, strict=True):
+            await wait_ready(f"{url}/readyz", proc)
+
+    try:
+        asyncio.run(ready())
+        yield c
+    finally:
+        stop(emulator, *(p for p in procs if p.poll() is None))
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     with redis_server() as (redis_url, redis_proc):
         port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-        emu_port = free_port()
-        backend = f"http://127.0.0.1:{emu_port}"
-        path = tmp_path / "gateway.yaml"
-        path.write_text(yaml.safe_dump(gateway_config(backend, redis_url)))
-        emulator = spawn(
-            ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "1", "--port", str(emu_port)]
-        )
-        ports = [free_port() for _ in range(3)]
-        procs = [spawn(["serve", "--config", str(path), "--port", str(p)]) for p in ports]
-        gateways = [f"http://127.0.0.1:{p}" for p in ports]
-        c = Cluster(port, redis_proc, backend, gateways, procs)
-
-        async def ready() -> None:
-            await wait_ready(f"{backend}/health", emulator)
-            for url, proc in zip(gateways, procs, strict=True):
-                await wait_ready(f"{url}/readyz", proc)
-
-        try:
-            asyncio.run(ready())
-            yield c
-        finally:
-            stop(emulator, *(p for p in procs if p.poll() is None))
-            if c.redis_proc is not redis_proc:
-                c.redis_proc.kill()
-                c.redis_proc.wait()
+        with gateways(tmp_path, redis_url, port, redis_proc) as c:
+            try:
+                yield c
+            finally:
+                if c.redis_proc is not redis_proc:
+                    c.redis_proc.kill()
+                    c.redis_proc.wait()
 
 
 async def drive(c: Cluster, seconds: float, events: list[tuple[float, Any]] = ()) -> float:

@@ -7,6 +7,7 @@ synchronous store, so the event loop never waits on Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +26,17 @@ class AsyncRedisLedger:
         self.client = redis_connect.async_client(store.url, store.timeout_s)
         self._script = self.client.register_script(wire.SCRIPT)
         self._flushing: asyncio.Task[None] | None = None
+        self._calls = asyncio.Semaphore(redis_connect.CONNECTIONS)
 
     async def warm(self) -> None:
         """Open the connections before the first requests, so that a burst of them does not
         pay for (or time out on) opening them; an unreachable Redis is left to the calls."""
         pool = getattr(self.client, "connection_pool", None)
-        if pool is None:  # a cluster client opens its connections per node, as they are needed
+        if pool is None:
+            # A cluster client: learn the layout before a burst of calls does, all at once
+            # (they would race to set it up, and drop each other's connections).
+            with contextlib.suppress(*FAILURES):
+                await self.client.initialize()
             return
         opened = await asyncio.gather(
             *(pool.get_connection() for _ in range(redis_connect.CONNECTIONS)),
@@ -69,7 +75,8 @@ class AsyncRedisLedger:
 
     async def _eval(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
         keys, argv = self.store.call_args(pool, op, epoch, now, args)
-        return await self._script(keys=keys, args=argv)
+        async with self._calls:  # a burst waits here, not on hundreds of new connections
+            return await self._script(keys=keys, args=argv)
 
     async def _run(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
         epoch = self.store.epoch(pool)

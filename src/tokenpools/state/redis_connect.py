@@ -4,8 +4,9 @@ from). Each pool's keys share one hash tag, so a pool lives on one shard and its
 there; pools spread over the shards by their names.
 
 Every client waits at most `timeout_s` per call and does not retry on its own: a failed call
-becomes the store's outage policy at once. A cluster client may follow one redirect (a slot that
-moved, a replica promoted) within the call."""
+becomes the store's outage policy at once, since a call that timed out may have taken effect
+(an admission retried blindly could book twice). A cluster client that meets a moved slot (a
+replica promoted) fails that call and learns the new layout, so the next call goes there."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def sync_client(url: str, timeout_s: float) -> Any:
     return redis.cluster.RedisCluster.from_url(
         single,
         startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in seeds],  # type: ignore[no-untyped-call]
-        retry=Retry(NoBackoff(), 1),
+        retry=Retry(NoBackoff(), 0),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
     )
@@ -88,8 +89,9 @@ def async_client(url: str, timeout_s: float) -> Any:
     return redis.asyncio.cluster.RedisCluster.from_url(
         single,
         startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in seeds],
-        retry=Retry(NoBackoff(), 1),
-        max_connections=CONNECTIONS,
+        retry=Retry(NoBackoff(), 0),
+        # no cap: redis-py's asyncio cluster client fails a call over the cap (and drops the
+        # node's other connections with it) rather than making it wait
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
     )

@@ -1,0 +1,144 @@
+"""The Redis store on a real Redis Cluster (three masters, a replica each, on loopback): pools
+spread over the shards and decide as the memory store does; three gateway replicas enforce one
+pool; killing the master that holds a pool promotes its replica under load, and the outage
+policy holds meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.cluster
+
+from tests import test_replicas as single
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit
+from tokenpools.model.config import parse_config
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.processes import RedisCluster, redis_cluster
+from tokenpools.state.memory import MemoryStore
+from tokenpools.state.redis_store import RedisStore
+
+
+@pytest.fixture(scope="module")
+def shards() -> Iterator[RedisCluster]:
+    with redis_cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
+        yield c
+
+
+def client(c: RedisCluster) -> Any:
+    nodes = [redis.cluster.ClusterNode("127.0.0.1", p) for p in c.ports]
+    return redis.cluster.RedisCluster(startup_nodes=nodes, socket_timeout=1)
+
+
+def spread_pools(c: RedisCluster, prefix: str) -> list[str]:
+    """Pool names whose keys land on three different masters."""
+    by_master: dict[int, str] = {}
+    for i in range(200):
+        by_master.setdefault(c.master_of(f"{prefix}:{{pool{i}}}"), f"pool{i}")
+        if len(by_master) == 3:
+            return sorted(by_master.values())
+    raise AssertionError("three masters expected")
+
+
+CLASSES = ("guaranteed", "spot", "preemptible")
+
+
+def entitlement(pool: str, cls: str) -> dict[str, Any]:
+    ent: dict[str, Any] = {"name": f"{pool}-{cls}", "tenantId": pool, "pool": pool}
+    ent["serviceClass"] = cls
+    if cls == "guaranteed":
+        ent.update(concurrency=2, sloTargetMs=1000)
+    return ent
+
+
+def test_pools_spread_over_shards_and_decide_as_in_memory(shards: RedisCluster) -> None:
+    pools = spread_pools(shards, "diff")
+    per_replica = {"tokensPerSecond": 240, "kvTokens": 4096, "concurrency": 4}
+    config = parse_config(
+        {
+            "pools": [
+                {"name": p, "model": "Llama-3.1-8B", "perReplica": per_replica} for p in pools
+            ],
+            "entitlements": [entitlement(p, cls) for p in pools for cls in CLASSES],
+        }
+    )
+    store = RedisStore(shards.url, timeout_s=1.0, prefix="diff")
+    a, b = DecisionCore(config, MemoryStore()), DecisionCore(config, store)
+    rng = random.Random(7)
+    names, live, t = list(config.entitlements), [], 0.0
+    outcomes: set[str] = set()
+    for step in range(400):
+        t += rng.uniform(0, 0.3)
+        if live and rng.random() < 0.4:
+            lease_id = live.pop(rng.randrange(len(live)))
+            usage = Usage(10, rng.randint(0, 100))
+            assert (a.settle(lease_id, usage, t) is None) == (b.settle(lease_id, usage, t) is None)
+            continue
+        name, cost = rng.choice(names), RequestCost(rng.randint(0, 200), rng.randint(1, 100))
+        da, db = a.admit(name, cost, t), b.admit(name, cost, t)
+        assert type(da) is type(db), (step, da, db)
+        if isinstance(da, Admit):
+            assert isinstance(db, Admit)
+            assert [v.lease_id for v in da.evict] == [v.lease_id for v in db.evict]
+            live.append(da.lease.lease_id)
+            live = [x for x in live if x not in {v.lease_id for v in da.evict}]
+            outcomes.add("evicting" if da.evict else "admitted")
+        else:
+            assert (da.reason, da.retry_after_s) == (db.reason, db.retry_after_s)  # type: ignore[union-attr]
+            outcomes.add(da.reason.value)
+        if step % 50 == 0:
+            a.tick(t), b.tick(t)
+    for pool in pools:
+        assert a.store.pool_counters(pool, t) == b.store.pool_counters(pool, t)
+    assert {"admitted", "evicting", "pool_full"} <= outcomes, outcomes
+    assert len({shards.master_of(f"diff:{{{p}}}") for p in pools}) == 3
+
+
+@pytest.fixture
+def replicas(shards: RedisCluster, tmp_path: Path) -> Iterator[single.Cluster]:
+    c = client(shards)
+    for key in c.scan_iter("tokenpools:*"):
+        c.delete(key)
+    with single.gateways(tmp_path, shards.url, 0, None, client=c) as gateways:
+        yield gateways
+
+
+def test_three_replicas_on_the_cluster_enforce_one_pool(replicas: single.Cluster) -> None:
+    single.test_three_replicas_enforce_one_pool(replicas)
+
+
+def test_killing_the_pools_master_promotes_its_replica_under_load(
+    shards: RedisCluster, replicas: single.Cluster
+) -> None:
+    master = shards.master_of("tokenpools:{p}")
+    phases: dict[str, float] = {}
+
+    def kill() -> None:
+        phases["killed"] = time.monotonic()
+        shards.procs[master].kill()
+
+    asyncio.run(single.drive(replicas, 9.0, [(2.0, kill)]))
+    shards.wait_ok()
+    promoted = shards.master_of("tokenpools:{p}")
+    replies = replicas.replies
+    # The outage policy, never an error: shed (429), or refused while the store is away (503).
+    assert not [r for r in replies if r.status not in (200, 429, 503)]
+    assert all(r.code == "store_unavailable" for r in replies if r.status == 503)
+    assert any(r.status == 503 for r in replies if r.start > phases["killed"]), "it was noticed"
+    assert promoted != master, "a replica took over the pool's slots"
+    late = [r for r in replies if r.start > replies[-1].start - 2.0]
+    assert any(r.status == 200 and r.entitlement != "gold" for r in late), "served again"
+    assert not replicas.negative
+    single.wait_for(lambda: single.pool_leases(replicas) == 0, single.TTL_S + 3)
+    assert not single.negative_counters(replicas.redis)
+    print(
+        f"master {master} killed; {promoted} serves the pool; "
+        f"{sum(r.status == 503 for r in replies)} refused while it was away, "
+        f"{sum(r.status == 200 for r in late)} admitted in the last 2 s"
+    )
