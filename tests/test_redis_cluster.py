@@ -27,7 +27,7 @@ from tokenpools.state.redis_store import RedisStore
 
 @pytest.fixture(scope="module")
 def shards() -> Iterator[RedisCluster]:
-    with redis_cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
+    with redis_cluster(masters=3, replicas=1, node_timeout_ms=2000) as c:
         yield c
 
 

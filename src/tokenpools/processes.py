@@ -114,6 +114,11 @@ class RedisCluster:
         ).stdout
         return dict(line.split(":", 1) for line in out.split() if ":" in line)
 
+    def _replication(self, port: int) -> str:
+        return subprocess.run(
+            [_redis_cli(), "-p", str(port), "info", "replication"], capture_output=True, text=True
+        ).stdout.replace("\r", "")
+
     def master_of(self, key: str) -> int:
         """The port of the master that serves `key` now."""
         alive = next(p for p in self.ports if self.procs[p].poll() is None)
@@ -135,10 +140,17 @@ class RedisCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             live = [p for p in self.ports if self.procs[p].poll() is None]
-            if all(self.info(p).get("cluster_state") == "ok" for p in live):
+            # ok, and every replica in sync: one that never synced will not take over
+            if all(self.info(p).get("cluster_state") == "ok" for p in live) and all(
+                "master_link_status:down" not in self._replication(p) for p in live
+            ):
                 return
             time.sleep(0.1)
-        raise RuntimeError("the cluster did not reach cluster_state:ok")
+        nodes = subprocess.run(
+            [_redis_cli(), "-p", str(live[0]), "cluster", "nodes"], capture_output=True, text=True
+        ).stdout
+        repl = "\n".join(self._replication(p) for p in live)
+        raise RuntimeError(f"the cluster did not reach cluster_state:ok:\n{nodes}\n{repl}")
 
 
 def _cluster_port() -> int:
@@ -180,7 +192,8 @@ def redis_cluster(
                     [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--dir", workdir, "--cluster-enabled", "yes",
                      "--cluster-config-file", f"nodes-{port}.conf",
-                     "--cluster-node-timeout", str(node_timeout_ms)],
+                     "--cluster-node-timeout", str(node_timeout_ms),
+                     "--repl-diskless-sync-delay", "0"],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )  # fmt: skip

@@ -129,6 +129,11 @@ class RedisStore:
             reply = self._run(pool, op, now, args)
         except FAILURES as exc:
             raise self.went_down(exc) from exc
+        except ValueError:  # a request id already in use: the caller's error, not Redis's
+            raise
+        except Exception as exc:  # the client itself broke, not Redis: the outage policy
+            log.error("redis client failed: %r", exc, exc_info=True)
+            raise self.went_down(exc) from exc
         self.answered()
         return reply
 
