@@ -160,8 +160,10 @@ class Gateway:
             self.evict(lease.lease_id)
         if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
             self._next_renewal = now + self.core.policy.lease_ttl_s / 4
-            for lease_id, handle in list(self.inflight.items()):
-                if not await self.ledger.renew(handle.lease, now):
+            handles = list(self.inflight.items())
+            alive = await asyncio.gather(*(self.ledger.renew(h.lease, now) for _, h in handles))
+            for (lease_id, _), renewed in zip(handles, alive, strict=True):
+                if not renewed:
                     self.evict(lease_id)
 
     def is_admin(self, request: web.Request) -> bool:
