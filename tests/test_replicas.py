@@ -40,7 +40,7 @@ ENTS = ["gold", "e1", "e2", "e3", "e4", "spot"]
 KEYS = {name: [f"sk-{name}-{i}" for i in range(2)] for name in ENTS}
 
 
-def gateway_config(backend: str, redis_url: str) -> dict[str, Any]:
+def gateway_config(backend: str, redis_url: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
     ents: list[dict[str, Any]] = [
         {"name": "gold", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 2},
         *(
@@ -61,7 +61,7 @@ def gateway_config(backend: str, redis_url: str) -> dict[str, Any]:
         "state": {
             "backend": "redis",
             "url": redis_url,
-            "timeoutMs": TIMEOUT_S * 1000,
+            "timeoutMs": timeout_s * 1000,
             "retryIntervalS": 0.5,
             "fallbackFraction": 0.5,
         },
@@ -118,13 +118,18 @@ class Cluster:
 
 @contextlib.contextmanager
 def gateways(
-    tmp_path: Path, redis_url: str, port: int, redis_proc: Any, client: Any = None
+    tmp_path: Path,
+    redis_url: str,
+    port: int,
+    redis_proc: Any,
+    client: Any = None,
+    timeout_s: float = TIMEOUT_S,
 ) -> Iterator[Cluster]:
     """An emulator and three `tokenpools serve` processes on the Redis at `redis_url`."""
     emu_port = free_port()
     backend = f"http://127.0.0.1:{emu_port}"
     path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(backend, redis_url)))
+    path.write_text(yaml.safe_dump(gateway_config(backend, redis_url, timeout_s)))
     emulator = spawn(
         ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "1", "--port", str(emu_port)]
     )

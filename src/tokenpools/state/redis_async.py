@@ -33,10 +33,12 @@ class AsyncRedisLedger:
         pay for (or time out on) opening them; an unreachable Redis is left to the calls."""
         pool = getattr(self.client, "connection_pool", None)
         if pool is None:
-            # A cluster client: learn the layout before a burst of calls does, all at once
-            # (they would race to set it up, and drop each other's connections).
+            # A cluster client: learn the layout and load the script before a burst of calls
+            # does, all at once (they would race to set it up, and drop each other's
+            # connections, or each load the script under its own timeout).
             with contextlib.suppress(*FAILURES):
                 await self.client.initialize()
+                await self.client.script_load(wire.SCRIPT)
             return
         opened = await asyncio.gather(
             *(pool.get_connection() for _ in range(redis_connect.CONNECTIONS)),
