@@ -11,6 +11,7 @@ from setuptools.command.build_ext import build_ext
 
 COMPILED = [
     "src/tokenpools/state/accounts.py",
+    "src/tokenpools/state/checks.py",
     "src/tokenpools/state/memory.py",
     "src/tokenpools/control/autoscale.py",
     "src/tokenpools/control/binding.py",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 from tokenpools.control import plans
@@ -20,6 +21,7 @@ from tokenpools.control.store import INF, BucketSpec, Lease, Reservation, Reserv
 from tokenpools.model.entitlement import Entitlement
 
 _UNBOUNDED = BucketSpec(INF, INF)
+_NO_LEASES: Mapping[str, Lease] = MappingProxyType({})  # asked on every settle: no allocation
 
 
 class LocalStore(Store, Protocol):
@@ -77,7 +79,7 @@ class LocalFallback:
     @property
     def leases(self) -> Mapping[str, Lease]:
         """The requests admitted here and not ended yet, by lease id."""
-        return {} if self.store is None else self.store.leases
+        return _NO_LEASES if self.store is None else self.store.leases
 
     # The rest is only called for a lease in `leases`, so the store exists.
 

@@ -21,6 +21,7 @@ from tokenpools.control.store import (
     Window,
 )
 from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
+from tokenpools.state.checks import first_shortfall
 
 _POOL_SHORTFALLS = frozenset(
     {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
@@ -145,92 +146,19 @@ class MemoryStore:
         e = self._ents[lease.entitlement]
         p = self._pools[lease.pool]
         e.demand += demand
-        tokens, kv = lease.tokens, lease.kv_tokens
         # Victims are checked as if already gone, and ended only if the reservation succeeds.
-        used_c, used_k, pre_c, pre_k = p.concurrency, p.kv, p.pre_concurrency, p.pre_kv
         victims = [
             v
             for v in map(self._leases.get, evict)
             if v is not None and v.preemptible and v.pool == lease.pool
         ]
-        for victim in victims:
-            used_c -= 1
-            pre_c -= 1
-            used_k -= victim.kv_tokens
-            pre_k -= victim.kv_tokens
-        conc_after = e.concurrency + 1
-        if conc_after > plan.ent_concurrency:
-            return Shortfall.ENTITLEMENT_CONCURRENCY
-        own = e.own
-        own.refill(now)
-        own_ok = own.level >= tokens
-        if plan.own_required and not own_ok:
-            return Shortfall.ENTITLEMENT_THROUGHPUT
-        kv_after = e.kv + kv
-        if kv_after > plan.ent_kv:
-            return Shortfall.ENTITLEMENT_KV
-        bucket = p.bucket
-        bucket.refill(now)
-        pbucket = p.protected_bucket
-        pbucket.refill(now)
-
-        if own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv:
-            if overcommit:
-                lc, lk, lf = (
-                    plan.overcommit_concurrency,
-                    plan.overcommit_kv,
-                    plan.overcommit_bucket_floor,
-                )
-            else:
-                lc, lk, lf = plan.reserved_concurrency, plan.reserved_kv, plan.reserved_bucket_floor
-            short = None
-            if used_c + 1 > lc:
-                short = Shortfall.POOL_CONCURRENCY
-            elif used_k + kv > lk:
-                short = Shortfall.POOL_KV
-            elif bucket.level - tokens < lf:
-                short = Shortfall.POOL_THROUGHPUT
-            if short is not None:
-                p.note_refusal(e.name, e.priority, now)
-                return short
-            own.level -= tokens
-            pbucket.level -= tokens
-            lease.reserved_path = lease.drew_own = True
-        else:
-            hold_c, hold_k = p.hold_concurrency, p.hold_kv
-            unreserved = bucket.level - pbucket.level - tokens
-            if (
-                used_c + hold_c + 1 > plan.contended_concurrency
-                or used_k + hold_k + kv > plan.contended_kv
-                or unreserved < plan.contended_bucket
-            ) and p.outranked(e.name, e.priority, now - plan.contention_window_s, self._ents):
-                p.note_refusal(e.name, e.priority, now)
-                return Shortfall.LOW_PRIORITY
-            # What is held for protected baselines first: evicting preemptible work cannot
-            # help there (its plan limit is infinite for preemptible requests).
-            short = None
-            if used_c - pre_c + hold_c + 1 > plan.shared_np_concurrency:
-                short = Shortfall.RESERVED_CONCURRENCY
-            elif used_k - pre_k + hold_k + kv > plan.shared_np_kv:
-                short = Shortfall.RESERVED_KV
-            elif unreserved < plan.shared_np_bucket_floor:
-                short = Shortfall.RESERVED_THROUGHPUT
-            elif used_c + 1 > plan.shared_concurrency:
-                short = Shortfall.POOL_CONCURRENCY
-            elif used_k + kv > plan.shared_kv:
-                short = Shortfall.POOL_KV
-            elif bucket.level - tokens < plan.shared_bucket_floor:
-                short = Shortfall.POOL_THROUGHPUT
-            if short is not None:
-                p.note_refusal(e.name, e.priority, now)
-                return short
-            if plan.own_required:
-                own.level -= tokens
-                lease.drew_own = True
+        short = first_shortfall(lease, plan, e, p, self._ents, victims, now, overcommit)
+        if short is not None:
+            return short
         for victim in victims:
             self._finish(victim, now, bucket_used=victim.tokens, observed=0.0)
-        bucket.level -= tokens
-        e.admitted += tokens
+        p.bucket.level -= lease.tokens
+        e.admitted += lease.tokens
         self._book(lease, e, p, now)
         return None
 

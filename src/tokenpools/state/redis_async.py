@@ -17,7 +17,8 @@ import redis.asyncio
 from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
 from tokenpools.state import redis_connect
 from tokenpools.state import redis_wire as wire
-from tokenpools.state.redis_store import FAILURES, RedisStore, log
+from tokenpools.state.redis_link import FAILURES
+from tokenpools.state.redis_store import RedisStore
 
 
 class AsyncRedisLedger:
@@ -62,14 +63,9 @@ class AsyncRedisLedger:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
         try:
             reply = await self._run(pool, op, now, args)
-        except FAILURES as exc:
-            raise store.went_down(exc) from exc
         except ValueError:  # a request id already in use: the caller's error, not Redis's
             raise
         except Exception as exc:
-            # The client itself broke, not Redis (seen: redis-py's asyncio cluster client
-            # during a failover): the outage policy, not an error for the request.
-            log.error("redis client failed: %r", exc, exc_info=True)
             raise store.went_down(exc) from exc
         store.answered()
         return reply

@@ -1,6 +1,6 @@
 -- Part 3 of the pool ledger script (parts are joined in order; see storage.lua).
 
--- admission: a port of MemoryStore.admit and _reserve, and of control/eviction.py
+-- admission: a port of MemoryStore.admit and _reserve, state/checks.py and control/eviction.py
 
 local function counters(t, names)
   local out = {}

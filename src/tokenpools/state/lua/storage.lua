@@ -1,5 +1,6 @@
 -- tokenpools: one pool's ledger in Redis, one script in four parts joined in order (storage,
--- leases, reserve, operations). A line-for-line port of state/memory.py and state/accounts.py, so
+-- leases, reserve, operations). A line-for-line port of state/memory.py, state/checks.py and
+-- state/accounts.py, so
 -- that the same events give the same decisions (tests/test_redis_store.py checks it).
 --
 -- KEYS[1] is the pool's hash, "<prefix>:{<pool>}". Every other key of the pool is that name

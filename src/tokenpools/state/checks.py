@@ -1,0 +1,101 @@
+"""The paper's comparisons of one lease against a ReservePlan, on the memory store's accounts
+(state/lua/reserve.lua's `attempt` is their port), in the order the Shortfall enum lists them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from tokenpools.control.store import Lease, ReservePlan, Shortfall
+from tokenpools.state.accounts import EntitlementAccount, PoolAccount
+
+
+def first_shortfall(
+    lease: Lease,
+    plan: ReservePlan,
+    e: EntitlementAccount,
+    p: PoolAccount,
+    ents: Mapping[str, EntitlementAccount],
+    victims: Sequence[Lease],
+    now: float,
+    overcommit: bool,
+) -> Shortfall | None:
+    """The first comparison the lease fails, `victims` counted as gone (a refusal for room is
+    noted for check 5); None if it fits, with its own and protected buckets debited and its
+    path set on the lease. Booking it is the caller's."""
+    tokens, kv = lease.tokens, lease.kv_tokens
+    used_c, used_k, pre_c, pre_k = p.concurrency, p.kv, p.pre_concurrency, p.pre_kv
+    for victim in victims:
+        used_c -= 1
+        pre_c -= 1
+        used_k -= victim.kv_tokens
+        pre_k -= victim.kv_tokens
+    conc_after = e.concurrency + 1
+    if conc_after > plan.ent_concurrency:
+        return Shortfall.ENTITLEMENT_CONCURRENCY
+    own = e.own
+    own.refill(now)
+    own_ok = own.level >= tokens
+    if plan.own_required and not own_ok:
+        return Shortfall.ENTITLEMENT_THROUGHPUT
+    kv_after = e.kv + kv
+    if kv_after > plan.ent_kv:
+        return Shortfall.ENTITLEMENT_KV
+    bucket = p.bucket
+    bucket.refill(now)
+    pbucket = p.protected_bucket
+    pbucket.refill(now)
+
+    if own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv:
+        if overcommit:
+            lc, lk, lf = (
+                plan.overcommit_concurrency,
+                plan.overcommit_kv,
+                plan.overcommit_bucket_floor,
+            )
+        else:
+            lc, lk, lf = plan.reserved_concurrency, plan.reserved_kv, plan.reserved_bucket_floor
+        short = None
+        if used_c + 1 > lc:
+            short = Shortfall.POOL_CONCURRENCY
+        elif used_k + kv > lk:
+            short = Shortfall.POOL_KV
+        elif bucket.level - tokens < lf:
+            short = Shortfall.POOL_THROUGHPUT
+        if short is not None:
+            p.note_refusal(e.name, e.priority, now)
+            return short
+        own.level -= tokens
+        pbucket.level -= tokens
+        lease.reserved_path = lease.drew_own = True
+    else:
+        hold_c, hold_k = p.hold_concurrency, p.hold_kv
+        unreserved = bucket.level - pbucket.level - tokens
+        if (
+            used_c + hold_c + 1 > plan.contended_concurrency
+            or used_k + hold_k + kv > plan.contended_kv
+            or unreserved < plan.contended_bucket
+        ) and p.outranked(e.name, e.priority, now - plan.contention_window_s, ents):
+            p.note_refusal(e.name, e.priority, now)
+            return Shortfall.LOW_PRIORITY
+        # What is held for protected baselines first: evicting preemptible work cannot
+        # help there (its plan limit is infinite for preemptible requests).
+        short = None
+        if used_c - pre_c + hold_c + 1 > plan.shared_np_concurrency:
+            short = Shortfall.RESERVED_CONCURRENCY
+        elif used_k - pre_k + hold_k + kv > plan.shared_np_kv:
+            short = Shortfall.RESERVED_KV
+        elif unreserved < plan.shared_np_bucket_floor:
+            short = Shortfall.RESERVED_THROUGHPUT
+        elif used_c + 1 > plan.shared_concurrency:
+            short = Shortfall.POOL_CONCURRENCY
+        elif used_k + kv > plan.shared_kv:
+            short = Shortfall.POOL_KV
+        elif bucket.level - tokens < plan.shared_bucket_floor:
+            short = Shortfall.POOL_THROUGHPUT
+        if short is not None:
+            p.note_refusal(e.name, e.priority, now)
+            return short
+        if plan.own_required:
+            own.level -= tokens
+            lease.drew_own = True
+    return None

@@ -1,0 +1,173 @@
+"""One replica's link to the Redis ledger: calls of the script, and the outage policy's memory.
+
+Every call has a timeout; after a failure the link answers `StoreUnavailable` at once, without
+trying, for `retry_interval_s`, so a stalled Redis costs a request at most one timeout. What
+cannot wait is kept: configuration (replayed when Redis comes back or has lost its data) and the
+ends of leases (sent on recovery). When Redis lost its data — the pool's epoch changed — the
+leases this replica still holds are booked again, once. `RedisStore` builds the ledger's
+operations on it; `AsyncRedisLedger` shares it for the awaited hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+
+from tokenpools.control.store import Lease, StoreUnavailable
+from tokenpools.state import redis_connect
+from tokenpools.state import redis_wire as wire
+
+# Any error from Redis (unreachable, timed out, out of memory, busy) makes the store unavailable
+# for a while: the core then applies the outage policy rather than failing the request.
+FAILURES = (redis.RedisError, OSError)
+log = logging.getLogger("tokenpools.state")
+
+
+class RedisLink:
+    """One replica's connection to the ledger script, and what it keeps across outages."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        timeout_s: float = 0.05,
+        retry_interval_s: float = 1.0,
+        prefix: str = "tokenpools",
+        clock: Callable[[], float] = time.monotonic,
+        client: Any = None,
+    ) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self.client = client or redis_connect.sync_client(url, timeout_s)
+        self._script = self.client.register_script(wire.SCRIPT)
+        self._prefix = prefix
+        self._retry_interval_s = retry_interval_s
+        self._clock = clock
+        self._down_until = -float("inf")
+        self._epoch: dict[str, str] = {}  # pool → the epoch this replica's view belongs to
+        self._pool_args: dict[str, list[str]] = {}  # the latest configuration, for replays
+        self._ent_args: dict[str, list[str]] = {}
+        self._ent_pool: dict[str, str] = {}
+        self._mine: dict[str, Lease] = {}  # leases booked by this replica and not seen ended
+        self._unsent: list[tuple[str, float, list[str]]] = []  # lease ends Redis has not heard
+        # The hot path and the worker thread may both rejoin, or send what was kept.
+        self._rejoining = threading.Lock()
+        self._sending = threading.Lock()
+
+    @property
+    def available(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def key(self, pool: str) -> str:
+        return f"{self._prefix}:{{{pool}}}"
+
+    def epoch(self, pool: str) -> str:
+        return self._epoch.get(pool, "")
+
+    @property
+    def has_unsent(self) -> bool:
+        return bool(self._unsent)
+
+    def forget(self, lease_id: str) -> Lease | None:
+        """Stop tracking one of our leases (it is ending); the lease, if it was ours."""
+        return self._mine.pop(lease_id, None)
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def check_available(self) -> None:
+        if self._clock() < self._down_until:
+            raise StoreUnavailable("redis is unreachable; retrying later")
+
+    def went_down(self, exc: Exception) -> StoreUnavailable:
+        """Any failure of a call: Redis unreachable, timed out or refusing, or the client
+        itself broken (seen: redis-py's asyncio cluster client during a failover). Either way
+        the outage policy applies, never an error for the request."""
+        if not isinstance(exc, FAILURES):
+            log.error("redis client failed: %r", exc, exc_info=exc)
+        if self._down_until == -float("inf"):
+            log.warning("redis: %s; the outage policy applies until it answers", exc)
+        self._down_until = self._clock() + self._retry_interval_s
+        return StoreUnavailable(f"redis: {exc}")
+
+    def answered(self) -> None:
+        if self._down_until != -float("inf"):
+            self._down_until = -float("inf")
+            log.warning("redis answers again")
+
+    def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
+        self.check_available()
+        try:
+            if self._unsent:
+                self.send_unsent()
+            reply = self._run(pool, op, now, args)
+        except ValueError:  # a request id already in use: the caller's error, not Redis's
+            raise
+        except Exception as exc:
+            raise self.went_down(exc) from exc
+        self.answered()
+        return reply
+
+    def call_args(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
+        """KEYS and ARGV of one call of the script: ARGV is the header, then `args`."""
+        return [self.key(pool)], [op, epoch, wire.num(now), *args]
+
+    def _eval(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
+        keys, argv = self.call_args(pool, op, epoch, now, args)
+        return self._script(keys=keys, args=argv)
+
+    def _run(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
+        epoch = self.epoch(pool)
+        try:
+            return self._eval(pool, op, epoch, now, args)
+        except redis.ResponseError as exc:
+            if not self.needs_rejoin(exc):
+                raise
+        self.rejoin(pool, now, epoch)
+        return self._eval(pool, op, self.epoch(pool), now, args)
+
+    @staticmethod
+    def needs_rejoin(exc: redis.ResponseError) -> bool:
+        """True for the script's "you know another epoch of this pool"; a refused duplicate
+        request id becomes the ValueError the core raises for it."""
+        message = str(exc)
+        if message.startswith("TPDUPLICATE "):
+            raise ValueError(message.removeprefix("TPDUPLICATE ")) from None
+        return message.startswith("TPEPOCH")
+
+    def rejoin(self, pool: str, now: float, seen: str) -> None:
+        """The pool in Redis is not the one we knew (first contact, or Redis lost its data):
+        configure it again and book the leases this replica holds there, once each. `seen`:
+        the epoch the refused call carried (if ours moved on since, another call rejoined)."""
+        with self._rejoining:
+            if self.epoch(pool) != seen:
+                return
+            args = self._pool_args.get(pool)
+            if args is None:
+                raise redis.ResponseError(f"pool {pool!r} was never configured")
+            args = [*args[:-1], secrets.token_hex(8)]  # a new epoch, should this create it
+            epoch = self._eval(pool, "configure_pool", "", now, args).decode()
+            self._epoch[pool] = epoch
+            for name, ent_args in list(self._ent_args.items()):
+                if self._ent_pool[name] == pool:
+                    self._eval(pool, "configure_entitlement", epoch, now, ent_args)
+            for lease in list(self._mine.values()):
+                if lease.pool == pool:
+                    self._eval(pool, "adopt", epoch, now, wire.lease_args(lease))
+
+    def send_unsent(self) -> None:
+        with self._sending:
+            while self._unsent:
+                pool, now, args = self._unsent[0]
+                self._run(pool, "finish", now, args)
+                self._unsent.pop(0)
+
+    def unsent(self, mine: Lease | None, pool: str, now: float, args: list[str]) -> Lease:
+        """Keep the end of one of our leases for when Redis answers again."""
+        if mine is None:
+            raise StoreUnavailable("redis is unreachable and the lease is not ours")
+        self._unsent.append((pool, now, args))
+        return mine
