@@ -1,7 +1,7 @@
 -- tokenpools: one pool's ledger in Redis, one script in four parts joined in order (storage,
 -- leases, reserve, operations). A line-for-line port of state/memory.py, state/checks.py and
--- state/accounts.py, so
--- that the same events give the same decisions (tests/test_redis_store.py checks it).
+-- state/accounts.py, so that the same events give the same decisions (tests/test_redis_store.py
+-- and tests/test_store_differential.py check it).
 --
 -- KEYS[1] is the pool's hash, "<prefix>:{<pool>}". Every other key of the pool is that name
 -- plus a suffix, so the hash tag keeps the whole pool on one Redis Cluster shard:
