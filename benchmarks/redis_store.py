@@ -34,7 +34,8 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
-from tokenpools.processes import free_port, redis_cluster, redis_server, spawn, stop, wait_ready
+from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
+from tokenpools.redis_topologies import redis_cluster
 from tokenpools.state.memory import MemoryStore
 from tokenpools.state.redis_store import RedisStore
 

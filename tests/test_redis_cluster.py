@@ -20,7 +20,7 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
-from tokenpools.processes import RedisCluster, redis_cluster
+from tokenpools.redis_topologies import RedisCluster, redis_cluster
 from tokenpools.state.memory import MemoryStore
 from tokenpools.state.redis_store import RedisStore
 

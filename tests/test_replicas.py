@@ -106,7 +106,7 @@ class Cluster:
     max_backend: float = 0.0  # requests running + waiting at the backend
     max_reserved: float = 0.0  # concurrency reserved in Redis
     negative: list[str] = field(default_factory=list)  # counters seen below zero
-    client: Any = None  # a Redis Cluster client, when the store is one
+    client: Any = None  # a Redis Cluster or Sentinel client, when the store is one
 
     @property
     def redis(self) -> Any:

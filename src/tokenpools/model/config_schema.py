@@ -269,12 +269,16 @@ class GatewaySpec(_Strict):
         return self
 
 
+REDIS_URL = r"^(rediss?(\+cluster)?://\S+|redis\+sentinel://[^/\s]+/[^/\s]+(/\d+)?)$"
+
+
 class StateSpec(_Strict):
     """Where the ledger lives: this process (memory) or a Redis shared by gateway replicas."""
 
     backend: Literal["memory", "redis"] = "memory"
-    # one server (redis://, rediss://) or a Redis Cluster (redis+cluster://host:port,host:port)
-    url: Annotated[str, Field(pattern=r"^rediss?(\+cluster)?://\S+$")] = "redis://127.0.0.1:6379/0"
+    # one server (redis://, rediss://), a Redis Cluster (redis+cluster://host:port,host:port) or
+    # a master behind Sentinel (redis+sentinel://host:port,host:port/service[/db])
+    url: Annotated[str, Field(pattern=REDIS_URL)] = "redis://127.0.0.1:6379/0"
     keyPrefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$")] = "tokenpools"
     timeoutMs: Annotated[float, Field(gt=0, le=10000)] = 50.0
     retryIntervalS: Pos = 1.0

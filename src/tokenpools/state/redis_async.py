@@ -12,12 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-import redis.asyncio
 
 from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
 from tokenpools.state import redis_connect
 from tokenpools.state import redis_wire as wire
 from tokenpools.state.redis_link import FAILURES
+from tokenpools.state.redis_mux import Multiplexed
 from tokenpools.state.redis_store import RedisStore
 
 
@@ -30,24 +30,17 @@ class AsyncRedisLedger:
         self._calls = asyncio.Semaphore(redis_connect.CONNECTIONS)
 
     async def warm(self) -> None:
-        """Open the connections before the first requests, so that a burst of them does not
-        pay for (or time out on) opening them; an unreachable Redis is left to the calls."""
-        pool = getattr(self.client, "connection_pool", None)
-        if pool is None:
-            # A cluster client: learn the layout and load the script before a burst of calls
-            # does, all at once (they would race to set it up, and drop each other's
-            # connections, or each load the script under its own timeout).
-            with contextlib.suppress(*FAILURES):
+        """Connect before the first requests, so that a burst of them does not pay for (or
+        time out on) connecting; an unreachable Redis is left to the calls."""
+        with contextlib.suppress(*FAILURES):
+            if isinstance(self.client, Multiplexed):
+                await self.client.connect()
+            else:
+                # A cluster client: learn the layout and load the script before a burst of
+                # calls does, all at once (they would race to set it up, and drop each other's
+                # connections, or each load the script under its own timeout).
                 await self.client.initialize()
                 await self.client.script_load(wire.SCRIPT)
-            return
-        opened = await asyncio.gather(
-            *(pool.get_connection() for _ in range(redis_connect.CONNECTIONS)),
-            return_exceptions=True,
-        )
-        for conn in opened:
-            if not isinstance(conn, BaseException):
-                await pool.release(conn)
 
     async def aclose(self) -> None:
         if self._flushing is not None:

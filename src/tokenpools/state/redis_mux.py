@@ -1,0 +1,181 @@
+"""One connection to one Redis server, shared by every coroutine of a gateway replica.
+
+Each call writes its command at once (the calls of one event-loop turn in one write) and waits
+for its reply; Redis answers in order, so replies are matched to callers first in, first out.
+This is pipelining without a pipeline object: a burst of admissions costs Redis one read and
+one write, and the replica a few microseconds of Python per call. redis-py's asyncio client,
+one connection per call in flight, measured ~230 µs of client CPU per script call here against
+~15 µs for this (BENCHMARKS.md); at hundreds of requests per second that was most of what
+Redis cost the gateway.
+
+A call waits at most `timeout_s`. A call that timed out keeps its place in the queue, and its
+late reply is dropped when it comes, so the connection stays usable; a lost connection fails
+every call in flight, and the next call connects again (to the address `locate` gives then,
+which is how Sentinel's failovers are followed; a server that answers READONLY has been demoted,
+and is left the same way)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
+
+import hiredis
+import redis
+
+Address = tuple[str, int]
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader(replyError=redis.ResponseError)
+        self.waiting: deque[tuple[asyncio.Future[Any], asyncio.TimerHandle]] = deque()
+        self.pending: list[bytes] = []
+        self.transport: asyncio.Transport | None = None
+        self.lost: BaseException | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while (reply := self.reader.gets()) is not False:
+            future, timer = self.waiting.popleft()
+            timer.cancel()
+            if future.done():  # timed out: the caller has gone
+                continue
+            if isinstance(reply, redis.ResponseError):
+                future.set_exception(reply)
+                if str(reply).startswith("READONLY") and self.transport is not None:
+                    self.transport.close()  # a master demoted by a failover: find the new one
+            else:
+                future.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = redis.ConnectionError(f"connection to redis lost: {exc or 'closed'}")
+        while self.waiting:
+            future, timer = self.waiting.popleft()
+            timer.cancel()
+            if not future.done():
+                future.set_exception(self.lost)
+
+    def send(self, command: bytes, timeout_s: float) -> asyncio.Future[Any]:
+        if self.lost is not None or self.transport is None:
+            raise self.lost or redis.ConnectionError("not connected")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        timer = loop.call_later(timeout_s, _time_out, future, timeout_s)
+        if not self.pending:
+            loop.call_soon(self._flush)
+        self.pending.append(command)
+        self.waiting.append((future, timer))
+        return future
+
+    def _flush(self) -> None:
+        if self.transport is not None and self.lost is None:
+            self.transport.write(b"".join(self.pending))
+        self.pending.clear()
+
+
+def _time_out(future: asyncio.Future[Any], timeout_s: float) -> None:
+    if not future.done():
+        future.set_exception(redis.TimeoutError(f"redis did not answer within {timeout_s} s"))
+
+
+def pack(args: Sequence[str | bytes | int]) -> bytes:
+    return hiredis.pack_command(tuple(args))  # type: ignore[arg-type,no-any-return]
+
+
+class Multiplexed:
+    """The client: `call` any command; `register_script` gives what redis-py's does."""
+
+    def __init__(
+        self,
+        locate: Callable[[], Awaitable[Address]],
+        timeout_s: float,
+        username: str | None = None,
+        password: str | None = None,
+        db: int = 0,
+    ) -> None:
+        self._locate = locate
+        self.timeout_s = timeout_s
+        self._hello: list[list[str | int]] = []
+        if password is not None:
+            user = [] if username is None else [username]
+            self._hello.append(["AUTH", *user, password])
+        if db:
+            self._hello.append(["SELECT", db])
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Task[_Protocol] | None = None
+
+    async def connect(self) -> None:
+        await self._connected()
+
+    async def _connected(self) -> _Protocol:
+        protocol = self._protocol
+        if protocol is not None and protocol.lost is None:
+            return protocol
+        if self._connecting is None:  # the calls that find no connection share one attempt
+            self._connecting = asyncio.get_running_loop().create_task(self._open())
+        try:
+            return await asyncio.shield(self._connecting)
+        finally:
+            if self._connecting is not None and self._connecting.done():
+                self._connecting = None
+
+    async def _open(self) -> _Protocol:
+        async with asyncio.timeout(self.timeout_s):
+            host, port = await self._locate()
+            _, protocol = await asyncio.get_running_loop().create_connection(_Protocol, host, port)
+        try:
+            for command in self._hello:
+                await protocol.send(pack(command), self.timeout_s)
+        except BaseException:
+            assert protocol.transport is not None
+            protocol.transport.close()
+            raise
+        self._protocol = protocol
+        return protocol
+
+    async def call(self, *args: str | bytes | int) -> Any:
+        protocol = await self._connected()
+        return await protocol.send(pack(args), self.timeout_s)
+
+    async def call_packed(self, command: bytes) -> Any:
+        protocol = await self._connected()
+        return await protocol.send(command, self.timeout_s)
+
+    def register_script(self, script: str) -> MultiplexedScript:
+        return MultiplexedScript(self, script)
+
+    def drop(self) -> None:
+        """Close the connection (a reply it would bring is no longer wanted, or it leads to a
+        server that is no longer the master); the next call connects again."""
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.close()
+        self._protocol = None
+
+    async def aclose(self) -> None:
+        self.drop()
+
+
+class MultiplexedScript:
+    """EVALSHA, falling back to EVAL (which loads the script) when Redis does not know it:
+    after a restart, a SCRIPT FLUSH or a failover to a server that never ran it."""
+
+    def __init__(self, client: Multiplexed, script: str) -> None:
+        self.client = client
+        self.script = script
+        self.sha = hashlib.sha1(script.encode()).hexdigest()
+
+    async def __call__(self, keys: Sequence[str], args: Sequence[str]) -> Any:
+        try:
+            return await self.client.call_packed(
+                pack(["EVALSHA", self.sha, len(keys), *keys, *args])
+            )
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+        return await self.client.call("EVAL", self.script, len(keys), *keys, *args)

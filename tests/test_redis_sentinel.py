@@ -1,0 +1,65 @@
+"""The Redis store behind Sentinel (a master, a replica and three sentinels on loopback): three
+gateway replicas enforce one pool through `redis+sentinel://`, and killing the master under
+load promotes the replica, which the gateways follow; the outage policy holds meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import test_replicas as single
+from tokenpools.redis_topologies import RedisSentinel, redis_sentinel
+from tokenpools.state.redis_connect import sync_client
+
+
+@pytest.fixture
+def watched() -> Iterator[RedisSentinel]:
+    with redis_sentinel(replicas=1, sentinels=3, down_after_ms=1000) as topology:
+        yield topology
+
+
+@pytest.fixture
+def replicas(watched: RedisSentinel, tmp_path: Path) -> Iterator[single.Cluster]:
+    client = sync_client(watched.url, 1.0)  # follows the master, for the test's own reads
+    # Five redis-servers, three gateways, an emulator and the load on two cores: 500 ms, as on
+    # the cluster (docs/redis.md).
+    with single.gateways(tmp_path, watched.url, 0, None, client=client, timeout_s=0.5) as g:
+        yield g
+
+
+def test_three_replicas_behind_sentinel_enforce_one_pool(replicas: single.Cluster) -> None:
+    single.test_three_replicas_enforce_one_pool(replicas)
+
+
+def test_killing_the_master_promotes_the_replica_and_the_gateways_follow(
+    watched: RedisSentinel, replicas: single.Cluster
+) -> None:
+    master = watched.master()
+    phases: dict[str, float] = {}
+
+    def kill() -> None:
+        phases["killed"] = time.monotonic()
+        watched.procs[master].kill()
+
+    asyncio.run(single.drive(replicas, 10.0, [(2.0, kill)]))
+    promoted = watched.master()
+    replies = replicas.replies
+    # The outage policy, never an error: shed (429), or refused while the store is away (503).
+    assert not [r for r in replies if r.status not in (200, 429, 503)]
+    assert all(r.code == "store_unavailable" for r in replies if r.status == 503)
+    assert any(r.status == 503 for r in replies if r.start > phases["killed"]), "it was noticed"
+    assert promoted != master, "the sentinels promoted the replica"
+    late = [r for r in replies if r.start > replies[-1].start - 2.0]
+    assert any(r.status == 200 and r.entitlement != "gold" for r in late), "served again"
+    assert not replicas.negative
+    single.wait_for(lambda: single.pool_leases(replicas) == 0, single.TTL_S + 3)
+    assert not single.negative_counters(replicas.redis)
+    print(
+        f"master {master} killed; {promoted} promoted; "
+        f"{sum(r.status == 503 for r in replies)} refused while it was away, "
+        f"{sum(r.status == 200 for r in late)} admitted in the last 2 s"
+    )
