@@ -3,6 +3,8 @@
 1. Admission: `DecisionCore.admit` + `settle` on a RedisStore against a redis-server on
    loopback, 100 entitlements of every class in one pool, a mix that is admitted and rejected.
    Latency per call, several runs; the memory store is measured in the same run as baseline.
+   The same arrivals again through the gateway's awaited path (GatewayLedger, one call in
+   flight on the multiplexed connection).
 2. Round trips: script calls Redis served for one admission, one refusal and one settle.
 3. Gateway: closed loop, 64 concurrent non-streaming requests, against one gateway process on
    Redis, then three (the client spreads its requests over them), with an emulator (no step
@@ -32,11 +34,14 @@ from gateway import bench_config, closed_loop, pct
 from tokenpools import core_build
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
+from tokenpools.control.store import Lease
+from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
 from tokenpools.redis_topologies import redis_cluster
 from tokenpools.state.memory import MemoryStore
+from tokenpools.state.redis_async import AsyncRedisLedger
 from tokenpools.state.redis_store import RedisStore
 
 CLASSES = ["guaranteed", "dedicated", "elastic", "spot", "preemptible"]
@@ -85,6 +90,60 @@ def admission_run(core: DecisionCore, n: int, seed: int) -> tuple[list[float], l
     for lease_id in live:
         core.release(lease_id, t)
     return admit_s, settle_s
+
+
+async def awaited_run(core: DecisionCore, n: int, seed: int) -> dict[str, float]:
+    """`admission_run`'s arrivals through the gateway's awaited path (GatewayLedger on the
+    multiplexed connection), one call in flight: admit and settle latencies."""
+    assert isinstance(core.store, RedisStore)
+    ledger = GatewayLedger(core, AsyncRedisLedger(core.store))
+    await ledger.start()
+    rng = random.Random(seed)
+    names = list(core.entitlements)
+    live: list[tuple[Lease, RequestCost]] = []
+    admit_s, settle_s = [], []
+    t = 1000.0 * seed
+    for _ in range(n):
+        t += 0.002
+        cost = RequestCost(rng.randint(50, 800), rng.randint(16, 256))
+        start = time.perf_counter()
+        decision = await ledger.admit(rng.choice(names), cost, t)
+        admit_s.append(time.perf_counter() - start)
+        if isinstance(decision, Admit):
+            live.append((decision.lease, cost))
+        if len(live) > 200 or (live and rng.random() < 0.5):
+            lease, cost = live.pop(rng.randrange(len(live)))
+            used = core.used_tokens(lease, Usage(cost.input_tokens, 32))
+            start = time.perf_counter()
+            await ledger.shared.settle(lease, used, t)  # type: ignore[union-attr]
+            settle_s.append(time.perf_counter() - start)
+            core.finished(lease, t)
+        if rng.random() < 0.01:
+            await ledger.background(core.tick, t)
+    for lease, _ in live:
+        await ledger.shared.release(lease, t)  # type: ignore[union-attr]
+    await ledger.aclose()
+    return {
+        "admit_p50_ms": pct(admit_s, 50) * 1000,
+        "admit_p99_ms": pct(admit_s, 99) * 1000,
+        "settle_p50_ms": pct(settle_s, 50) * 1000,
+        "settle_p99_ms": pct(settle_s, 99) * 1000,
+    }
+
+
+def awaited_admission(url: str, repeats: int, n: int) -> list[dict[str, float]]:
+    config = parse_config(core_config())
+    rows = []
+    for run in range(repeats):
+        store = RedisStore(url, timeout_s=1.0, prefix=f"awaited{run}")
+        core = DecisionCore(config, store, now=1000.0 * run)
+        rows.append(asyncio.run(awaited_run(core, n, run)))
+        print(
+            f"awaited admission run {run}: admit p50 {rows[-1]['admit_p50_ms']:.3f} ms "
+            f"p99 {rows[-1]['admit_p99_ms']:.3f} ms, settle p50 {rows[-1]['settle_p50_ms']:.3f} ms",
+            file=sys.stderr,
+        )
+    return rows
 
 
 def ping_ms(url: str, n: int) -> tuple[float, float]:
@@ -232,6 +291,7 @@ def main() -> None:
     args = parser.parse_args()
     with redis_server() as (url, _):
         adm = admission(url, args.repeats, args.decisions)
+        awaited = awaited_admission(url, args.repeats, args.decisions)
         trips = round_trips(url)
         gw = asyncio.run(gateway(url, args.seconds, args.repeats))
     with redis_cluster() as cluster:  # three masters with a replica each, on loopback
@@ -256,12 +316,17 @@ def main() -> None:
         "gateway_rps_memory": statistics.median(gw["memory_1"]),
         # each run's Redis replica against the memory replica measured next to it
         "gateway_redis_vs_memory": statistics.median(ratios),
+        # the gateway's path: GatewayLedger awaiting one multiplexed connection
+        "awaited_admission_p50_ms": med(awaited, "admit_p50_ms"),
+        "awaited_admission_p99_ms": med(awaited, "admit_p99_ms"),
+        "awaited_settle_p99_ms": med(awaited, "settle_p99_ms"),
         "round_trips": trips,
         "cluster_admission_p50_ms": med(clustered["redis"], "admit_p50_ms"),
         "cluster_admission_p99_ms": med(clustered["redis"], "admit_p99_ms"),
         "core": core_build(),
         "runs": {
             "admission": adm,
+            "awaited_admission": awaited,
             "cluster_admission": clustered,
             "gateway_rps": gw,
             "redis_vs_memory": ratios,

@@ -48,12 +48,12 @@ def tight_plans(draw: Any) -> ReservePlan:
     values: dict[str, Any] = {f.name: INF for f in fields(ReservePlan)}
     values.update(own_required=False, contention_window_s=5.0)
     for name in ("reserved_bucket_floor", "overcommit_bucket_floor", "shared_bucket_floor",
-                 "shared_np_bucket_floor", "contended_bucket"):  # fmt: skip
+                 "nonpreemptible_bucket_floor", "contended_bucket"):  # fmt: skip
         values[name] = -INF
     values["base_concurrency"] = draw(st.sampled_from([0.0, 2.0, 2.0]))
     tight = [
         "shared_concurrency",
-        "shared_np_concurrency",
+        "nonpreemptible_concurrency",
         "reserved_concurrency",
         "overcommit_concurrency",
         "shared_kv",

@@ -41,14 +41,14 @@ def expected_wait_s(
         return missing * mean_service_s / max(1.0, pool.kv_tokens)
     if shortfall == Shortfall.RESERVED_KV:
         held = pool.kv_tokens - pool.preemptible_kv + pool.holdback_kv
-        missing = held + kv_tokens - plan.shared_np_kv
+        missing = held + kv_tokens - plan.nonpreemptible_kv
         return missing * mean_service_s / max(1.0, pool.kv_tokens)
     if shortfall == Shortfall.ENTITLEMENT_THROUGHPUT:
         return _refill_s(tokens - ent.bucket, own_bucket.rate)
     if shortfall == Shortfall.POOL_THROUGHPUT:
         return _refill_s(tokens - pool.bucket, pool_bucket.rate)
     if shortfall == Shortfall.RESERVED_THROUGHPUT:
-        unreserved = pool.bucket - pool.protected_bucket - plan.shared_np_bucket_floor
+        unreserved = pool.bucket - pool.protected_bucket - plan.nonpreemptible_bucket_floor
         return _refill_s(tokens - unreserved, pool_bucket.rate)
     # Low priority: the answer changes when priorities are next updated or a slot frees up.
     return max(until_next_update_s, mean_service_s / max(1.0, pool.concurrency))

@@ -68,7 +68,7 @@ class ReservePlan:
     A request *within* the protected baseline (base_* and the own bucket) takes the reserved
     path: it may use the whole pool (`reserved_*`) and skips the priority threshold. Every other
     request takes the shared path: it must leave the unused protected baselines alone, up to a
-    lend of `overcommit` (`shared_np_*`), and passes check 5 when the pool is contended.
+    lend of `overcommit` (`nonpreemptible_*`), and passes check 5 when the pool is contended.
     """
 
     ent_concurrency: float  # in-flight ceiling (baseline, or burst ceiling)
@@ -84,10 +84,10 @@ class ReservePlan:
     overcommit_bucket_floor: float
     shared_concurrency: float  # pool total after admission, shared path
     shared_kv: float
-    shared_np_concurrency: float  # non-preemptible + unused protected baselines, shared path
-    shared_np_kv: float
+    nonpreemptible_concurrency: float  # non-preemptible + unused protected baselines, shared path
+    nonpreemptible_kv: float
     shared_bucket_floor: float  # pool bucket level after admission
-    shared_np_bucket_floor: float  # pool bucket minus protected bucket after admission
+    nonpreemptible_bucket_floor: float  # pool bucket minus protected bucket after admission
     contended_concurrency: float  # used + unused protected baselines above this: contended
     contended_kv: float
     contended_bucket: float  # pool minus protected bucket below this: contended

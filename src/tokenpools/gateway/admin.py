@@ -55,7 +55,7 @@ def admin_pools(gw: Gateway) -> dict[str, Any]:
             "desired_replicas": gw.core.desired_replicas(name),
             "capacity_fraction": gw.capacity_fraction.get(name, 1.0),
             "backends": [
-                {"url": b.spec.url, "healthy": b.healthy, "in_flight": b.inflight}
+                {"url": b.spec.url, "healthy": b.healthy, "in_flight": b.open_requests}
                 for b in gw.pools[name].backends
             ],
         }

@@ -20,7 +20,7 @@ from tokenpools.control.decisions import Reject
 from tokenpools.gateway.admin import admin_entitlements, admin_pools
 from tokenpools.gateway.proxy import proxy
 from tokenpools.gateway.responses import bearer, error, rejection, too_large
-from tokenpools.gateway.runtime import GATEWAY, Gateway, InFlight
+from tokenpools.gateway.runtime import GATEWAY, AdmittedRequest, Gateway
 from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import (
     CHAT,
@@ -75,8 +75,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for victim in decision.evict:
         gw.evict(victim.lease_id)
     lease = decision.lease
-    handle = InFlight(asyncio.current_task(), lease)
-    gw.inflight[lease.lease_id] = handle
+    handle = AdmittedRequest(asyncio.current_task(), lease)
+    gw.admitted_requests[lease.lease_id] = handle
     backend = gw.pools[pool_name].choose()
     try:
         if backend is None:
@@ -90,7 +90,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             forward = None
         return await proxy(request, gw, backend, body, forward, path, prompt_tokens, handle)
     finally:
-        gw.inflight.pop(lease.lease_id, None)
+        gw.admitted_requests.pop(lease.lease_id, None)
 
 
 async def list_models(request: web.Request) -> web.Response:

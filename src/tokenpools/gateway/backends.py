@@ -13,11 +13,11 @@ log = logging.getLogger("tokenpools.gateway")
 
 
 class BackendState:
-    __slots__ = ("healthy", "inflight", "spec")
+    __slots__ = ("healthy", "open_requests", "spec")
 
     def __init__(self, spec: Backend) -> None:
         self.spec = spec
-        self.inflight = 0
+        self.open_requests = 0
         self.healthy = True
 
 
@@ -29,7 +29,7 @@ class BackendPool:
         """The healthy backend with the fewest requests in flight; None when all are down."""
         best = None
         for b in self.backends:
-            if b.healthy and (best is None or b.inflight < best.inflight):
+            if b.healthy and (best is None or b.open_requests < best.open_requests):
                 best = b
         return best
 

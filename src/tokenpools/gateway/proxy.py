@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tokenpools.gateway.backends import BackendState
 from tokenpools.gateway.responses import error
-from tokenpools.gateway.runtime import Gateway, InFlight
+from tokenpools.gateway.runtime import AdmittedRequest, Gateway
 from tokenpools.model.request import Usage
 from tokenpools.openai_api import error_body
 
@@ -28,7 +28,7 @@ async def proxy(
     raw: bytes | None,
     path: str,
     prompt_tokens: int,
-    handle: InFlight,
+    handle: AdmittedRequest,
 ) -> web.StreamResponse:
     assert gw.session is not None
     stream = bool(body.get("stream"))
@@ -37,7 +37,7 @@ async def proxy(
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         raw = None
     data = raw if raw is not None else json.dumps(body).encode()
-    backend.inflight += 1
+    backend.open_requests += 1
     streamed = 0
     response: web.StreamResponse | None = None
     settled = False
@@ -130,7 +130,7 @@ async def proxy(
         settle(Usage(prompt_tokens, streamed), refund=False)
         return response or web.Response(status=499)
     finally:
-        backend.inflight -= 1
+        backend.open_requests -= 1
         if not settled and not handle.evicted:
             settle(None, refund=False)
 

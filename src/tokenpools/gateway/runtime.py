@@ -33,7 +33,7 @@ log = logging.getLogger("tokenpools.gateway")
 
 
 @dataclass
-class InFlight:
+class AdmittedRequest:
     """A request between admission and settlement; eviction cancels its task."""
 
     task: asyncio.Task[Any] | None
@@ -72,7 +72,7 @@ class Gateway:
     replica: str = field(default_factory=replica_name)
     core: DecisionCore = field(init=False)
     pools: dict[str, BackendPool] = field(init=False)
-    inflight: dict[str, InFlight] = field(default_factory=dict)
+    admitted_requests: dict[str, AdmittedRequest] = field(default_factory=dict)  # by lease id
     metrics: GatewayMetrics = field(init=False)
     session: aiohttp.ClientSession | None = None
     capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
@@ -107,7 +107,7 @@ class Gateway:
         self.model_pool = self._models(config)
 
     def evict(self, lease_id: str) -> None:
-        handle = self.inflight.get(lease_id)
+        handle = self.admitted_requests.get(lease_id)
         if handle is not None and handle.task is not None and not handle.evicted:
             handle.evicted = True
             handle.task.cancel()
@@ -160,7 +160,7 @@ class Gateway:
             self.evict(lease.lease_id)
         if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
             self._next_renewal = now + self.core.policy.lease_ttl_s / 4
-            handles = list(self.inflight.items())
+            handles = list(self.admitted_requests.items())
             alive = await asyncio.gather(*(self.ledger.renew(h.lease, now) for _, h in handles))
             for (lease_id, _), renewed in zip(handles, alive, strict=True):
                 if not renewed:

@@ -17,10 +17,10 @@ from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.policy import (
     AdmissionPolicy,
-    Admitted,
     Cluster,
-    Queued,
-    Rejected,
+    Hold,
+    Refuse,
+    Send,
     SimRequest,
     TenantLimits,
     Verdict,
@@ -50,9 +50,9 @@ class RequestRate(AdmissionPolicy):
         if start != minute:
             count = 0
         if count + 1 > self.limits[req.tenant].rpm:
-            return Rejected("rate_limited")
+            return Refuse("rate_limited")
         self.window[req.tenant] = (minute, count + 1)
-        return Admitted()
+        return Send()
 
 
 class TokenRate(AdmissionPolicy):
@@ -73,8 +73,8 @@ class TokenRate(AdmissionPolicy):
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
         if self._used(req.tenant, now) >= self.limits[req.tenant].tpm:
-            return Rejected("rate_limited")
-        return Admitted()
+            return Refuse("rate_limited")
+        return Send()
 
     def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
         used = self._used(req.tenant, now) + req.prompt_tokens + output_tokens
@@ -92,9 +92,9 @@ class StaticConcurrency(AdmissionPolicy):
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
         if self.inflight[req.tenant] >= self.limits[req.tenant].concurrency:
-            return Rejected("concurrency_limit")
+            return Refuse("concurrency_limit")
         self.inflight[req.tenant] += 1
-        return Admitted()
+        return Send()
 
     def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
         self.inflight[req.tenant] -= 1
@@ -127,8 +127,8 @@ class PriorityShed(AdmissionPolicy):
             or self.cluster.kv_usage >= self.kv_threshold
         )
         if saturated and self.limits[req.tenant].sheddable:
-            return Rejected("shed")
-        return Admitted()
+            return Refuse("shed")
+        return Send()
 
 
 class VirtualTokenCounter(AdmissionPolicy):
@@ -152,7 +152,7 @@ class VirtualTokenCounter(AdmissionPolicy):
             if backlogged:
                 self.counter[req.tenant] = max(self.counter[req.tenant], min(backlogged))
         queue.append(req)
-        return Queued()
+        return Hold()
 
     def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
         out = []
@@ -207,8 +207,8 @@ class TokenPools(AdmissionPolicy):
             req.entitlement, RequestCost(req.prompt_tokens, req.max_tokens), now, req.req_id
         )
         if isinstance(decision, Admit):
-            return Admitted([lease.lease_id for lease in decision.evict])
-        return Rejected(decision.reason.value, decision.retry_after_s)
+            return Send([lease.lease_id for lease in decision.evict])
+        return Refuse(decision.reason.value, decision.retry_after_s)
 
     def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
         self.core.settle(req.req_id, Usage(req.prompt_tokens, output_tokens), now)

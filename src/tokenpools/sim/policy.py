@@ -1,7 +1,7 @@
 """The interface every admission policy of the simulator implements.
 
-A policy sees each attempt before the engine does and answers Admitted (send it now), Queued
-(it holds the attempt and releases it later through `dispatch`) or Rejected (a 429, with or
+A policy sees each attempt before the engine does and answers Send (send it now), Hold
+(it holds the attempt and releases it later through `dispatch`) or Refuse (a 429, with or
 without Retry-After). It hears when attempts end, and may ask for in-flight ones to be evicted.
 """
 
@@ -25,22 +25,22 @@ class SimRequest:
 
 
 @dataclass(slots=True)
-class Admitted:
+class Send:
     evict: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class Queued:
+class Hold:
     pass
 
 
 @dataclass(slots=True)
-class Rejected:
+class Refuse:
     reason: str
     retry_after_s: float | None = None
 
 
-Verdict = Admitted | Queued | Rejected
+Verdict = Send | Hold | Refuse
 
 
 class Cluster(Protocol):
@@ -72,7 +72,7 @@ class AdmissionPolicy:
     holds_requests = False  # keeps attempts and releases them through `dispatch`
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
-        return Admitted()
+        return Send()
 
     def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
         return []

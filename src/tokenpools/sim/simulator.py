@@ -20,9 +20,9 @@ from tokenpools.sim.autoscaler import Autoscaler, ReplicaMeter
 from tokenpools.sim.policies import derive_limits, make_policy
 from tokenpools.sim.policy import (
     AdmissionPolicy,
-    Admitted,
-    Queued,
-    Rejected,
+    Hold,
+    Refuse,
+    Send,
     SimRequest,
     TenantLimits,
 )
@@ -214,7 +214,7 @@ class Simulation:
         attempt = Attempt(req, job, job.tries)
         self.attempts.append(attempt)
         verdict = self.policy.admit(req, self.now)
-        if isinstance(verdict, Rejected):
+        if isinstance(verdict, Refuse):
             attempt.outcome, attempt.reason = "rejected", verdict.reason
             attempt.finished_at = self.now
             self._rejected[job.tenant] += 1
@@ -223,12 +223,12 @@ class Simulation:
             self._retry_or_give_up(job, verdict.retry_after_s)
             return
         self.active[req.req_id] = attempt
-        if isinstance(verdict, Admitted):
+        if isinstance(verdict, Send):
             for victim in verdict.evict:
                 self._evict(victim)
             self._to_engine(req)
         else:
-            assert isinstance(verdict, Queued)
+            assert isinstance(verdict, Hold)
             self._dispatch_queued()
 
     def _retry_or_give_up(self, job: Job, retry_after_s: float | None) -> None:

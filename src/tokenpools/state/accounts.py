@@ -44,15 +44,15 @@ class Bucket:
 class EntitlementAccount:
     __slots__ = (
         "admitted",
-        "base_concurrency",
-        "base_kv",
         "burst",
         "conc_seconds",
         "concurrency",
         "debt",
         "demand",
-        "hold_concurrency",
-        "hold_kv",
+        "held_concurrency",
+        "held_kv",
+        "holdback_concurrency",
+        "holdback_kv",
         "kv",
         "kv_seconds",
         "leases",
@@ -69,8 +69,8 @@ class EntitlementAccount:
     def __init__(self, name: str, pool: str, own: Bucket, now: float) -> None:
         self.name, self.pool, self.own = name, pool, own
         self.protected = False
-        self.base_concurrency = self.base_kv = 0.0
-        self.hold_concurrency = self.hold_kv = 0.0  # current share of the pool's holdback
+        self.holdback_concurrency = self.holdback_kv = 0.0  # its baseline, held back while unused
+        self.held_concurrency = self.held_kv = 0.0  # what of it is held back now
         self.concurrency = self.kv = 0.0
         self.leases = 0
         self.debt = self.burst = self.priority = 0.0
@@ -90,8 +90,8 @@ class PoolAccount:
     __slots__ = (
         "bucket",
         "concurrency",
-        "hold_concurrency",
-        "hold_kv",
+        "held_concurrency",
+        "held_kv",
         "inflight",
         "kv",
         "last_period",
@@ -109,7 +109,7 @@ class PoolAccount:
     def __init__(self, bucket: Bucket, protected_bucket: Bucket) -> None:
         self.bucket, self.protected_bucket = bucket, protected_bucket
         self.concurrency = self.kv = self.pre_concurrency = self.pre_kv = 0.0
-        self.hold_concurrency = self.hold_kv = 0.0
+        self.held_concurrency = self.held_kv = 0.0
         self.leases = 0
         # entitlement → its in-flight leases on the shared path: the competitors of check 5.
         # Work inside a reserved baseline is not competing for shared capacity, so it neither

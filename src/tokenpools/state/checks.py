@@ -68,7 +68,7 @@ def first_shortfall(
         pbucket.level -= tokens
         lease.reserved_path = lease.drew_own = True
     else:
-        hold_c, hold_k = p.hold_concurrency, p.hold_kv
+        hold_c, hold_k = p.held_concurrency, p.held_kv
         unreserved = bucket.level - pbucket.level - tokens
         if (
             used_c + hold_c + 1 > plan.contended_concurrency
@@ -80,11 +80,11 @@ def first_shortfall(
         # What is held for protected baselines first: evicting preemptible work cannot
         # help there (its plan limit is infinite for preemptible requests).
         short = None
-        if used_c - pre_c + hold_c + 1 > plan.shared_np_concurrency:
+        if used_c - pre_c + hold_c + 1 > plan.nonpreemptible_concurrency:
             short = Shortfall.RESERVED_CONCURRENCY
-        elif used_k - pre_k + hold_k + kv > plan.shared_np_kv:
+        elif used_k - pre_k + hold_k + kv > plan.nonpreemptible_kv:
             short = Shortfall.RESERVED_KV
-        elif unreserved < plan.shared_np_bucket_floor:
+        elif unreserved < plan.nonpreemptible_bucket_floor:
             short = Shortfall.RESERVED_THROUGHPUT
         elif used_c + 1 > plan.shared_concurrency:
             short = Shortfall.POOL_CONCURRENCY

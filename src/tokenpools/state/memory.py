@@ -69,7 +69,7 @@ class MemoryStore:
             p.protected.add(name)
         else:
             p.protected.discard(name)
-        e.base_concurrency, e.base_kv = holdback_concurrency, holdback_kv
+        e.holdback_concurrency, e.holdback_kv = holdback_concurrency, holdback_kv
         self._update_holdback(e, p)
         self._resync_protected_bucket(pool, now)
 
@@ -94,7 +94,7 @@ class MemoryStore:
         for lease in ended:
             self._finish(lease, now, bucket_used=lease.tokens, observed=0.0)
         p = self._pools[e.pool]
-        e.base_concurrency = e.base_kv = 0.0
+        e.holdback_concurrency = e.holdback_kv = 0.0
         self._update_holdback(e, p)
         p.protected.discard(name)
         p.refused.pop(name, None)
@@ -223,11 +223,11 @@ class MemoryStore:
 
     @staticmethod
     def _update_holdback(e: EntitlementAccount, p: PoolAccount) -> None:
-        hold_c = max(0.0, e.base_concurrency - e.concurrency)
-        hold_k = max(0.0, e.base_kv - e.kv)
-        p.hold_concurrency += hold_c - e.hold_concurrency
-        p.hold_kv += hold_k - e.hold_kv
-        e.hold_concurrency, e.hold_kv = hold_c, hold_k
+        hold_c = max(0.0, e.holdback_concurrency - e.concurrency)
+        hold_k = max(0.0, e.holdback_kv - e.kv)
+        p.held_concurrency += hold_c - e.held_concurrency
+        p.held_kv += hold_k - e.held_kv
+        e.held_concurrency, e.held_kv = hold_c, hold_k
 
     # -- ending leases -------------------------------------------------------------------
 
@@ -335,8 +335,8 @@ class MemoryStore:
             kv_tokens=p.kv,
             preemptible_concurrency=p.pre_concurrency,
             preemptible_kv=p.pre_kv,
-            holdback_concurrency=p.hold_concurrency,
-            holdback_kv=p.hold_kv,
+            holdback_concurrency=p.held_concurrency,
+            holdback_kv=p.held_kv,
             bucket=p.bucket.level,
             protected_bucket=p.protected_bucket.level,
             leases=p.leases,

@@ -55,11 +55,11 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
       return contended('low_priority')
     end
     -- What is held for protected baselines first: evicting preemptible work cannot help there.
-    if used_c - pre_c + hold_c + 1 > plan.shared_np_concurrency then
+    if used_c - pre_c + hold_c + 1 > plan.nonpreemptible_concurrency then
       return contended('reserved_concurrency')
     end
-    if used_k - pre_k + hold_k + kv > plan.shared_np_kv then return contended('reserved_kv') end
-    if unreserved < plan.shared_np_bucket_floor then return contended('reserved_throughput') end
+    if used_k - pre_k + hold_k + kv > plan.nonpreemptible_kv then return contended('reserved_kv') end
+    if unreserved < plan.nonpreemptible_bucket_floor then return contended('reserved_throughput') end
     if used_c + 1 > plan.shared_concurrency then return contended('pool_concurrency') end
     if used_k + kv > plan.shared_kv then return contended('pool_kv') end
     if p.b_level - tokens < plan.shared_bucket_floor then return contended('pool_throughput') end
