@@ -28,6 +28,9 @@ class AsyncRedisLedger:
         self._script = self.client.register_script(wire.SCRIPT)
         self._flushing: asyncio.Task[None] | None = None
         self._calls = asyncio.Semaphore(redis_connect.CONNECTIONS)
+        # by pool: the lease ends waiting for the call on its way (when, arguments, caller)
+        self._ends: dict[str, list[tuple[float, list[str], asyncio.Future[None]]]] = {}
+        self._ending: set[str] = set()  # pools whose ends are being sent
 
     async def warm(self) -> None:
         """Connect before the first requests, so that a burst of them does not pay for (or
@@ -99,12 +102,47 @@ class AsyncRedisLedger:
 
     async def _finish(self, lease: Lease, now: float, used: str, observed: float) -> None:
         store = self.store
-        args = store.finish_args(lease.lease_id, used, observed)
+        args = store.finish_args(lease.lease_id, used, observed, now)
         mine = store.forget(lease.lease_id)
         try:
-            await self._call(lease.pool, "finish", now, args)
+            await self._end_together(lease.pool, now, args)
         except StoreUnavailable:
             store.unsent(mine, lease.pool, now, args)  # raises again if it is not ours
+
+    async def _end_together(self, pool: str, now: float, args: list[str]) -> None:
+        """Lease ends of one pool that come while a call for that pool's ends is on its way
+        go together in the next call: one script call, one read and write of the pool, for
+        all of them (group commit). The first goes at once, so nothing waits when idle."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ends.setdefault(pool, []).append((now, args, future))
+        if pool not in self._ending:
+            self._ending.add(pool)
+            asyncio.get_running_loop().create_task(self._send_ends(pool))
+        await future
+
+    async def _send_ends(self, pool: str) -> None:
+        try:
+            while batch := self._ends.pop(pool, None):
+                args = [a for _, group, _ in batch for a in group]
+                try:
+                    await self._call(pool, "finish", max(now for now, _, _ in batch), args)
+                except StoreUnavailable as exc:
+                    for _, _, future in batch:
+                        if not future.done():  # its caller may have been cancelled
+                            future.set_exception(StoreUnavailable(str(exc)))
+                    continue
+                except BaseException:
+                    for _, _, future in batch:
+                        future.cancel()
+                    raise
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_result(None)
+        finally:
+            # In the same step as the loop's last look, so no end can arrive unseen between.
+            self._ending.discard(pool)
+            for _, _, future in self._ends.pop(pool, []):  # only after a cancellation
+                future.cancel()
 
     async def renew(self, lease: Lease, expires_at: float, now: float) -> bool:
         args = wire.args("renew", id=lease.lease_id, expires=wire.num(expires_at))

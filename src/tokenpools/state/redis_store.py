@@ -144,17 +144,20 @@ class RedisStore(RedisLink):
         pool = self._pool_of_lease(lease_id, now)
         if pool is None:
             return None
-        args = self.finish_args(lease_id, used, observed)
+        args = self.finish_args(lease_id, used, observed, now)
         mine = self.forget(lease_id)
         try:
-            row = self._call(pool, "finish", now, args)
+            (row,) = self._call(pool, "finish", now, args)
         except StoreUnavailable:
             return self.unsent(mine, pool, now, args)
         return None if row is None else wire.lease(row, pool)
 
     @staticmethod
-    def finish_args(lease_id: str, used: str, observed: float) -> list[str]:
-        return wire.args("finish", id=lease_id, used=used, observed=wire.num(observed))
+    def finish_args(lease_id: str, used: str, observed: float, now: float) -> list[str]:
+        """One lease end's group of the finish operation (several may go in one call)."""
+        return wire.args(
+            "finish", id=lease_id, used=used, observed=wire.num(observed), at=wire.num(now)
+        )
 
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
         return self._finish(lease_id, now, wire.num(used_tokens), used_tokens)

@@ -40,6 +40,7 @@ ADMIT_ARGS = (
 PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
 # A new lease, as adopt takes it (the same seven columns admit starts with).
 LEASE_ARGS = ADMIT_ARGS[:7]
+FINISH_GROUP = ("id", "used", "observed", "at")
 # Each operation's own arguments, after the header.
 OPS: dict[str, tuple[str, ...]] = {
     "configure_pool": ("b_rate", "b_depth", "pb_rate", "pb_depth", "new_epoch"),
@@ -47,7 +48,9 @@ OPS: dict[str, tuple[str, ...]] = {
     "remove_entitlement": ("name",),
     "admit": ADMIT_ARGS,  # then the plan's numbers, then the victims' names
     "adopt": LEASE_ARGS,
-    "finish": ("id", "used", "observed"),  # used: tokens, or 'all'
+    # One group per lease end, repeated for several in one call, in the order they happened;
+    # used: tokens, or 'all'; at: when it ended.
+    "finish": FINISH_GROUP,
     "renew": ("id", "expires"),
     "expire": (),
     "get_lease": ("id",),
@@ -112,6 +115,7 @@ def prelude() -> str:
             "end",
             f"local PLAN_AT = {len(HEADER) + len(ADMIT_ARGS) + 1}  -- ARGV index of the plan",
             f"local PLAN_FIELDS = {_lua_list(PLAN_FIELDS)}",
+            f"local FINISH_GROUP = {len(FINISH_GROUP)}  -- finish's arguments per lease end",
             f"local VICTIMS_AT = {len(HEADER) + len(ADMIT_ARGS) + len(PLAN_FIELDS) + 1}",
             f"local POOL_COUNTERS = {_lua_list(list(POOL_COUNTERS.values()))}",
             f"local ENT_COUNTERS = {_lua_list(list(ENTITLEMENT_COUNTERS.values()))}",

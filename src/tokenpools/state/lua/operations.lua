@@ -170,11 +170,17 @@ end
 
 if op == 'admit' then return admit(p, now) end
 if op == 'finish' then
-  local id, used = ARGV[A.id], ARGV[A.used]
-  local l = finish_one(id, p, now, used == 'all', tonumber(used) or 0.0, tonumber(ARGV[A.observed]))
-  if l == nil then return nil end
+  -- Lease ends, one group of arguments each, in the order they happened: the pool is read and
+  -- written once for all of them. A lease already gone answers false (nil to the caller).
+  local ended = {}
+  for at = A.id, #ARGV, FINISH_GROUP do
+    local id, used = ARGV[at], ARGV[at + A.used - A.id]
+    local l = finish_one(id, p, tonumber(ARGV[at + A.at - A.id]), used == 'all',
+      tonumber(used) or 0.0, tonumber(ARGV[at + A.observed - A.id]))
+    ended[#ended + 1] = l ~= nil and lease_reply(id, l)
+  end
   save(P, p, POOL_FIELDS)
-  return lease_reply(id, l)
+  return ended
 end
 p = load(P)
 if op == 'configure_entitlement' then return configure_entitlement(p, now) end

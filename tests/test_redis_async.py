@@ -1,0 +1,68 @@
+"""The gateway's awaited path to Redis (GatewayLedger over AsyncRedisLedger): lease ends that
+come together go to Redis together, and leave the ledger as ending them one by one in memory
+does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+
+from tests.builders import make_config
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit
+from tokenpools.gateway.ledger import GatewayLedger
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.state.memory import MemoryStore
+from tokenpools.state.redis_async import AsyncRedisLedger
+from tokenpools.state.redis_store import RedisStore
+
+
+def script_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+def test_lease_ends_that_come_together_go_in_one_call_and_settle_as_one_by_one(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    config = make_config(
+        [
+            {"name": "a", "serviceClass": "elastic", "concurrency": 40, "sloTargetMs": 1000},
+            {"name": "b", "serviceClass": "spot"},
+        ],
+        concurrency=64,
+        tokens_per_s=100000,
+    )
+    memory = DecisionCore(config, MemoryStore(), now=0.0)
+    shared = DecisionCore(config, RedisStore(redis_url, timeout_s=1.0), now=0.0)
+    costs = [RequestCost(100 + i, 20 + i) for i in range(24)]
+    usages = [Usage(100 + i, 5 + 2 * i) for i in range(24)]
+
+    async def go() -> int:
+        ledger = GatewayLedger(shared, AsyncRedisLedger(shared.store))  # type: ignore[arg-type]
+        await ledger.start()
+        leases = []
+        for i, cost in enumerate(costs):
+            decision = await ledger.admit("ab"[i % 2], cost, 1.0 + i / 100)
+            assert isinstance(decision, Admit)
+            leases.append(decision.lease)
+        before = script_calls(redis_client)
+        for lease, usage in zip(leases, usages, strict=True):
+            ledger.end(lease, usage, 2.0)  # each its own task, all in one loop turn
+        await ledger.aclose()
+        return script_calls(redis_client) - before
+
+    calls = asyncio.run(go())
+    admitted = [memory.admit("ab"[i % 2], cost, 1.0 + i / 100) for i, cost in enumerate(costs)]
+    for decision, usage in zip(admitted, usages, strict=True):
+        assert isinstance(decision, Admit)
+        memory.settle(decision.lease.lease_id, usage, 2.0)
+    # Ended in one loop turn: all 24 are queued before the call that sends them starts.
+    assert calls == 1
+    assert shared.store.pool_counters("p", 2.0) == memory.store.pool_counters("p", 2.0)
+    for name in "ab":
+        assert shared.store.entitlement_counters(name, 2.0) == memory.store.entitlement_counters(
+            name, 2.0
+        )
+    assert shared.store.pool_counters("p", 2.0).leases == 0
