@@ -66,3 +66,60 @@ def test_lease_ends_that_come_together_go_in_one_call_and_settle_as_one_by_one(
             name, 2.0
         )
     assert shared.store.pool_counters("p", 2.0).leases == 0
+
+
+def test_admissions_that_come_together_go_in_one_call_and_decide_as_one_by_one(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    config = make_config(
+        [
+            {"name": "a", "serviceClass": "guaranteed", "concurrency": 2, "sloTargetMs": 1000},
+            {"name": "b", "serviceClass": "spot"},
+            {"name": "c", "serviceClass": "preemptible"},
+        ],
+        concurrency=6,
+    )
+    # r3 twice: a request id already holding a lease is the caller's error, for it alone
+    arrivals = [(f"r{i}", "abc"[i % 3], RequestCost(50 + i, 10 + i)) for i in range(14)]
+    arrivals.insert(7, ("r3", "b", RequestCost(10, 10)))
+    memory = DecisionCore(config, MemoryStore(), now=0.0)
+    expected: list[object] = []
+    for request_id, name, cost in arrivals:
+        try:
+            expected.append(memory.admit(name, cost, 1.0, request_id))
+        except ValueError:
+            expected.append(ValueError)
+
+    shared = DecisionCore(config, RedisStore(redis_url, timeout_s=1.0), now=0.0)
+
+    async def go() -> tuple[list[object], int]:
+        ledger = AsyncRedisLedger(shared.store)  # type: ignore[arg-type]
+        await ledger.warm()
+        steps = [shared.prepare(name, cost, 1.0, rid) for rid, name, cost in arrivals]
+        before = script_calls(redis_client)
+        outcomes = await asyncio.gather(
+            *(ledger.admit(step, 1.0) for step in steps), return_exceptions=True
+        )
+        calls = script_calls(redis_client) - before
+        decided: list[object] = []
+        for step, outcome in zip(steps, outcomes, strict=True):
+            if isinstance(outcome, ValueError):
+                decided.append(ValueError)
+            else:
+                decided.append(shared.decide(step, outcome, 1.0))  # type: ignore[arg-type]
+        await ledger.aclose()
+        return decided, calls
+
+    decided, calls = asyncio.run(go())
+    assert calls == 1, "all fifteen in one script call"
+    assert [verdict(d) for d in decided] == [verdict(e) for e in expected]
+    assert {"admitted", "duplicate"} < {verdict(e) for e in expected}, "and refusals"
+    assert shared.store.pool_counters("p", 1.0) == memory.store.pool_counters("p", 1.0)
+
+
+def verdict(decision: object) -> str:
+    if decision is ValueError:
+        return "duplicate"
+    if isinstance(decision, Admit):
+        return "admitted"
+    return str(decision.reason.value)  # type: ignore[attr-defined]

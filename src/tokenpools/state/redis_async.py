@@ -28,9 +28,10 @@ class AsyncRedisLedger:
         self._script = self.client.register_script(wire.SCRIPT)
         self._flushing: asyncio.Task[None] | None = None
         self._calls = asyncio.Semaphore(redis_connect.CONNECTIONS)
-        # by pool: the lease ends waiting for the call on its way (when, arguments, caller)
-        self._ends: dict[str, list[tuple[float, list[str], asyncio.Future[None]]]] = {}
-        self._ending: set[str] = set()  # pools whose ends are being sent
+        # by (operation, pool): what waits for the call on its way (when, arguments, caller)
+        self._queued: dict[tuple[str, str], list[tuple[float, list[str], asyncio.Future[Any]]]]
+        self._queued = {}
+        self._sending: dict[tuple[str, str], asyncio.Task[None]] = {}  # their calls on the way
 
     async def warm(self) -> None:
         """Connect before the first requests, so that a burst of them does not pay for (or
@@ -46,8 +47,8 @@ class AsyncRedisLedger:
                 await self.client.script_load(wire.SCRIPT)
 
     async def aclose(self) -> None:
-        if self._flushing is not None:
-            await asyncio.gather(self._flushing, return_exceptions=True)
+        pending = [*self._sending.values(), *([self._flushing] if self._flushing else [])]
+        await asyncio.gather(*pending, return_exceptions=True)
         await self.client.aclose()
 
     async def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
@@ -91,8 +92,8 @@ class AsyncRedisLedger:
 
     async def admit(self, reservation: Reservation, now: float) -> Outcome:
         pool = reservation.lease.pool
-        reply = await self._call(pool, "admit", now, wire.admit_args(reservation))
-        return self.store.admitted(reservation, reply)
+        decided = await self._together("admit", pool, now, wire.admit_args(reservation, now))
+        return self.store.admitted(reservation, decided)
 
     async def settle(self, lease: Lease, used_tokens: float, now: float) -> None:
         await self._finish(lease, now, wire.num(used_tokens), used_tokens)
@@ -105,27 +106,30 @@ class AsyncRedisLedger:
         args = store.finish_args(lease.lease_id, used, observed, now)
         mine = store.forget(lease.lease_id)
         try:
-            await self._end_together(lease.pool, now, args)
+            await self._together("finish", lease.pool, now, args)
         except StoreUnavailable:
             store.unsent(mine, lease.pool, now, args)  # raises again if it is not ours
 
-    async def _end_together(self, pool: str, now: float, args: list[str]) -> None:
-        """Lease ends of one pool that come while a call for that pool's ends is on its way
-        go together in the next call: one script call, one read and write of the pool, for
-        all of them (group commit). The first goes at once, so nothing waits when idle."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._ends.setdefault(pool, []).append((now, args, future))
-        if pool not in self._ending:
-            self._ending.add(pool)
-            asyncio.get_running_loop().create_task(self._send_ends(pool))
-        await future
+    async def _together(self, op: str, pool: str, now: float, args: list[str]) -> Any:
+        """Group commit: the admissions (or lease ends) of one pool that come while a call of
+        the same kind for that pool is on its way go together in the next call, one script
+        call and one read and write of the pool for all of them, each decided in its turn.
+        The first goes at once, so nothing waits when the gateway is idle. Returns this
+        group's part of the reply."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queued.setdefault((op, pool), []).append((now, args, future))
+        if (op, pool) not in self._sending:
+            self._sending[op, pool] = loop.create_task(self._send((op, pool)))
+        return await future
 
-    async def _send_ends(self, pool: str) -> None:
+    async def _send(self, kind: tuple[str, str]) -> None:
+        op, pool = kind
         try:
-            while batch := self._ends.pop(pool, None):
+            while batch := self._queued.pop(kind, None):
                 args = [a for _, group, _ in batch for a in group]
                 try:
-                    await self._call(pool, "finish", max(now for now, _, _ in batch), args)
+                    replies = await self._call(pool, op, max(now for now, _, _ in batch), args)
                 except StoreUnavailable as exc:
                     for _, _, future in batch:
                         if not future.done():  # its caller may have been cancelled
@@ -135,13 +139,13 @@ class AsyncRedisLedger:
                     for _, _, future in batch:
                         future.cancel()
                     raise
-                for _, _, future in batch:
+                for (_, _, future), reply in zip(batch, replies, strict=True):
                     if not future.done():
-                        future.set_result(None)
+                        future.set_result(reply)
         finally:
-            # In the same step as the loop's last look, so no end can arrive unseen between.
-            self._ending.discard(pool)
-            for _, _, future in self._ends.pop(pool, []):  # only after a cancellation
+            # In the same step as the loop's last look, so nothing queued goes unseen.
+            self._sending.pop(kind, None)
+            for _, _, future in self._queued.pop(kind, []):  # only after a cancellation
                 future.cancel()
 
     async def renew(self, lease: Lease, expires_at: float, now: float) -> bool:

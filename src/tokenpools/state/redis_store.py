@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+import redis
 
 from tokenpools.control.store import (
     BucketSpec,
@@ -119,14 +121,16 @@ class RedisStore(RedisLink):
 
     def admit(self, reservation: Reservation, now: float) -> Outcome:
         pool = reservation.lease.pool
-        return self.admitted(
-            reservation, self._call(pool, "admit", now, wire.admit_args(reservation))
-        )
+        (decided,) = self._call(pool, "admit", now, wire.admit_args(reservation, now))
+        return self.admitted(reservation, decided)
 
-    def admitted(self, reservation: Reservation, reply: Sequence[Any]) -> Outcome:
-        """Read the admit reply and book what it did in this replica's view."""
+    def admitted(self, reservation: Reservation, decided: Any) -> Outcome:
+        """Read one admission's reply and book what it did in this replica's view."""
+        if isinstance(decided, redis.ResponseError):
+            self.needs_rejoin(decided)  # a duplicate request id: ValueError, the caller's
+            raise self.went_down(decided)
         lease = reservation.lease
-        status, flags, ent, pool, rows = reply
+        status, flags, ent, pool, rows = decided
         if status != b"ok":
             short = Shortfall(status.decode())
             return Outcome(short, wire.entitlement_counters(ent), wire.pool_counters(pool))

@@ -25,28 +25,20 @@ from tokenpools.control.store import (
 
 # Every call: ARGV[1] the operation, ARGV[2] the pool epoch the caller knows, ARGV[3] now.
 HEADER = ("op", "epoch", "now")
-# The admit operation's own arguments, then the plan's numbers, then the victims' names.
-ADMIT_ARGS = (
-    "id",
-    "ent",
-    "tokens",
-    "kv",
-    "started",
-    "expires",
-    "pre",
-    "demand",
-    "may_overcommit",
-)
+# A new lease, as adopt takes it and as each admission starts.
+LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre")
+# One admission: how many arguments it has (this one included), when it is decided, the lease,
+# its own numbers; then the plan's numbers, then the victims' names. Several may follow each
+# other in one call, decided in that order.
+ADMIT_GROUP = ("size", "at", *LEASE_ARGS, "demand", "may_overcommit")
 PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
-# A new lease, as adopt takes it (the same seven columns admit starts with).
-LEASE_ARGS = ADMIT_ARGS[:7]
 FINISH_GROUP = ("id", "used", "observed", "at")
 # Each operation's own arguments, after the header.
 OPS: dict[str, tuple[str, ...]] = {
     "configure_pool": ("b_rate", "b_depth", "pb_rate", "pb_depth", "new_epoch"),
     "configure_entitlement": ("name", "o_rate", "o_depth", "hold_c", "hold_k", "protected"),
     "remove_entitlement": ("name",),
-    "admit": ADMIT_ARGS,  # then the plan's numbers, then the victims' names
+    "admit": ADMIT_GROUP,  # then the plan's numbers, then the victims' names; repeated
     "adopt": LEASE_ARGS,
     # One group per lease end, repeated for several in one call, in the order they happened;
     # used: tokens, or 'all'; at: when it ended.
@@ -113,10 +105,10 @@ def prelude() -> str:
             "local A = {}  -- the ARGV index of each argument of the called operation",
             *ops,
             "end",
-            f"local PLAN_AT = {len(HEADER) + len(ADMIT_ARGS) + 1}  -- ARGV index of the plan",
+            f"local PLAN_AT = {len(HEADER) + len(ADMIT_GROUP) + 1}  -- ARGV index of the plan",
             f"local PLAN_FIELDS = {_lua_list(PLAN_FIELDS)}",
             f"local FINISH_GROUP = {len(FINISH_GROUP)}  -- finish's arguments per lease end",
-            f"local VICTIMS_AT = {len(HEADER) + len(ADMIT_ARGS) + len(PLAN_FIELDS) + 1}",
+            f"local VICTIMS_AT = {len(HEADER) + len(ADMIT_GROUP) + len(PLAN_FIELDS) + 1}",
             f"local POOL_COUNTERS = {_lua_list(list(POOL_COUNTERS.values()))}",
             f"local ENT_COUNTERS = {_lua_list(list(ENTITLEMENT_COUNTERS.values()))}",
             f"local LEASE_ROW = {_lua_list(list(LEASE_ROW.values()))}",
@@ -199,16 +191,15 @@ def lease_args(lease: Lease) -> list[str]:
     return [values[name] for name in LEASE_ARGS]
 
 
-def admit_args(reservation: Reservation) -> list[str]:
-    """The admit operation's arguments after the header, in ADMIT_ARGS order."""
-    values = {
-        "demand": num(reservation.demand),
-        "may_overcommit": "1" if reservation.may_overcommit else "0",
-    }
-    own = [values[name] for name in ADMIT_ARGS[len(LEASE_ARGS) :]]
-    return [
+def admit_args(reservation: Reservation, now: float) -> list[str]:
+    """One admission's group of the admit operation, in ADMIT_GROUP order, then the plan's
+    numbers and the victims' names (several groups may go in one call)."""
+    group = [
+        num(now),
         *lease_args(reservation.lease),
-        *own,
+        num(reservation.demand),
+        "1" if reservation.may_overcommit else "0",
         *plan_args(reservation.plan),
         *reservation.victims[: reservation.victim_count],
     ]
+    return [str(len(group) + 1), *group]

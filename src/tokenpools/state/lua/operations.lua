@@ -168,7 +168,17 @@ if op == 'preemptible' then
   return out
 end
 
-if op == 'admit' then return admit(p, now) end
+if op == 'admit' then
+  -- Admissions, one group of arguments each, decided in order against the pool read once; an
+  -- unknown entitlement or a duplicate request id is an error for its admission only.
+  local decided, o = {}, 0
+  while A.size + o <= #ARGV do
+    decided[#decided + 1] = admit(p, o)
+    o = o + tonumber(ARGV[A.size + o])
+  end
+  save(P, p, POOL_FIELDS)
+  return decided
+end
 if op == 'finish' then
   -- Lease ends, one group of arguments each, in the order they happened: the pool is read and
   -- written once for all of them. A lease already gone answers false (nil to the caller).

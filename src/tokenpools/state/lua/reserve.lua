@@ -119,12 +119,16 @@ end
 
 local POOL_SHORTFALLS = { pool_concurrency = true, pool_kv = true, pool_throughput = true }
 
-local function admit(p, now)
-  local id, name = ARGV[A.id], ARGV[A.ent]
+-- One admission, whose group of arguments starts `o` past the first group's place.
+local function admit(p, o)
+  local now = tonumber(ARGV[o + A.at])
+  local id, name = ARGV[o + A.id], ARGV[o + A.ent]
   local plan = {}
-  for i, f in ipairs(PLAN_FIELDS) do plan[f] = tonumber(ARGV[PLAN_AT + i - 1]) end
+  for i, f in ipairs(PLAN_FIELDS) do plan[f] = tonumber(ARGV[o + PLAN_AT + i - 1]) end
   local order = {}
-  for i = VICTIMS_AT, #ARGV do order[#order + 1] = ARGV[i] end
+  for i = o + VICTIMS_AT, o + A.size + tonumber(ARGV[o + A.size]) - 1 do
+    order[#order + 1] = ARGV[i]
+  end
   local ekey = ent_key(name)
   local e = load(ekey)
   if e == nil then return redis.error_reply('TPUNKNOWN entitlement ' .. name) end
@@ -132,12 +136,12 @@ local function admit(p, now)
     return redis.error_reply('TPDUPLICATE request id ' .. id .. ' already holds a lease')
   end
   local function new_lease()
-    return { id = id, ent = name, tokens = tonumber(ARGV[A.tokens]),
-      kv = tonumber(ARGV[A.kv]), started = tonumber(ARGV[A.started]),
-      expires = tonumber(ARGV[A.expires]), pre = tonumber(ARGV[A.pre]),
+    return { id = id, ent = name, tokens = tonumber(ARGV[o + A.tokens]),
+      kv = tonumber(ARGV[o + A.kv]), started = tonumber(ARGV[o + A.started]),
+      expires = tonumber(ARGV[o + A.expires]), pre = tonumber(ARGV[o + A.pre]),
       reserved = 0, own = 0 }
   end
-  e.demand = e.demand + tonumber(ARGV[A.demand])
+  e.demand = e.demand + tonumber(ARGV[o + A.demand])
   local l = new_lease()
   local short = attempt(p, e, l, plan, now, false, {})
   local overcommit, evicted = 0, {}
@@ -152,7 +156,7 @@ local function admit(p, now)
       end
     end
   end
-  if short ~= nil and ARGV[A.may_overcommit] == '1' and POOL_SHORTFALLS[short] then
+  if short ~= nil and ARGV[o + A.may_overcommit] == '1' and POOL_SHORTFALLS[short] then
     l = new_lease()
     if attempt(p, e, l, plan, now, true, {}) == nil then
       overcommit = 1
@@ -166,8 +170,7 @@ local function admit(p, now)
     refill(p, 'pb_', now)
     ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
   end
-  save(ekey, e, ENT_FIELDS)
-  save(P, p, POOL_FIELDS)
+  save(ekey, e, ENT_FIELDS)  -- the pool is saved once, after every admission of the call
   local flags = { reserved = l.reserved, own = l.own, overcommit = overcommit }
   return { short or 'ok', counters(flags, ADMIT_FLAGS), ent, pool, evicted }
 end
