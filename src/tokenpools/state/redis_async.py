@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,10 @@ from tokenpools.state.redis_link import FAILURES
 from tokenpools.state.redis_mux import Multiplexed
 from tokenpools.state.redis_store import RedisStore
 
+# Calls of one kind (admit, finish) for one pool on their way at once. More than one keeps the
+# connection busy while the next group gathers; the rest wait and go together.
+CALLS_ON_THE_WAY = int(os.environ.get("TP_ON_THE_WAY", "2"))
+
 
 class AsyncRedisLedger:
     def __init__(self, store: RedisStore) -> None:
@@ -31,7 +36,7 @@ class AsyncRedisLedger:
         # by (operation, pool): what waits for the call on its way (when, arguments, caller)
         self._queued: dict[tuple[str, str], list[tuple[float, list[str], asyncio.Future[Any]]]]
         self._queued = {}
-        self._sending: dict[tuple[str, str], asyncio.Task[None]] = {}  # their calls on the way
+        self._sending: dict[tuple[str, str], set[asyncio.Task[None]]] = {}  # calls on the way
 
     async def warm(self) -> None:
         """Connect before the first requests, so that a burst of them does not pay for (or
@@ -47,7 +52,8 @@ class AsyncRedisLedger:
                 await self.client.script_load(wire.SCRIPT)
 
     async def aclose(self) -> None:
-        pending = [*self._sending.values(), *([self._flushing] if self._flushing else [])]
+        pending = [t for tasks in self._sending.values() for t in tasks]
+        pending += [self._flushing] if self._flushing else []
         await asyncio.gather(*pending, return_exceptions=True)
         await self.client.aclose()
 
@@ -119,8 +125,9 @@ class AsyncRedisLedger:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._queued.setdefault((op, pool), []).append((now, args, future))
-        if (op, pool) not in self._sending:
-            self._sending[op, pool] = loop.create_task(self._send((op, pool)))
+        senders = self._sending.setdefault((op, pool), set())
+        if len(senders) < CALLS_ON_THE_WAY:
+            senders.add(loop.create_task(self._send((op, pool))))
         return await future
 
     async def _send(self, kind: tuple[str, str]) -> None:
@@ -144,9 +151,12 @@ class AsyncRedisLedger:
                         future.set_result(reply)
         finally:
             # In the same step as the loop's last look, so nothing queued goes unseen.
-            self._sending.pop(kind, None)
-            for _, _, future in self._queued.pop(kind, []):  # only after a cancellation
-                future.cancel()
+            senders = self._sending[kind]
+            senders.discard(asyncio.current_task())  # type: ignore[arg-type]
+            if not senders:
+                del self._sending[kind]
+                for _, _, future in self._queued.pop(kind, []):  # only after a cancellation
+                    future.cancel()
 
     async def renew(self, lease: Lease, expires_at: float, now: float) -> bool:
         args = wire.args("renew", id=lease.lease_id, expires=wire.num(expires_at))
