@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ from tokenpools.state.redis_store import RedisStore
 
 # Calls of one kind (admit, finish) for one pool on their way at once. More than one keeps the
 # connection busy while the next group gathers; the rest wait and go together.
-CALLS_ON_THE_WAY = int(os.environ.get("TP_ON_THE_WAY", "2"))
+CALLS_ON_THE_WAY = 2
 
 
 class AsyncRedisLedger:
