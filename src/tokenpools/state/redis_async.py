@@ -151,7 +151,7 @@ class AsyncRedisLedger:
         finally:
             # In the same step as the loop's last look, so nothing queued goes unseen.
             senders = self._sending[kind]
-            senders.discard(asyncio.current_task())  # type: ignore[arg-type]
+            senders.discard(asyncio.current_task())
             if not senders:
                 del self._sending[kind]
                 for _, _, future in self._queued.pop(kind, []):  # only after a cancellation
