@@ -243,13 +243,21 @@ async def drive(c: Cluster, seconds: float, events: list[tuple[float, Any]] = ()
     return t0
 
 
+# An entitlement's counters live packed in its record (state/lua/storage.lua): read them there.
+RECORD_COUNTERS = """local t = cmsgpack.unpack(redis.call('HGET', KEYS[1], 's'))
+return { tostring(t.conc), tostring(t.kv), tostring(t.leases) }"""
+
+
 def negative_counters(r: redis.Redis) -> list[str]:
     bad = []
     for key in r.scan_iter("tokenpools:{p}*"):
-        if r.type(key) != b"hash" or b":l:" in key or key.endswith(b":inf"):
+        if r.type(key) != b"hash" or key.endswith((b":inf", b":reft")):
             continue
-        values = r.hmget(key, "conc", "kv", "leases")
-        for name, value in zip(("conc", "kv", "leases"), values, strict=True):
+        if b":e:" in key:
+            values = r.eval(RECORD_COUNTERS, 1, key) if r.hexists(key, "s") else []
+        else:
+            values = r.hmget(key, "conc", "kv", "leases")
+        for name, value in zip(("conc", "kv", "leases"), values, strict=False):
             if value is not None and float(value) < -1e-9:
                 bad.append(f"{key.decode()} {name}={value.decode()}")
     return bad

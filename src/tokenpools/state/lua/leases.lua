@@ -27,7 +27,7 @@ local function book(id, l, e, p, now)
       redis.call('ZADD', P .. ':low', fmt(e.priority), l.ent)
     end
   end
-  save(lease_key(id), l, LEASE_FIELDS)
+  save_lease(id, l)
   redis.call('ZADD', P .. ':exp', fmt(l.expires), id)
 end
 
@@ -65,13 +65,13 @@ end
 
 -- End lease `id` if it exists, saving what it touched; returns the lease or nil.
 local function finish_one(id, p, now, used_all, used, observed)
-  local l = load(lease_key(id))
+  local l = load_lease(id)
   if l == nil then return nil end
   local key = ent_key(l.ent)
-  local e = load(key)
+  local e = load_ent(key)
   if used_all then used = l.tokens end
   finish(id, l, e, p, now, used, observed)
-  save(key, e, ENT_FIELDS)
+  save_ent(key, e)
   return l
 end
 

@@ -20,7 +20,7 @@ end
 local function configure_entitlement(p, now)
   local name = ARGV[A.name]
   local key = ent_key(name)
-  local e = load(key)
+  local e = load_ent(key)
   if e == nil then
     e = { conc = 0.0, kv = 0.0, leases = 0, hold_c = 0.0, hold_k = 0.0, t_acc = now,
       window_start = now, conc_s = 0.0, kv_s = 0.0, settled = 0.0, demand = 0.0, admitted = 0.0 }
@@ -37,7 +37,7 @@ local function configure_entitlement(p, now)
   end
   e.base_c, e.base_k = tonumber(ARGV[A.hold_c]), tonumber(ARGV[A.hold_k])
   update_holdback(e, p)
-  save(key, e, ENT_FIELDS)
+  save_ent(key, e)
   resync_protected_bucket(p, now)
   save(P, p, POOL_FIELDS)
   return 'ok'
@@ -46,11 +46,11 @@ end
 local function remove_entitlement(p, now)
   local name = ARGV[A.name]
   local key = ent_key(name)
-  local e = load(key)
+  local e = load_ent(key)
   if e == nil then return {} end
   local ended = {}
   for _, id in ipairs(redis.call('ZRANGE', P .. ':exp', 0, -1)) do
-    local l = load(lease_key(id))
+    local l = load_lease(id)
     if l ~= nil and l.ent == name then
       finish(id, l, e, p, now, l.tokens, 0.0)
       ended[#ended + 1] = lease_reply(id, l)
@@ -72,7 +72,7 @@ local function adopt(p, now)
   local id, name = ARGV[A.id], ARGV[A.ent]
   if redis.call('EXISTS', lease_key(id)) == 1 then return 0 end
   local ekey = ent_key(name)
-  local e = load(ekey)
+  local e = load_ent(ekey)
   if e == nil then return 0 end
   local l = { ent = name, tokens = tonumber(ARGV[A.tokens]), kv = tonumber(ARGV[A.kv]),
     started = tonumber(ARGV[A.started]), expires = tonumber(ARGV[A.expires]),
@@ -81,7 +81,7 @@ local function adopt(p, now)
   p.b_level = p.b_level - l.tokens
   e.admitted = e.admitted + l.tokens
   book(id, l, e, p, now)
-  save(ekey, e, ENT_FIELDS)
+  save_ent(ekey, e)
   save(P, p, POOL_FIELDS)
   return 1
 end
@@ -98,13 +98,13 @@ end
 
 local function take_window(now)
   local key = ent_key(ARGV[A.name])
-  local e = load(key)
+  local e = load_ent(key)
   accumulate(e, now)
   local reply = { fmt(now - e.window_start), fmt(e.settled), fmt(e.demand), fmt(e.admitted),
     fmt(e.conc_s), fmt(e.kv_s) }
   e.window_start = now
   e.settled, e.demand, e.admitted, e.conc_s, e.kv_s = 0.0, 0.0, 0.0, 0.0, 0.0
-  save(key, e, ENT_FIELDS)
+  save_ent(key, e)
   return reply
 end
 
@@ -131,14 +131,15 @@ else
 end
 
 if op == 'renew' then
-  local key = lease_key(ARGV[A.id])
-  if redis.call('EXISTS', key) == 0 then return 0 end
-  redis.call('HSET', key, 'expires', ARGV[A.expires])
+  local l = load_lease(ARGV[A.id])
+  if l == nil then return 0 end
+  l.expires = tonumber(ARGV[A.expires])
+  save_lease(ARGV[A.id], l)
   redis.call('ZADD', P .. ':exp', ARGV[A.expires], ARGV[A.id])
   return 1
 end
 if op == 'get_lease' then
-  local l = load(lease_key(ARGV[A.id]))
+  local l = load_lease(ARGV[A.id])
   if l == nil then return nil end
   return lease_reply(ARGV[A.id], l)
 end
@@ -149,9 +150,9 @@ if op == 'set_scores' then return set_scores() end
 if op == 'take_window' then return take_window(now) end
 if op == 'entitlement_counters' then
   local key = ent_key(ARGV[A.name])
-  local e = load(key)
+  local e = load_ent(key)
   refill(e, 'o_', now)
-  save(key, e, { 'o_level', 'o_t' })
+  save_ent(key, e)
   return counters(e, ENT_COUNTERS)
 end
 if op == 'claim_update' then
@@ -162,7 +163,7 @@ end
 if op == 'preemptible' then
   local out = {}
   for _, id in ipairs(redis.call('ZRANGE', P .. ':pre', 0, -1)) do
-    local l = load(lease_key(id))
+    local l = load_lease(id)
     if l ~= nil then out[#out + 1] = lease_reply(id, l) end
   end
   return out

@@ -74,9 +74,9 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
       finish(vid, v, e, p, now, v.tokens, 0.0)
     else
       local vkey = ent_key(v.ent)
-      local ve = load(vkey)
+      local ve = load_ent(vkey)
       finish(vid, v, ve, p, now, v.tokens, 0.0)
-      save(vkey, ve, ENT_FIELDS)
+      save_ent(vkey, ve)
     end
   end
   p.b_level = p.b_level - tokens
@@ -94,7 +94,7 @@ local function choose_victims(p, plan, kv, order)
   local wanted, groups = {}, {}
   for _, name in ipairs(order) do wanted[name] = true end
   for _, id in ipairs(redis.call('ZREVRANGE', P .. ':pre', 0, -1)) do
-    local v = load(lease_key(id))
+    local v = load_lease(id)
     if v ~= nil and wanted[v.ent] then
       local group = groups[v.ent]
       if group == nil then
@@ -130,7 +130,7 @@ local function admit(p, o)
     order[#order + 1] = ARGV[i]
   end
   local ekey = ent_key(name)
-  local e = load(ekey)
+  local e = load_ent(ekey)
   if e == nil then return redis.error_reply('TPUNKNOWN entitlement ' .. name) end
   if redis.call('EXISTS', lease_key(id)) == 1 then
     return redis.error_reply('TPDUPLICATE request id ' .. id .. ' already holds a lease')
@@ -170,7 +170,7 @@ local function admit(p, o)
     refill(p, 'pb_', now)
     ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
   end
-  save(ekey, e, ENT_FIELDS)  -- the pool is saved once, after every admission of the call
+  save_ent(ekey, e)  -- the pool is saved once, after every admission of the call
   local flags = { reserved = l.reserved, own = l.own, overcommit = overcommit }
   return { short or 'ok', counters(flags, ADMIT_FLAGS), ent, pool, evicted }
 end
