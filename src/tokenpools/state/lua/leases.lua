@@ -8,6 +8,11 @@ local function lease_reply(id, l)
   return row
 end
 
+-- The expiry index scores a lease by whole microseconds, a lower bound of its expiry: Redis
+-- keeps a small sorted set's integer scores as integers, but parses decimal ones on every
+-- comparison (~20 µs per insert in a pool of a hundred leases).
+local function expiry_score(t) return string.format('%d', math.floor(t * 1000000)) end
+
 local function book(id, l, e, p, now)
   accumulate(e, now)
   e.conc = e.conc + 1
@@ -28,7 +33,7 @@ local function book(id, l, e, p, now)
     end
   end
   save_lease(id, l)
-  redis.call('ZADD', P .. ':exp', fmt(l.expires), id)
+  redis.call('ZADD', P .. ':exp', expiry_score(l.expires), id)
 end
 
 -- End a lease: `used` tokens of its reservation are spent, the rest goes back to its buckets.

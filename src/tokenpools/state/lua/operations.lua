@@ -87,10 +87,18 @@ local function adopt(p, now)
 end
 
 local function expire(p, now)
+  -- Candidates by whole microseconds; each lease's own expiry decides, and they end in the
+  -- order they expire (ties by id), as in the memory store.
+  local due = {}
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':exp', '-inf', expiry_score(now))) do
+    local l = load_lease(id)
+    if l ~= nil and l.expires <= now then due[#due + 1] = { l.expires, id } end
+  end
+  table.sort(due, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
   local ended = {}
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':exp', '-inf', fmt(now))) do
-    local l = finish_one(id, p, now, true, 0.0, 0.0)
-    if l ~= nil then ended[#ended + 1] = lease_reply(id, l) end
+  for _, d in ipairs(due) do
+    local l = finish_one(d[2], p, now, true, 0.0, 0.0)
+    ended[#ended + 1] = lease_reply(d[2], l)
   end
   if #ended > 0 then save(P, p, POOL_FIELDS) end
   return ended
@@ -135,7 +143,7 @@ if op == 'renew' then
   if l == nil then return 0 end
   l.expires = tonumber(ARGV[A.expires])
   save_lease(ARGV[A.id], l)
-  redis.call('ZADD', P .. ':exp', ARGV[A.expires], ARGV[A.id])
+  redis.call('ZADD', P .. ':exp', expiry_score(l.expires), ARGV[A.id])
   return 1
 end
 if op == 'get_lease' then

@@ -106,33 +106,42 @@ local function save_lease(id, l)
   redis.call('SET', lease_key(id), cmsgpack.pack(record))
 end
 
--- buckets: fields <b>rate, <b>depth, <b>level, <b>t of a pool or entitlement table
+-- buckets: fields <b>rate, <b>depth, <b>level, <b>t of a pool or entitlement table; their
+-- names are made once here (joining strings on every call measured as a cost of its own)
+local BUCKET = {}
+for _, b in ipairs({ 'b_', 'pb_', 'o_' }) do
+  BUCKET[b] = { rate = b .. 'rate', depth = b .. 'depth', level = b .. 'level', t = b .. 't' }
+end
 
 local function refill(t, b, now)
-  local dt = now - t[b .. 't']
+  local f = BUCKET[b]
+  local dt = now - t[f.t]
   if dt > 0 then
-    t[b .. 't'] = now
-    local level = t[b .. 'level'] + t[b .. 'rate'] * dt
-    if level < t[b .. 'depth'] then t[b .. 'level'] = level else t[b .. 'level'] = t[b .. 'depth'] end
+    t[f.t] = now
+    local level = t[f.level] + t[f.rate] * dt
+    if level < t[f.depth] then t[f.level] = level else t[f.level] = t[f.depth] end
   end
 end
 
 local function reshape(t, b, rate, depth, now)
+  local f = BUCKET[b]
   refill(t, b, now)
-  local grown = depth - t[b .. 'depth']
-  t[b .. 'rate'], t[b .. 'depth'] = rate, depth
-  if grown > 0 and grown ~= INF then t[b .. 'level'] = t[b .. 'level'] + grown end
-  if depth < t[b .. 'level'] then t[b .. 'level'] = depth end
+  local grown = depth - t[f.depth]
+  t[f.rate], t[f.depth] = rate, depth
+  if grown > 0 and grown ~= INF then t[f.level] = t[f.level] + grown end
+  if depth < t[f.level] then t[f.level] = depth end
 end
 
 local function credit(t, b, tokens, now)
+  local f = BUCKET[b]
   refill(t, b, now)
-  local level = t[b .. 'level'] + tokens
-  if level < t[b .. 'depth'] then t[b .. 'level'] = level else t[b .. 'level'] = t[b .. 'depth'] end
+  local level = t[f.level] + tokens
+  if level < t[f.depth] then t[f.level] = level else t[f.level] = t[f.depth] end
 end
 
 local function new_bucket(t, b, rate, depth, now)
-  t[b .. 'rate'], t[b .. 'depth'], t[b .. 'level'], t[b .. 't'] = rate, depth, depth, now
+  local f = BUCKET[b]
+  t[f.rate], t[f.depth], t[f.level], t[f.t] = rate, depth, depth, now
 end
 
 local function max0(x)
