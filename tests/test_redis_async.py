@@ -123,3 +123,25 @@ def verdict(decision: object) -> str:
     if isinstance(decision, Admit):
         return "admitted"
     return str(decision.reason.value)  # type: ignore[attr-defined]
+
+
+def test_an_admission_whose_caller_is_cancelled_on_the_way_leaves_no_lease(
+    redis_url: str,
+) -> None:
+    config = make_config([{"name": "b", "serviceClass": "spot"}])
+    core = DecisionCore(config, RedisStore(redis_url, timeout_s=1.0, prefix="orphan"), now=0.0)
+
+    async def go() -> tuple[int, bool]:
+        ledger = AsyncRedisLedger(core.store)  # type: ignore[arg-type]
+        await ledger.warm()
+        step = core.prepare("b", RequestCost(10, 10), 1.0)
+        caller = asyncio.ensure_future(ledger.admit(step, 1.0))  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # queued, and its call on the way
+        caller.cancel()  # a client that disconnected
+        await asyncio.gather(caller, return_exceptions=True)
+        await ledger.aclose()  # waits for the reply, which finds nobody, and what it starts
+        return core.store.pool_counters("p", 1.0).leases, caller.cancelled()
+
+    leases, cancelled = asyncio.run(go())
+    assert cancelled
+    assert leases == 0

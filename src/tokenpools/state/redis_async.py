@@ -36,6 +36,7 @@ class AsyncRedisLedger:
         self._queued: dict[tuple[str, str], list[tuple[float, list[str], asyncio.Future[Any]]]]
         self._queued = {}
         self._sending: dict[tuple[str, str], set[asyncio.Task[None]]] = {}  # calls on the way
+        self._orphans: set[asyncio.Task[None]] = set()  # ends of admissions nobody awaits
 
     async def warm(self) -> None:
         """Connect before the first requests, so that a burst of them does not pay for (or
@@ -51,9 +52,13 @@ class AsyncRedisLedger:
                 await self.client.script_load(wire.SCRIPT)
 
     async def aclose(self) -> None:
-        pending = [t for tasks in self._sending.values() for t in tasks]
-        pending += [self._flushing] if self._flushing else []
-        await asyncio.gather(*pending, return_exceptions=True)
+        """Wait for every call on its way (and what their replies start), then disconnect."""
+        while pending := [
+            *(t for tasks in self._sending.values() for t in tasks),
+            *self._orphans,
+            *([self._flushing] if self._flushing else []),
+        ]:
+            await asyncio.gather(*pending, return_exceptions=True)
         await self.client.aclose()
 
     async def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
@@ -145,9 +150,11 @@ class AsyncRedisLedger:
                     for _, _, future in batch:
                         future.cancel()
                     raise
-                for (_, _, future), reply in zip(batch, replies, strict=True):
+                for (now, group, future), reply in zip(batch, replies, strict=True):
                     if not future.done():
                         future.set_result(reply)
+                    elif op == "admit" and wire.admitted(reply):
+                        self._release_orphan(pool, now, group)
         finally:
             # In the same step as the loop's last look, so nothing queued goes unseen.
             senders = self._sending[kind]
@@ -156,6 +163,19 @@ class AsyncRedisLedger:
                 del self._sending[kind]
                 for _, _, future in self._queued.pop(kind, []):  # only after a cancellation
                     future.cancel()
+
+    def _release_orphan(self, pool: str, now: float, group: list[str]) -> None:
+        """An admission whose caller was cancelled while it was on its way (a client that
+        disconnected) was booked all the same: end it now, rather than at its lease's expiry."""
+        args = self.store.finish_args(wire.admitted_id(group), "0.0", 0.0, now)
+
+        async def release() -> None:
+            with contextlib.suppress(StoreUnavailable):  # then it expires with its lease
+                await self._together("finish", pool, now, args)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
 
     async def renew(self, lease: Lease, expires_at: float, now: float) -> bool:
         args = wire.args("renew", id=lease.lease_id, expires=wire.num(expires_at))

@@ -191,6 +191,16 @@ def lease_args(lease: Lease) -> list[str]:
     return [values[name] for name in LEASE_ARGS]
 
 
+def admitted(decided: Any) -> bool:
+    """Whether one admission's reply booked its lease."""
+    return isinstance(decided, list) and bool(decided) and decided[0] == b"ok"
+
+
+def admitted_id(group: Sequence[str]) -> str:
+    """The lease id in one admission's group of arguments."""
+    return group[ADMIT_GROUP.index("id")]
+
+
 def admit_args(reservation: Reservation, now: float) -> list[str]:
     """One admission's group of the admit operation, in ADMIT_GROUP order, then the plan's
     numbers and the victims' names (several groups may go in one call)."""
