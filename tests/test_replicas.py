@@ -263,6 +263,22 @@ def negative_counters(r: redis.Redis) -> list[str]:
     return bad
 
 
+def assert_the_outage_policy_held(c: Cluster, killed_at: float) -> list[Reply]:
+    """After a master was killed under load at `killed_at`: only the outage policy was seen
+    (shed with 429, or 503 store_unavailable while the store was away, never another error),
+    service came back, and no counter went or stays negative. Returns the last 2 s of replies."""
+    replies = c.replies
+    assert not [r for r in replies if r.status not in (200, 429, 503)]
+    assert all(r.code == "store_unavailable" for r in replies if r.status == 503)
+    assert any(r.status == 503 for r in replies if r.start > killed_at), "it was noticed"
+    late = [r for r in replies if r.start > replies[-1].start - 2.0]
+    assert any(r.status == 200 and r.entitlement != "gold" for r in late), "served again"
+    assert not c.negative
+    wait_for(lambda: pool_leases(c) == 0, TTL_S + 3)
+    assert not negative_counters(c.redis)
+    return late
+
+
 def wait_for(condition: Any, timeout_s: float) -> float:
     """Poll until `condition()` holds; returns when it did (monotonic)."""
     deadline = time.monotonic() + timeout_s
