@@ -24,6 +24,7 @@ from tokenpools.gateway.app import GATEWAY, Gateway, make_app
 from tokenpools.gateway.server import reload_from
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
+from tokenpools.processes import free_port
 
 MODEL = "qwen3-8b"
 KEYS = {"gold": "sk-gold", "spot": "sk-spot", "batch": "sk-batch", "admin": "sk-admin"}
@@ -163,6 +164,49 @@ def test_error_shapes(gateway: ServerThread) -> None:
         headers=headers,
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "exceeds_entitlement"
+
+
+def test_bad_input_gets_a_clear_error_in_the_openai_shape(gateway: ServerThread) -> None:
+    headers = {"Authorization": f"Bearer {KEYS['gold']}", "Content-Type": "application/json"}
+    before = httpx.get(f"{gateway.url}/metrics").text
+    deep = (
+        b"[" * 20_000 + b"]" * 20_000
+    )  # within the size limit; Python's parser alone would hit RecursionError
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", content=deep, headers=headers)
+    assert r.status_code == 400 and "nests deeper than 64" in r.json()["error"]["message"]
+    nested: object = "x"
+    for _ in range(70):
+        nested = [nested]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "metadata": nested}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+    r = httpx.get(f"{gateway.url}/v1/no/such/path", headers=headers)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{gateway.url}/v1/chat/completions", headers=headers)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in r.headers["Allow"]
+    # Refused before admission: nothing was reserved, so every counter is as it was.
+    reserved = [line for line in before.splitlines() if "in_flight{" in line]
+    after = httpx.get(f"{gateway.url}/metrics").text
+    assert reserved and reserved == [line for line in after.splitlines() if "in_flight{" in line]
+
+
+def test_a_pool_with_no_healthy_backend_answers_503_with_retry_after() -> None:
+    gw = Gateway(parse_config(config_data(f"http://127.0.0.1:{free_port()}")))  # nothing there
+    server = ServerThread(make_app(gw, health_interval_s=60))
+    try:
+        backends = [b for pool in gw.pools.values() for b in pool.backends]
+        wait_until(lambda: not any(b.healthy for b in backends))  # the first health check
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            headers={"Authorization": f"Bearer {KEYS['gold']}"},
+        )
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_backend"
+        assert r.headers["Retry-After"] == "60"
+        assert all(e["in_flight"] == 0 for e in admin(server, "entitlements").values())
+    finally:
+        server.stop()
 
 
 _CLIENTS: list[httpx.Client] = []

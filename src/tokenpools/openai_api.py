@@ -8,6 +8,9 @@ from typing import Any
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+# Deeper JSON is refused: real requests (tool schemas included) nest a few dozen levels at
+# most, and Python's parser would otherwise fail with a RecursionError near a thousand.
+MAX_JSON_DEPTH = 64
 
 
 class BadRequest(ValueError):
@@ -30,6 +33,10 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:  # far deeper than the limit
+        raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if json_depth(body) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the body nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
@@ -53,6 +60,22 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     return body
+
+
+def json_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a parsed JSON value (a scalar: 0), without
+    recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        )
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def max_tokens(body: dict[str, Any]) -> int | None:

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenpools.control.store import StoreUnavailable
-from tokenpools.gateway.responses import error
+from tokenpools.gateway.responses import error, retry_after
 from tokenpools.gateway.runtime import GATEWAY, Gateway
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -27,7 +27,11 @@ def admin_only(report: Callable[[Gateway], dict[str, Any]]) -> Handler:
             return web.json_response(await gw.ledger.background(report, gw))
         except StoreUnavailable as exc:
             return error(
-                503, f"state store unreachable: {exc}", "server_error", "store_unavailable"
+                503,
+                f"state store unreachable: {exc}",
+                "server_error",
+                "store_unavailable",
+                headers=retry_after(gw.config.state.retry_interval_s),
             )
 
     return guarded

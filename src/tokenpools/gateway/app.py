@@ -1,9 +1,11 @@
 """The gateway's HTTP handlers: authenticate, validate, admit through the decision core,
 proxy to a backend, settle on every ending.
 
-Errors use the OpenAI body. 401 unknown key, 400 bad body or a request that can never fit,
-404 unknown model, 413 body too large, 429 shed (Retry-After, retry-after-ms and
-x-ratelimit-* headers), 403 expired entitlement, 502/503/504 backend failures. The gateway
+Errors use the OpenAI body, unknown paths (404), wrong methods (405) and our own failures (500)
+included. 401 unknown key, 400 bad body (JSON nested over 64 levels too) or a request that can
+never fit, 404 unknown model, 413 body too large, 429 shed (Retry-After, retry-after-ms and
+x-ratelimit-* headers), 403 expired entitlement, 502/503/504 backend failures; every 503 says
+when to retry. The gateway
 never retries its own 429s.
 """
 
@@ -19,7 +21,14 @@ from aiohttp import web
 from tokenpools.control.decisions import Reject
 from tokenpools.gateway.admin import admin_entitlements, admin_pools
 from tokenpools.gateway.proxy import proxy
-from tokenpools.gateway.responses import bearer, error, rejection, too_large
+from tokenpools.gateway.responses import (
+    bearer,
+    error,
+    openai_errors,
+    rejection,
+    retry_after,
+    too_large,
+)
 from tokenpools.gateway.runtime import GATEWAY, AdmittedRequest, Gateway
 from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import (
@@ -32,6 +41,7 @@ from tokenpools.openai_api import (
 )
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
+HEALTH_INTERVAL = web.AppKey("health_interval_s", float)
 log = logging.getLogger("tokenpools.gateway")
 
 
@@ -82,7 +92,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if backend is None:
             gw.ledger.end(lease, None, gw.clock())
             return error(
-                503, f"no healthy backend for pool {pool_name!r}", "server_error", "no_backend"
+                503,
+                f"no healthy backend for pool {pool_name!r}",
+                "server_error",
+                "no_backend",
+                headers=retry_after(request.app[HEALTH_INTERVAL]),  # the next health check
             )
         forward: bytes | None = raw  # unchanged bodies go upstream as they came
         if requested is None:  # the reservation assumed the default: make it true
@@ -125,7 +139,10 @@ async def metrics(request: web.Request) -> web.Response:
 def make_app(
     gateway: Gateway, tick_interval_s: float = 0.25, health_interval_s: float = 5.0
 ) -> web.Application:
-    app = web.Application(client_max_size=gateway.config.gateway.max_body_bytes + 1)
+    app = web.Application(
+        client_max_size=gateway.config.gateway.max_body_bytes + 1, middlewares=[openai_errors]
+    )
+    app[HEALTH_INTERVAL] = health_interval_s
     app[GATEWAY] = gateway
     app.router.add_post(CHAT, completions)
     app.router.add_post(COMPLETIONS, completions)

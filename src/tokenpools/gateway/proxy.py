@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from tokenpools.gateway.backends import BackendState
-from tokenpools.gateway.responses import error
+from tokenpools.gateway.responses import error, retry_after
 from tokenpools.gateway.runtime import AdmittedRequest, Gateway
 from tokenpools.model.request import Usage
 from tokenpools.openai_api import error_body
@@ -104,7 +104,13 @@ async def proxy(
                 with contextlib.suppress(ConnectionResetError, RuntimeError):
                     await response.write(_preempted_event())
                 return response
-            return error(503, "preempted by higher-priority work", "server_error", "preempted")
+            return error(
+                503,
+                "preempted by higher-priority work",
+                "server_error",
+                "preempted",
+                headers=retry_after(1.0),
+            )
         settle(Usage(prompt_tokens, streamed) if streamed else None, refund=False)
         raise
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:

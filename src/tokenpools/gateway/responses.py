@@ -3,13 +3,16 @@ Retry-After and x-ratelimit-* headers, and the bearer key of a request."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from tokenpools.control.decisions import Reason, Reject
 from tokenpools.openai_api import error_body
 
+log = logging.getLogger("tokenpools.gateway")
 NOT_RETRYABLE = {
     Reason.EXCEEDS_ENTITLEMENT: 400,
     Reason.EXCEEDS_POOL: 400,
@@ -75,3 +78,26 @@ def too_large(limit: int) -> web.Response:
     return error(
         413, f"the body is larger than {limit} bytes", "invalid_request_error", "body_too_large"
     )
+
+
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error the gateway answers has the OpenAI body: an unknown path, a wrong method,
+    and an error of our own (500, logged) included."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        message = f"{request.method} {request.path}: {exc.reason}"
+        kind = "server_error" if exc.status >= 500 else "invalid_request_error"
+        return error(exc.status, message, kind, HTTP_ERROR_CODES.get(exc.status), None, headers)
+    except Exception:
+        log.exception("error answering %s %s", request.method, request.path)
+        return error(500, "internal error in the gateway", "server_error", "internal_error")
