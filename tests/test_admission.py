@@ -61,6 +61,16 @@ def test_missing_max_tokens_gets_the_entitlement_default() -> None:
     assert d.lease.tokens == 120 and d.lease.kv_tokens == 120
 
 
+def test_n_sequences_reserve_n_times_the_output_over_one_shared_prompt() -> None:
+    core = DecisionCore(make_config([{**GUARANTEED, "defaultMaxTokens": 100}]), MemoryStore())
+    d = admit(core, "gold", cost=RequestCost(input_tokens=20, max_output_tokens=50, sequences=3))
+    assert d.lease.tokens == 20 + 3 * 50 and d.lease.kv_tokens == 20 + 3 * 50
+    d = admit(core, "gold", cost=RequestCost(input_tokens=20, sequences=2))  # the default
+    assert d.lease.tokens == 20 + 2 * 100
+    with pytest.raises(ValueError, match="sequences"):
+        RequestCost(input_tokens=20, sequences=0)
+
+
 def test_guaranteed_concurrency_is_its_baseline_and_retry_after_is_computed() -> None:
     core = DecisionCore(make_config([GUARANTEED]), MemoryStore())
     for _ in range(6):

@@ -180,6 +180,18 @@ def test_bad_input_gets_a_clear_error_in_the_openai_shape(gateway: ServerThread)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "metadata": nested}
     r = httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers=headers)
     assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={**chat, "n": 9}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "at most 8" in r.json()["error"]["message"]
+    r = httpx.post(f"{gateway.url}/v1/chat/completions", json={**chat, "n": 0}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.post(
+        f"{gateway.url}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "best_of": "3"},
+        headers=headers,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     r = httpx.get(f"{gateway.url}/v1/no/such/path", headers=headers)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.get(f"{gateway.url}/v1/chat/completions", headers=headers)

@@ -57,6 +57,12 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
             raise BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest("'stream' must be a boolean", "stream")
     return body
@@ -76,6 +82,18 @@ def json_depth(value: Any) -> int:
         deepest = max(deepest, depth)
         stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def sequences(body: dict[str, Any], most: int) -> int:
+    """How many sequences the request generates (`n`, or `best_of` when larger); a 400 above
+    `most`, the gateway's configured maximum."""
+    count = max(body.get("n") or 1, body.get("best_of") or 1)
+    if count > most:
+        param = "n" if (body.get("n") or 1) >= (body.get("best_of") or 1) else "best_of"
+        raise BadRequest(
+            f"'{param}' asks for {count} sequences; this gateway allows at most {most}", param
+        )
+    return int(count)
 
 
 def max_tokens(body: dict[str, Any]) -> int | None:

@@ -122,8 +122,10 @@ class DecisionCore(Catalog):
         pool_view = self._pools[ent.pool]
         pool = pool_view.pool
         max_out = cost.max_output_tokens or view.default_max_tokens  # paper check 2
-        tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * max_out
-        kv = float(cost.input_tokens + max_out)
+        # n sequences share their prompt's KV (prefix) and each may generate up to the ceiling
+        out = max_out * cost.sequences
+        tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * out
+        kv = float(cost.input_tokens + out)
         if tokens > view.max_tokens or kv > view.max_kv:
             # Not counted as demand: no capacity could ever serve it, so it is owed nothing.
             return self._too_big(view, pool_view, tokens, kv)

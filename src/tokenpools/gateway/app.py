@@ -38,6 +38,7 @@ from tokenpools.openai_api import (
     estimate_prompt_tokens,
     max_tokens,
     parse_body,
+    sequences,
 )
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
@@ -64,6 +65,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return too_large(settings.max_body_bytes)
     try:
         body = parse_body(raw, path)
+        count = sequences(body, settings.max_sequences)
     except BadRequest as exc:
         return error(400, str(exc), "invalid_request_error", None, exc.param)
     pool_name = gw.model_pool.get(body["model"])
@@ -77,7 +79,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )
     prompt_tokens = estimate_prompt_tokens(body, settings.chars_per_token)
     requested = max_tokens(body)
-    cost = RequestCost(prompt_tokens, requested)
+    cost = RequestCost(prompt_tokens, requested, count)
     decision = await gw.ledger.admit(entitlement, cost, gw.clock())
     gw.metrics.decided(entitlement, decision)
     if isinstance(decision, Reject):

@@ -27,6 +27,7 @@ class GatewaySettings:
     admin_key_hashes: tuple[str, ...] = ()
     max_body_bytes: int = 1 << 20
     chars_per_token: float = 4.0
+    max_sequences: int = 8  # the most sequences (`n`, `best_of`) one request may ask for
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,9 @@ def parse_config(data: Any) -> Config:
         policy=spec.policy.to_policy(),
         pools=pools,
         entitlements=entitlements,
-        gateway=GatewaySettings(tuple(g.adminKeys), g.maxBodyBytes, g.charsPerToken),
+        gateway=GatewaySettings(
+            tuple(g.adminKeys), g.maxBodyBytes, g.charsPerToken, g.maxSequences
+        ),
         state=StateSettings(
             backend=st.backend,
             url=st.url,

@@ -260,6 +260,7 @@ class GatewaySpec(_Strict):
     adminKeys: list[str] = []  # sha256 hashes, as apiKeys
     maxBodyBytes: Annotated[int, Field(gt=0)] = 1 << 20
     charsPerToken: Pos = 4.0  # prompt-token estimate without a tokenizer
+    maxSequences: Annotated[int, Field(ge=1, le=128)] = 8  # the most `n` / `best_of` asks for
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySpec:

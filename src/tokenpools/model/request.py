@@ -11,10 +11,13 @@ class RequestCost:
 
     input_tokens: int
     max_output_tokens: int | None = None  # None → the entitlement's default (paper check 2)
+    sequences: int = 1  # generated from one prompt (`n`, `best_of`): each may reach the ceiling
 
     def __post_init__(self) -> None:
         if self.input_tokens < 0:
             raise ValueError(f"input_tokens must be >= 0, got {self.input_tokens}")
+        if self.sequences < 1:
+            raise ValueError(f"sequences must be >= 1, got {self.sequences}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
 
