@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -15,7 +17,7 @@ import pytest
 from tests.servers import ServerThread
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
-from tokenpools.processes import free_port, spawn, wait_ready
+from tokenpools.processes import free_port, wait_ready
 from tokenpools.real_engines.llamacpp import LlamaCppServer
 from tokenpools.real_engines.protection import KEYS, MODEL, Load, gateway_config, protection
 
@@ -117,7 +119,14 @@ def test_guaranteed_keeps_its_ttft_while_spot_floods(
 
 def test_backend_command_serves_the_packaged_model_until_interrupted() -> None:
     port = free_port()
-    proc = spawn(["backend", "llamacpp", "--slots", "2", "--port", str(port)])
+    # As from a terminal: a test run started in the background inherits SIGINT ignored, and
+    # Python then installs no Ctrl-C handler in the child.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenpools.cli", "backend", "llamacpp", "--slots", "2",
+         "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     try:
         asyncio.run(wait_ready(f"http://127.0.0.1:{port}/health", proc, timeout_s=60))
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")

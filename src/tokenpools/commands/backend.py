@@ -36,9 +36,8 @@ def backend_llamacpp(
     typer.echo(f"llama.cpp on {url}: SmolLM2-135M-Instruct, {slots} slots (Ctrl-C stops it)")
     try:
         while True:
-            # Not signal.pause(): the kernel may deliver Ctrl-C to one of llama.cpp's threads,
-            # and then pause() never returns (seen in CI: the process hung). Waking up every
-            # half second lets Python run the pending handler in the main thread.
+            # A sleep, not signal.pause(): pause() returns only for a signal delivered to the
+            # main thread, and the kernel may deliver Ctrl-C to one of llama.cpp's threads.
             time.sleep(0.5)
     except KeyboardInterrupt:
         server.stop()
