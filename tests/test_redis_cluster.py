@@ -5,9 +5,7 @@ policy holds meanwhile."""
 
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,9 +103,7 @@ def replicas(shards: RedisCluster, tmp_path: Path) -> Iterator[single.Cluster]:
     c = client(shards)
     for key in c.scan_iter("tokenpools:*"):
         c.delete(key)
-    # Six redis-servers, three gateways, an emulator and the load on two cores: a 50 ms timeout
-    # measured by a starved event loop reads as an outage (docs/redis.md), so give it 500.
-    with single.gateways(tmp_path, shards.url, 0, None, client=c, timeout_s=0.5) as gateways:
+    with single.on_a_topology(tmp_path, shards.url, c) as gateways:
         yield gateways
 
 
@@ -119,16 +115,10 @@ def test_killing_the_pools_master_promotes_its_replica_under_load(
     shards: RedisCluster, replicas: single.Cluster
 ) -> None:
     master = shards.master_of("tokenpools:{p}")
-    phases: dict[str, float] = {}
-
-    def kill() -> None:
-        phases["killed"] = time.monotonic()
-        shards.procs[master].kill()
-
-    asyncio.run(single.drive(replicas, 9.0, [(2.0, kill)]))
+    killed_at = single.kill_under_load(replicas, 9.0, shards.procs[master].kill)
     shards.wait_ok()
     promoted = shards.master_of("tokenpools:{p}")
-    late = single.assert_the_outage_policy_held(replicas, phases["killed"])
+    late = single.assert_the_outage_policy_held(replicas, killed_at)
     assert promoted != master, "a replica took over the pool's slots"
     replies = replicas.replies
     print(

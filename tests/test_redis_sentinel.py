@@ -4,8 +4,6 @@ load promotes the replica, which the gateways follow; the outage policy holds me
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,10 +23,8 @@ def watched() -> Iterator[RedisSentinel]:
 @pytest.fixture
 def replicas(watched: RedisSentinel, tmp_path: Path) -> Iterator[single.Cluster]:
     client = sync_client(watched.url, 1.0)  # follows the master, for the test's own reads
-    # Five redis-servers, three gateways, an emulator and the load on two cores: 500 ms, as on
-    # the cluster (docs/redis.md).
-    with single.gateways(tmp_path, watched.url, 0, None, client=client, timeout_s=0.5) as g:
-        yield g
+    with single.on_a_topology(tmp_path, watched.url, client) as gateways:
+        yield gateways
 
 
 def test_three_replicas_behind_sentinel_enforce_one_pool(replicas: single.Cluster) -> None:
@@ -39,15 +35,9 @@ def test_killing_the_master_promotes_the_replica_and_the_gateways_follow(
     watched: RedisSentinel, replicas: single.Cluster
 ) -> None:
     master = watched.master()
-    phases: dict[str, float] = {}
-
-    def kill() -> None:
-        phases["killed"] = time.monotonic()
-        watched.procs[master].kill()
-
-    asyncio.run(single.drive(replicas, 10.0, [(2.0, kill)]))
+    killed_at = single.kill_under_load(replicas, 10.0, watched.procs[master].kill)
     promoted = watched.master()
-    late = single.assert_the_outage_policy_held(replicas, phases["killed"])
+    late = single.assert_the_outage_policy_held(replicas, killed_at)
     assert promoted != master, "the sentinels promoted the replica"
     replies = replicas.replies
     print(

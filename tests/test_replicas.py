@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,6 +261,27 @@ def negative_counters(r: redis.Redis) -> list[str]:
             if value is not None and float(value) < -1e-9:
                 bad.append(f"{key.decode()} {name}={value.decode()}")
     return bad
+
+
+def on_a_topology(
+    tmp_path: Path, url: str, client: Any
+) -> contextlib.AbstractContextManager[Cluster]:
+    """Three gateways on a Redis Cluster or behind Sentinel; `client` reads for the test. Five
+    or six redis-servers, three gateways, an emulator and the load share two cores: a 50 ms
+    timeout measured by a starved event loop reads as an outage (docs/redis.md), so 500."""
+    return gateways(tmp_path, url, 0, None, client=client, timeout_s=0.5)
+
+
+def kill_under_load(c: Cluster, seconds: float, kill: Callable[[], object]) -> float:
+    """Drive the load for `seconds`, calling `kill` 2 s in; returns when it was called."""
+    killed: list[float] = []
+
+    def at_two_seconds() -> None:
+        killed.append(time.monotonic())
+        kill()
+
+    asyncio.run(drive(c, seconds, [(2.0, at_two_seconds)]))
+    return killed[0]
 
 
 def assert_the_outage_policy_held(c: Cluster, killed_at: float) -> list[Reply]:

@@ -70,8 +70,6 @@ class AsyncRedisLedger:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
         try:
             reply = await self._run(pool, op, now, args)
-        except ValueError:  # a request id already in use: the caller's error, not Redis's
-            raise
         except Exception as exc:
             raise store.went_down(exc) from exc
         store.answered()

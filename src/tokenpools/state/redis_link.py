@@ -104,8 +104,6 @@ class RedisLink:
             if self._unsent:
                 self.send_unsent()
             reply = self._run(pool, op, now, args)
-        except ValueError:  # a request id already in use: the caller's error, not Redis's
-            raise
         except Exception as exc:
             raise self.went_down(exc) from exc
         self.answered()
@@ -131,12 +129,8 @@ class RedisLink:
 
     @staticmethod
     def needs_rejoin(exc: redis.ResponseError) -> bool:
-        """True for the script's "you know another epoch of this pool"; a refused duplicate
-        request id becomes the ValueError the core raises for it."""
-        message = str(exc)
-        if message.startswith("TPDUPLICATE "):
-            raise ValueError(message.removeprefix("TPDUPLICATE ")) from None
-        return message.startswith("TPEPOCH")
+        """True for the script's "you know another epoch of this pool"."""
+        return str(exc).startswith("TPEPOCH")
 
     def rejoin(self, pool: str, now: float, seen: str) -> None:
         """The pool in Redis is not the one we knew (first contact, or Redis lost its data):

@@ -140,8 +140,7 @@ class Multiplexed:
         return protocol
 
     async def call(self, *args: str | bytes | int) -> Any:
-        protocol = await self._connected()
-        return await protocol.send(pack(args), self.timeout_s)
+        return await self.call_packed(pack(args))
 
     async def call_packed(self, command: bytes) -> Any:
         protocol = await self._connected()

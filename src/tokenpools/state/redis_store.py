@@ -126,8 +126,10 @@ class RedisStore(RedisLink):
 
     def admitted(self, reservation: Reservation, decided: Any) -> Outcome:
         """Read one admission's reply and book what it did in this replica's view."""
-        if isinstance(decided, redis.ResponseError):
-            self.needs_rejoin(decided)  # a duplicate request id: ValueError, the caller's
+        if isinstance(decided, redis.ResponseError):  # this admission's own error
+            message = str(decided)
+            if message.startswith("TPDUPLICATE "):  # the caller's error, not Redis's
+                raise ValueError(message.removeprefix("TPDUPLICATE "))
             raise self.went_down(decided)
         lease = reservation.lease
         status, flags, ent, pool, rows = decided

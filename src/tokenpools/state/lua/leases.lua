@@ -68,16 +68,21 @@ local function finish(id, l, e, p, now, used, observed)
   end
 end
 
--- End lease `id` if it exists, saving what it touched; returns the lease or nil.
-local function finish_one(id, p, now, used_all, used, observed)
-  local l = load_lease(id)
-  if l == nil then return nil end
+-- End lease `id` (loaded: `l`), saving its entitlement; returns the lease.
+local function finish_loaded(id, l, p, now, used_all, used, observed)
   local key = ent_key(l.ent)
   local e = load_ent(key)
   if used_all then used = l.tokens end
   finish(id, l, e, p, now, used, observed)
   save_ent(key, e)
   return l
+end
+
+-- End lease `id` if it exists, saving what it touched; returns the lease or nil.
+local function finish_one(id, p, now, used_all, used, observed)
+  local l = load_lease(id)
+  if l == nil then return nil end
+  return finish_loaded(id, l, p, now, used_all, used, observed)
 end
 
 -- check 5

@@ -92,13 +92,12 @@ local function expire(p, now)
   local due = {}
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', P .. ':exp', '-inf', expiry_score(now))) do
     local l = load_lease(id)
-    if l ~= nil and l.expires <= now then due[#due + 1] = { l.expires, id } end
+    if l ~= nil and l.expires <= now then due[#due + 1] = { l.expires, id, l } end
   end
   table.sort(due, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
   local ended = {}
   for _, d in ipairs(due) do
-    local l = finish_one(d[2], p, now, true, 0.0, 0.0)
-    ended[#ended + 1] = lease_reply(d[2], l)
+    ended[#ended + 1] = lease_reply(d[2], finish_loaded(d[2], d[3], p, now, true, 0.0, 0.0))
   end
   if #ended > 0 then save(P, p, POOL_FIELDS) end
   return ended
