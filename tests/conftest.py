@@ -1,5 +1,6 @@
-"""Fixtures for tests that need a real Redis server: one per test session, on a free loopback
-port, started and stopped here (`.ci/run` installs redis-server)."""
+"""Fixtures for tests that need a real Redis server (one per test session, on a free loopback
+port, started and stopped here; `.ci/run` installs redis-server), and the gateway's (an
+emulator, and a gateway in front of it: tests/gateway_setup.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from tests.gateway_setup import emulator, gateway
 from tokenpools.processes import redis_server
+
+__all__ = ["emulator", "gateway", "redis_client", "redis_url"]
 
 
 @pytest.fixture(scope="session")

@@ -295,9 +295,18 @@ def test_bad_costs_and_usage_raise_before_touching_state() -> None:
     with pytest.raises(ValueError, match="input_tokens"):
         RequestCost(input_tokens=-1)
     with pytest.raises(ValueError, match="max_output_tokens"):
-        RequestCost(input_tokens=1, max_output_tokens=0)
+        RequestCost(input_tokens=1, max_output_tokens=-1)
     with pytest.raises(ValueError, match="usage"):
         Usage(-1, 3)
+
+
+def test_an_embedding_reserves_its_input_and_no_output() -> None:
+    core = DecisionCore(make_config([GUARANTEED]), MemoryStore())
+    decision = core.admit("gold", RequestCost(input_tokens=300, max_output_tokens=0), 0.0)
+    assert isinstance(decision, Admit) and decision.max_tokens == 0
+    assert decision.lease.kv_tokens == 300  # not the default output ceiling on top
+    unset = core.admit("gold", RequestCost(input_tokens=300), 0.0)
+    assert isinstance(unset, Admit) and unset.lease.kv_tokens > 300
 
 
 def test_retry_after_is_jittered_per_request_and_deterministic() -> None:

@@ -9,97 +9,26 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 import yaml
 
+from tests.gateway_setup import (
+    KEYS,
+    MODEL,
+    admin,
+    client,
+    config_data,
+    emulator_running,
+)
 from tests.servers import ServerThread, wait_until
-from tokenpools.emulator.server import EMULATOR
-from tokenpools.emulator.server import make_app as make_emulator
-from tokenpools.engine.profile import EngineProfile
 from tokenpools.gateway.app import GATEWAY, Gateway, make_app
 from tokenpools.gateway.server import reload_from
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port
-
-MODEL = "qwen3-8b"
-KEYS = {"gold": "sk-gold", "spot": "sk-spot", "batch": "sk-batch", "admin": "sk-admin"}
-FAST = EngineProfile(
-    name="test",
-    description="8 slots, 20 ms steps: a stream of n tokens holds its lease ~n/50 s",
-    max_num_seqs=8,
-    max_num_batched_tokens=2048,
-    kv_blocks=4096,
-    t0_s=0.02,
-    prefill_s_per_token=0.00001,
-    decode_s_per_seq=0.0001,
-)
-
-
-def config_data(backend_url: str, **policy: Any) -> dict[str, Any]:
-    return {
-        "policy": {"retryAfterMinS": 1, **policy},
-        "gateway": {"adminKeys": [hash_key(KEYS["admin"])], "maxBodyBytes": 65536},
-        "pools": [
-            {
-                "name": "pool",
-                "model": "Qwen3-8B",
-                "servedModels": [MODEL],
-                "backends": [{"url": backend_url, "timeoutS": 30}],
-                "perReplica": {"tokensPerSecond": 100000, "kvTokens": 65536, "concurrency": 8},
-            }
-        ],
-        "entitlements": [
-            {"name": "gold", "tenantId": "g", "pool": "pool", "serviceClass": "guaranteed",
-             "sloTargetMs": 1000, "concurrency": 4, "apiKeys": [hash_key(KEYS["gold"])]},
-            {"name": "spot", "tenantId": "s", "pool": "pool", "serviceClass": "spot",
-             "apiKeys": [hash_key(KEYS["spot"])]},
-            {"name": "batch", "tenantId": "b", "pool": "pool", "serviceClass": "preemptible",
-             "apiKeys": [hash_key(KEYS["batch"])]},
-        ],
-    }  # fmt: skip
-
-
-@pytest.fixture
-def emulator() -> Iterator[ServerThread]:
-    server = ServerThread(make_emulator(FAST, speed=1.0))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def gateway(emulator: ServerThread) -> Iterator[ServerThread]:
-    gw = Gateway(parse_config(config_data(emulator.url)))
-    server = ServerThread(make_app(gw, health_interval_s=0.2))
-    yield server
-    # Every test ends with nothing in flight and nothing reserved.
-    wait_until(lambda: all(e["in_flight"] == 0 for e in admin(server, "entitlements").values()))
-    for e in admin(server, "entitlements").values():
-        assert e["reserved"] == {"concurrency": 0, "kv_tokens": 0}
-    for p in admin(server, "pools").values():
-        assert p["in_flight"] == 0 and p["reserved"] == {"concurrency": 0, "kv_tokens": 0}
-    server.stop()
-
-
-def admin(server: ServerThread, what: str) -> dict[str, Any]:
-    r = httpx.get(
-        f"{server.url}/admin/{what}", headers={"Authorization": f"Bearer {KEYS['admin']}"}
-    )
-    assert r.status_code == 200, r.text
-    data: dict[str, Any] = r.json()
-    return data
-
-
-def client(server: ServerThread, who: str = "gold", **kw: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS[who], **kw)
-
-
-def emulator_running(emulator: ServerThread) -> int:
-    return int(emulator.call(lambda: emulator.app[EMULATOR].engine.num_running))
 
 
 def test_non_streaming_chat_and_completion(gateway: ServerThread) -> None:

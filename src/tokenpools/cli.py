@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -153,6 +154,11 @@ def experiments(
     typer.echo(f"wrote {index}")
 
 
+class LogLines(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
 @app.command()
 def serve(
     config: Annotated[
@@ -165,6 +171,8 @@ def serve(
         bool, typer.Option(help="read pools, entitlements and keys from the cluster")
     ] = False,
     namespace: Annotated[str, typer.Option(help="with --kubernetes")] = "default",
+    log_format: Annotated[LogLines, typer.Option(help="log lines as")] = LogLines.TEXT,
+    access_log: Annotated[bool, typer.Option(help="one log line per inference request")] = True,
 ) -> None:
     """Run the OpenAI-compatible admission gateway (reloads on SIGHUP and on file change)."""
     from tokenpools.gateway.server import serve as run
@@ -172,7 +180,15 @@ def serve(
     if config is None and not kubernetes:
         fail("give --config FILE, or --kubernetes")
     try:
-        run(config, host, port, shutdown_timeout, namespace if kubernetes else None)
+        run(
+            config,
+            host,
+            port,
+            shutdown_timeout,
+            namespace if kubernetes else None,
+            log_format=log_format.value,
+            access_log=access_log,
+        )
     except ConfigError as exc:
         fail(str(exc))
 

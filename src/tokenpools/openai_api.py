@@ -8,6 +8,9 @@ from typing import Any
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
+GENERATES = (CHAT, COMPLETIONS, RESPONSES)  # what may stream and has an output ceiling
 # Deeper JSON is refused: real requests (tool schemas included) nest a few dozen levels at
 # most, and Python's parser would otherwise fail with a RecursionError near a thousand.
 MAX_JSON_DEPTH = 64
@@ -41,23 +44,8 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
         raise BadRequest("the body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise BadRequest("'model' is required and must be a string", "model")
-    if path == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list", "messages")
-        if not all(isinstance(m, dict) for m in messages):
-            raise BadRequest("each message must be an object", "messages")
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str | list):
-            raise BadRequest("'prompt' must be a string or a list", "prompt")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
-    for name in ("n", "best_of"):
+    _check_input(body, path)
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of"):
         value = body.get(name)
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -65,7 +53,34 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
             raise BadRequest(f"'{name}' must be a positive integer, got {value!r}", name)
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest("'stream' must be a boolean", "stream")
+    if body.get("stream") and path == EMBEDDINGS:
+        raise BadRequest("embeddings do not stream", "stream")
+    if not isinstance(body.get("stream_options") or {}, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
     return body
+
+
+def _check_input(body: dict[str, Any], path: str) -> None:
+    """The field that carries the prompt, by endpoint."""
+    if path == CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list", "messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("each message must be an object", "messages")
+    elif path == COMPLETIONS:
+        if not isinstance(body.get("prompt"), str | list):
+            raise BadRequest("'prompt' must be a string or a list", "prompt")
+    elif path == EMBEDDINGS:
+        value = body.get("input")
+        if not isinstance(value, str | list) or value == []:
+            raise BadRequest("'input' must be a string or a non-empty list", "input")
+    else:  # RESPONSES
+        value = body.get("input")
+        if not isinstance(value, str | list) or value in ("", []):
+            raise BadRequest("'input' must be a non-empty string or list", "input")
+        if isinstance(value, list) and not all(isinstance(item, dict) for item in value):
+            raise BadRequest("each input item must be an object", "input")
 
 
 def json_depth(value: Any) -> int:
@@ -97,29 +112,17 @@ def sequences(body: dict[str, Any], most: int) -> int:
 
 
 def max_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    return value if isinstance(value, int) else None
+    """The output ceiling the request sets, whichever API's name it uses."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(name)
+        if isinstance(value, int):
+            return value
+    return None
 
 
-def prompt_text(body: dict[str, Any]) -> str:
-    if "messages" in body:
-        parts = []
-        for message in body["messages"]:
-            content = message.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):  # content parts: count the text ones
-                parts += [p.get("text", "") for p in content if isinstance(p, dict)]
-        return "\n".join(parts)
-    prompt = body.get("prompt", "")
-    return prompt if isinstance(prompt, str) else " ".join(str(p) for p in prompt)
-
-
-def estimate_prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
-    """Without a tokenizer: characters / chars_per_token, plus 4 tokens of chat framing per
-    message. Settlement corrects the estimate with the backend's real usage."""
-    framing = 4 * len(body.get("messages", []))
-    return max(1, round(len(prompt_text(body)) / chars_per_token) + framing)
+def max_tokens_field(path: str) -> str:
+    """Where the gateway writes the ceiling it reserved when the request set none."""
+    return "max_output_tokens" if path == RESPONSES else "max_tokens"
 
 
 _GAUGE = re.compile(rb"^((?:vllm|llamacpp):[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)

@@ -121,7 +121,9 @@ class DecisionCore(Catalog):
 
         pool_view = self._pools[ent.pool]
         pool = pool_view.pool
-        max_out = cost.max_output_tokens or view.default_max_tokens  # paper check 2
+        max_out = cost.max_output_tokens  # paper check 2: the entitlement's default if unset
+        if max_out is None:
+            max_out = view.default_max_tokens
         # n sequences share their prompt's KV (prefix) and each may generate up to the ceiling
         out = max_out * cost.sequences
         tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * out
@@ -160,7 +162,14 @@ class DecisionCore(Catalog):
                 decision.max_tokens = step.max_tokens
             return decision
         if outcome.shortfall is None:
-            return Admit(lease, view.priority, outcome.evicted, outcome.overcommit, step.max_tokens)
+            return Admit(
+                lease,
+                view.priority,
+                outcome.evicted,
+                outcome.overcommit,
+                step.max_tokens,
+                quota(view, step.pool_view, outcome),
+            )
         return self._reject(outcome, step, now)
 
     def _too_big(
@@ -204,7 +213,7 @@ class DecisionCore(Catalog):
             period - math.fmod(now, period),
         )
         wait = jittered(wait, lease.lease_id, self.policy)
-        return Reject(reason, check, message, wait, dimension, quota(view, outcome, wait))
+        return Reject(reason, check, message, wait, dimension, quota(view, step.pool_view, outcome))
 
     # -- ends of requests ----------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -10,7 +11,7 @@ from tokenpools.control.store import Lease, Outcome, Shortfall
 from tokenpools.model.entitlement import BindingState
 
 if TYPE_CHECKING:
-    from tokenpools.control.catalog import EntitlementView
+    from tokenpools.control.catalog import EntitlementView, PoolView
 
 
 class Reason(StrEnum):
@@ -106,6 +107,20 @@ STATE_REASONS = {
 }
 
 
+@dataclass(slots=True)
+class Quota:
+    """An entitlement's limits and what is left of them after a decision, as OpenAI's
+    x-ratelimit-* headers say them. In a dimension where the entitlement has no limit of its
+    own, the pool's is shown (and what the whole pool has left)."""
+
+    limit_requests: float  # requests in flight
+    remaining_requests: float
+    reset_requests_s: float  # until a slot is expected to be free; 0 while one is
+    limit_tokens: float  # the token bucket's depth
+    remaining_tokens: float
+    reset_tokens_s: float  # until the bucket is full again
+
+
 # Admit and Reject are built on every request: plain slotted classes (a frozen dataclass's
 # __init__ costs several times more). Treat them as immutable.
 @dataclass(slots=True)
@@ -115,19 +130,9 @@ class Admit:
     evict: tuple[Lease, ...] = ()  # in-flight preemptible requests the host must terminate
     overcommit: bool = False
     max_tokens: int = 0  # what the reservation assumed: the request's, or the default
+    quota: Quota | None = None  # from the counters the store read in the same step
 
     admitted = True
-
-
-@dataclass(slots=True)
-class Quota:
-    """An entitlement's limits and what is left of them, as the x-ratelimit-* headers say."""
-
-    limit_requests: float  # requests in flight; inf: no limit of its own
-    remaining_requests: float
-    limit_tokens: float  # its token bucket's depth; inf: no bucket
-    remaining_tokens: float
-    reset_s: float  # when a retry can expect room
 
 
 @dataclass(slots=True)
@@ -142,16 +147,26 @@ class Reject:
     admitted = False
 
 
-def quota(view: EntitlementView, outcome: Outcome, reset_s: float) -> Quota:
-    limit = view.plan.ent_concurrency
-    counters = outcome.entitlement
-    assert counters is not None  # a refusal always carries them
+def quota(view: EntitlementView, pool_view: PoolView, outcome: Outcome) -> Quota | None:
+    e, p = outcome.entitlement, outcome.pool
+    if e is None or p is None:
+        return None
+    if math.isfinite(view.plan.ent_concurrency):
+        limit, used = view.plan.ent_concurrency, e.concurrency
+    else:
+        limit, used = pool_view.pool.capacity.concurrency, p.concurrency
+    left = max(0.0, limit - used)
+    own = view.own_bucket
+    bucket, level = (own, e.bucket) if math.isfinite(own.depth) else (pool_view.bucket, p.bucket)
+    level = min(max(0.0, level), bucket.depth)
+    refill = (bucket.depth - level) / bucket.rate if 0 < bucket.rate < math.inf else 0.0
     return Quota(
         limit,
-        max(0.0, limit - counters.concurrency),
-        view.own_bucket.depth,
-        max(0.0, counters.bucket),
-        reset_s,
+        left,
+        0.0 if left >= 1 else pool_view.mean_service_s,
+        bucket.depth,
+        level,
+        refill,
     )
 
 

@@ -156,14 +156,12 @@ class Outcome:
     """What the store did with a `Reservation`."""
 
     shortfall: Shortfall | None  # None: admitted (lease.reserved_path and drew_own are set)
-    # After a refusal, the counters its Retry-After and rate-limit headers are computed from.
+    # The counters after the step, which Retry-After and the rate-limit headers are computed
+    # from (None only where a store cannot read them, e.g. a test double).
     entitlement: EntitlementCounters | None = None
     pool: PoolCounters | None = None
     evicted: tuple[Lease, ...] = ()  # preemptible leases ended to admit this one
     overcommit: bool = False
-
-
-ADMITTED = Outcome(None)  # the plain admission's outcome, shared: treat it as read-only
 
 
 class Store(Protocol):

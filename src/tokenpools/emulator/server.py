@@ -23,12 +23,14 @@ from tokenpools.engine.profile import EngineProfile
 from tokenpools.openai_api import (
     CHAT,
     COMPLETIONS,
+    EMBEDDINGS,
+    RESPONSES,
     BadRequest,
     error_body,
-    estimate_prompt_tokens,
     max_tokens,
     parse_body,
 )
+from tokenpools.prompt import estimate_prompt_tokens
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -129,16 +131,23 @@ def _chunk(kind: str, rid: str, model: str, text: str, finish: str | None) -> di
     }
 
 
-async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
-    emu = request.app[EMULATOR]
+async def read_body(request: web.Request) -> dict[str, Any] | web.Response:
+    """The validated body, or the 400 to answer."""
     try:
-        body = parse_body(await request.read(), CHAT if kind == "chat" else COMPLETIONS)
+        return parse_body(await request.read(), request.path)
     except BadRequest as exc:
         return web.Response(
             status=400,
             body=error_body(str(exc), "invalid_request_error", None, exc.param),
             content_type="application/json",
         )
+
+
+async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
+    emu = request.app[EMULATOR]
+    body = await read_body(request)
+    if isinstance(body, web.Response):
+        return body
     prompt = estimate_prompt_tokens(body, 4.0)
     output = max_tokens(body) or DEFAULT_MAX_TOKENS
     req = emu.submit(prompt, output)
@@ -209,10 +218,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def make_app(profile: EngineProfile, speed: float = 1.0) -> web.Application:
+    from tokenpools.emulator.more_apis import embeddings, responses  # they build on this module
+
     app = web.Application()
     app[EMULATOR] = EmulatedEngine(profile, speed)
     app.router.add_post(CHAT, chat)
     app.router.add_post(COMPLETIONS, completions)
+    app.router.add_post(RESPONSES, responses)
+    app.router.add_post(EMBEDDINGS, embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -3,15 +3,16 @@ counters, scores and the core's views as JSON, read off the event loop."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
+from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.gateway.responses import error, retry_after
 from tokenpools.gateway.runtime import GATEWAY, Gateway
+from tokenpools.model.resources import Resources
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -37,26 +38,25 @@ def admin_only(report: Callable[[Gateway], dict[str, Any]]) -> Handler:
     return guarded
 
 
+def _resources(r: Resources | None) -> dict[str, float] | None:
+    if r is None:
+        return None
+    return {"tokens_per_s": r.throughput, "kv_tokens": r.kv_tokens, "concurrency": r.concurrency}
+
+
 @admin_only
 def admin_pools(gw: Gateway) -> dict[str, Any]:
-    now = gw.clock()
     out = {}
-    for name, view in gw.core.pools.items():
-        c = gw.core.store.pool_counters(name, now)
-        cap = view.pool.capacity
+    for name, p in snapshot(gw.core, gw.clock()).pools.items():
         out[name] = {
-            "replicas": view.pool.replicas,
-            "capacity": {
-                "tokens_per_s": cap.throughput,
-                "kv_tokens": cap.kv_tokens,
-                "concurrency": cap.concurrency,
-            },
-            "in_flight": c.leases,
-            "reserved": {"concurrency": c.concurrency, "kv_tokens": c.kv_tokens},
-            "holdback": {"concurrency": c.holdback_concurrency, "kv_tokens": c.holdback_kv},
-            "bucket_tokens": c.bucket,
-            "slo_reference_ms": view.slo_reference_ms,
-            "desired_replicas": gw.core.desired_replicas(name),
+            "replicas": p.replicas,
+            "capacity": _resources(p.capacity),
+            "in_flight": p.in_flight,
+            "reserved": {"concurrency": p.reserved_concurrency, "kv_tokens": p.reserved_kv},
+            "holdback": {"concurrency": p.holdback_concurrency, "kv_tokens": p.holdback_kv},
+            "bucket_tokens": p.bucket_tokens,
+            "slo_reference_ms": p.slo_reference_ms,
+            "desired_replicas": p.desired_replicas,
             "capacity_fraction": gw.capacity_fraction.get(name, 1.0),
             "backends": [
                 {"url": b.spec.url, "healthy": b.healthy, "in_flight": b.open_requests}
@@ -68,35 +68,20 @@ def admin_pools(gw: Gateway) -> dict[str, Any]:
 
 @admin_only
 def admin_entitlements(gw: Gateway) -> dict[str, Any]:
-    now = gw.clock()
     out = {}
-    for name, view in gw.core.entitlements.items():
-        c = gw.core.store.entitlement_counters(name, now)
-        scores = gw.core.store.scores(name, now)
-        obs = gw.core.observations.get(name)
-        base = view.ent.baseline
+    for name, e in snapshot(gw.core, gw.clock()).entitlements.items():
         out[name] = {
-            "tenant": view.ent.tenant_id,
-            "pool": view.ent.pool,
-            "class": view.ent.service_class.value,
-            "state": view.state.value,
-            "baseline": {
-                "tokens_per_s": base.throughput,
-                "kv_tokens": base.kv_tokens,
-                "concurrency": base.concurrency,
-            },
-            "in_flight": c.leases,
-            "reserved": {"concurrency": c.concurrency, "kv_tokens": c.kv_tokens},
-            "used": None
-            if obs is None
-            else {
-                "tokens_per_s": obs.usage.throughput,
-                "kv_tokens": obs.usage.kv_tokens,
-                "concurrency": obs.usage.concurrency,
-            },
-            "bucket_tokens": None if math.isinf(c.bucket) else c.bucket,
-            "debt": scores.debt,
-            "burst": scores.burst,
-            "priority": view.priority,
+            "tenant": e.tenant,
+            "pool": e.pool,
+            "class": e.service_class,
+            "state": e.state,
+            "baseline": _resources(e.baseline),
+            "in_flight": e.in_flight,
+            "reserved": {"concurrency": e.reserved_concurrency, "kv_tokens": e.reserved_kv},
+            "used": _resources(e.used),
+            "bucket_tokens": e.bucket_tokens,
+            "debt": e.debt,
+            "burst": e.burst,
+            "priority": e.priority,
         }
     return out

@@ -1,12 +1,13 @@
-"""The gateway's HTTP handlers: authenticate, validate, admit through the decision core,
-proxy to a backend, settle on every ending.
+"""The gateway's routes and lifecycle: the inference endpoints (gateway/inference.py), model
+listing, health and readiness, metrics and the admin API; the background work (ticks, health
+checks, capacity feedback) that runs while the app does.
 
 Errors use the OpenAI body, unknown paths (404), wrong methods (405) and our own failures (500)
 included. 401 unknown key, 400 bad body (JSON nested over 64 levels too) or a request that can
-never fit, 404 unknown model, 413 body too large, 429 shed (Retry-After, retry-after-ms and
-x-ratelimit-* headers), 403 expired entitlement, 502/503/504 backend failures; every 503 says
-when to retry. The gateway
-never retries its own 429s.
+never fit, 404 unknown model, 413 body too large, 429 shed (Retry-After, retry-after-ms),
+403 expired entitlement, 502/503/504 backend failures; every 503 says when to retry; every
+answer to an inference request carries x-request-id and, once decided, x-ratelimit-*. The
+gateway never retries its own 429s.
 """
 
 from __future__ import annotations
@@ -18,106 +19,51 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from tokenpools.control.decisions import Reject
 from tokenpools.gateway.admin import admin_entitlements, admin_pools
-from tokenpools.gateway.proxy import proxy
-from tokenpools.gateway.responses import (
-    bearer,
-    error,
-    openai_errors,
-    rejection,
-    retry_after,
-    too_large,
-)
-from tokenpools.gateway.runtime import GATEWAY, AdmittedRequest, Gateway
-from tokenpools.model.request import RequestCost
-from tokenpools.openai_api import (
-    CHAT,
-    COMPLETIONS,
-    BadRequest,
-    estimate_prompt_tokens,
-    max_tokens,
-    parse_body,
-    sequences,
-)
+from tokenpools.gateway.inference import inference
+from tokenpools.gateway.responses import bearer, error, openai_errors
+from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
+from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
-HEALTH_INTERVAL = web.AppKey("health_interval_s", float)
 log = logging.getLogger("tokenpools.gateway")
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+def _models_of(request: web.Request) -> tuple[str, ...] | web.Response:
+    """The model names the caller's key may use, or the 401 to answer."""
     gw = request.app[GATEWAY]
-    path = request.path
-    settings = gw.config.gateway
-    if request.content_length is not None and request.content_length > settings.max_body_bytes:
-        return too_large(settings.max_body_bytes)
     key = bearer(request)
     entitlement = gw.core.entitlement_for_key(key) if key else None
     if entitlement is None:
-        gw.metrics.unauthorized.inc()
         return error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
-    try:
-        raw = await request.content.read(settings.max_body_bytes + 1)
-    except (aiohttp.ClientPayloadError, ConnectionResetError):
-        return error(400, "the body could not be read", "invalid_request_error", None)
-    if len(raw) > settings.max_body_bytes:
-        return too_large(settings.max_body_bytes)
-    try:
-        body = parse_body(raw, path)
-        count = sequences(body, settings.max_sequences)
-    except BadRequest as exc:
-        return error(400, str(exc), "invalid_request_error", None, exc.param)
-    pool_name = gw.model_pool.get(body["model"])
-    if pool_name is None or pool_name != gw.core.entitlements[entitlement].ent.pool:
+    return gw.config.pools[gw.core.entitlements[entitlement].ent.pool].models
+
+
+def _model(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenpools"}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    models = _models_of(request)
+    if isinstance(models, web.Response):
+        return models
+    return web.json_response({"object": "list", "data": [_model(m) for m in models]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    models = _models_of(request)
+    if isinstance(models, web.Response):
+        return models
+    name = request.match_info["model"]
+    if name not in models:
         return error(
             404,
-            f"model {body['model']!r} does not exist or this key has no access to it",
+            f"model {name!r} does not exist or this key has no access to it",
             "invalid_request_error",
             "model_not_found",
             "model",
         )
-    prompt_tokens = estimate_prompt_tokens(body, settings.chars_per_token)
-    requested = max_tokens(body)
-    cost = RequestCost(prompt_tokens, requested, count)
-    decision = await gw.ledger.admit(entitlement, cost, gw.clock())
-    gw.metrics.decided(entitlement, decision)
-    if isinstance(decision, Reject):
-        return rejection(decision)
-    for victim in decision.evict:
-        gw.evict(victim.lease_id)
-    lease = decision.lease
-    handle = AdmittedRequest(asyncio.current_task(), lease)
-    gw.admitted_requests[lease.lease_id] = handle
-    backend = gw.pools[pool_name].choose()
-    try:
-        if backend is None:
-            gw.ledger.end(lease, None, gw.clock())
-            return error(
-                503,
-                f"no healthy backend for pool {pool_name!r}",
-                "server_error",
-                "no_backend",
-                headers=retry_after(request.app[HEALTH_INTERVAL]),  # the next health check
-            )
-        forward: bytes | None = raw  # unchanged bodies go upstream as they came
-        if requested is None:  # the reservation assumed the default: make it true
-            body["max_tokens"] = decision.max_tokens
-            forward = None
-        return await proxy(request, gw, backend, body, forward, path, prompt_tokens, handle)
-    finally:
-        gw.admitted_requests.pop(lease.lease_id, None)
-
-
-async def list_models(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
-    key = bearer(request)
-    entitlement = gw.core.entitlement_for_key(key) if key else None
-    if entitlement is None:
-        return error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
-    pool = gw.config.pools[gw.core.entitlements[entitlement].ent.pool]
-    data = [{"id": m, "object": "model", "owned_by": "tokenpools"} for m in pool.models]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response(_model(name))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -125,10 +71,17 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready when every pool with backends has a healthy one and the shared store answers."""
     gw = request.app[GATEWAY]
-    down = [name for name, pool in gw.pools.items() if pool.backends and pool.choose() is None]
-    if down:
-        return web.Response(status=503, text=f"no healthy backend for {', '.join(down)}")
+    problems = [
+        f"no healthy backend for pool {name}"
+        for name, pool in gw.pools.items()
+        if pool.backends and pool.choose() is None
+    ]
+    if not await gw.ledger.store_answers(gw.clock()):
+        problems.append("the shared state store does not answer")
+    if problems:
+        return web.Response(status=503, text="; ".join(problems))
     return web.Response(text="ready")
 
 
@@ -146,9 +99,10 @@ def make_app(
     )
     app[HEALTH_INTERVAL] = health_interval_s
     app[GATEWAY] = gateway
-    app.router.add_post(CHAT, completions)
-    app.router.add_post(COMPLETIONS, completions)
+    for path in (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS):
+        app.router.add_post(path, inference)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -87,6 +87,17 @@ class GatewayLedger:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
+    async def store_answers(self, now: float) -> bool:
+        """Whether the shared store answers a read now (always, for the embedded one)."""
+        if self.shared is None or not self.core.pools:
+            return True
+        pool = next(iter(self.core.pools))
+        try:
+            await self.background(self.core.store.pool_counters, pool, now)
+        except StoreUnavailable:
+            return False
+        return True
+
     async def start(self) -> None:
         if self.shared is not None:
             await self.shared.warm()

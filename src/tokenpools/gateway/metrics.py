@@ -1,6 +1,7 @@
-"""Prometheus metrics (prefix `tokenpools_`, labels pool, entitlement, class): counters
-bumped per decision, gauges read from the core when scraped (so the admission path pays for
-no gauge updates)."""
+"""Prometheus metrics (labels pool, entitlement, class): counters bumped per decision and per
+finished request, latency histograms named as the OpenTelemetry GenAI conventions name them
+(gen_ai.server.time_to_first_token → gen_ai_server_time_to_first_token_seconds), and gauges
+read from the core's snapshot when scraped (so the admission path pays for no gauge update)."""
 
 from __future__ import annotations
 
@@ -8,47 +9,107 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenpools.control.decisions import Admit, Decision
+from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
 
 if TYPE_CHECKING:
+    from tokenpools.gateway.observe import RequestRecord
     from tokenpools.gateway.runtime import Gateway
 
 LABELS = ["pool", "entitlement", "class"]
+# OpenTelemetry's advice for gen_ai.server.* durations, in seconds
+TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1),
+    *(0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
+)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 10 ms to 82 s
 
 
 class GatewayMetrics:
     def __init__(self, gateway: Gateway) -> None:
-        self.registry = CollectorRegistry()
-        self.admitted = Counter(
-            "tokenpools_admitted", "Requests admitted", LABELS, registry=self.registry
-        )
+        self.registry = r = CollectorRegistry()
+        self.admitted = Counter("tokenpools_admitted", "Requests admitted", LABELS, registry=r)
         self.rejected = Counter(
-            "tokenpools_rejected", "Requests rejected", [*LABELS, "reason"], registry=self.registry
+            "tokenpools_rejected", "Requests rejected", [*LABELS, "reason"], registry=r
         )
         self.evicted = Counter(
-            "tokenpools_evicted", "In-flight requests evicted", LABELS, registry=self.registry
+            "tokenpools_evicted", "In-flight requests evicted", LABELS, registry=r
         )
         self.unauthorized = Counter(
-            "tokenpools_unauthorized", "Requests with an unknown key", registry=self.registry
+            "tokenpools_unauthorized", "Requests with an unknown key", registry=r
         )
-        self.registry.register(_StateCollector(gateway))
+        self.prompt_tokens = Counter(
+            "tokenpools_prompt_tokens", "Prompt tokens of finished requests", LABELS, registry=r
+        )
+        self.completion_tokens = Counter(
+            "tokenpools_completion_tokens", "Tokens generated for clients", LABELS, registry=r
+        )
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token_seconds",
+            "Time to the first streamed token (streams only)",
+            LABELS,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Time per output token after the first (streams only)",
+            LABELS,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "Time from arrival to the last byte of admitted requests",
+            LABELS,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        r.register(_StateCollector(gateway))
         self._gateway = gateway
 
+    def _labels(self, entitlement: str) -> tuple[str, str, str] | None:
+        view = self._gateway.core.entitlements.get(entitlement)
+        if view is None:  # removed by a reload while its request ran
+            return None
+        return view.ent.pool, entitlement, view.ent.service_class.value
+
     def decided(self, entitlement: str, decision: Decision) -> None:
-        ent = self._gateway.core.entitlements[entitlement].ent
-        labels = (ent.pool, entitlement, ent.service_class.value)
+        labels = self._labels(entitlement)
+        if labels is None:
+            return
         if isinstance(decision, Admit):
             self.admitted.labels(*labels).inc()
             for victim in decision.evict:
-                v = self._gateway.core.entitlements[victim.entitlement].ent
-                self.evicted.labels(v.pool, victim.entitlement, v.service_class.value).inc()
+                victim_labels = self._labels(victim.entitlement)
+                if victim_labels is not None:
+                    self.evicted.labels(*victim_labels).inc()
         else:
             self.rejected.labels(*labels, decision.reason.value).inc()
+
+    def finished(self, record: RequestRecord) -> None:
+        """An admitted request ended: its tokens and timings."""
+        if record.decision != "admitted" or record.entitlement is None:
+            return
+        labels = self._labels(record.entitlement)
+        if labels is None:
+            return
+        self.duration.labels(*labels).observe(record.duration_s)
+        if record.prompt_tokens is not None:
+            self.prompt_tokens.labels(*labels).inc(record.prompt_tokens)
+        completion = record.completion_tokens or 0
+        self.completion_tokens.labels(*labels).inc(completion)
+        if record.stream and record.ttft_s is not None:
+            self.ttft.labels(*labels).observe(record.ttft_s)
+            if completion > 1:
+                per_token = (record.duration_s - record.ttft_s) / (completion - 1)
+                self.tpot.labels(*labels).observe(max(0.0, per_token))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -60,7 +121,6 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         gw = self.gateway
-        now = gw.clock()
         families = {
             name: GaugeMetricFamily(f"tokenpools_{name}", doc, labels=labels)
             for name, doc, labels in (
@@ -72,6 +132,9 @@ class _StateCollector(Collector):
                 ("priority", "Priority (Eq. 1)", LABELS),
                 ("pool_capacity", "Pool capacity", ["pool", "dimension"]),
                 ("pool_reserved", "Pool reserved", ["pool", "dimension"]),
+                ("replicas", "Replicas the pool's capacity counts", ["pool"]),
+                ("desired_replicas", "Replicas the autoscaling rule asks for", ["pool"]),
+                ("backend_healthy", "1 while the backend passes its health check", ["pool", "url"]),
             )
         }
         up = GaugeMetricFamily("tokenpools_store_up", "1 while the state store answers")
@@ -80,42 +143,41 @@ class _StateCollector(Collector):
             "Requests admitted on this replica's local budget while the store was unreachable",
         )
         fallback.add_metric([], len(gw.core.fallback.leases))
+        for name, pool in gw.pools.items():
+            for b in pool.backends:
+                families["backend_healthy"].add_metric([name, b.spec.url], float(b.healthy))
         try:
-            self._collect_state(families, now)
+            self._collect_state(families)
             up.add_metric([], 1)
         except StoreUnavailable:
             up.add_metric([], 0)
         yield from (*families.values(), up, fallback)
 
-    def _collect_state(self, families: dict[str, GaugeMetricFamily], now: float) -> None:
-        gw = self.gateway
-        for name, view in gw.core.entitlements.items():
-            labels = [view.ent.pool, name, view.ent.service_class.value]
-            c = gw.core.store.entitlement_counters(name, now)
-            scores = gw.core.store.scores(name, now)
-            families["in_flight"].add_metric(labels, c.leases)
-            families["reserved"].add_metric([*labels, "concurrency"], c.concurrency)
-            families["reserved"].add_metric([*labels, "kv_tokens"], c.kv_tokens)
-            obs = gw.core.observations.get(name)
-            if obs is not None:
+    def _collect_state(self, families: dict[str, GaugeMetricFamily]) -> None:
+        now = self.gateway.clock()
+        snap = snapshot(self.gateway.core, now)
+        for name, e in snap.entitlements.items():
+            labels = [e.pool, name, e.service_class]
+            families["in_flight"].add_metric(labels, e.in_flight)
+            families["reserved"].add_metric([*labels, "concurrency"], e.reserved_concurrency)
+            families["reserved"].add_metric([*labels, "kv_tokens"], e.reserved_kv)
+            if e.used is not None:
                 for dim, value in zip(
-                    ("tokens_per_s", "kv_tokens", "concurrency"), obs.usage.as_tuple(), strict=True
+                    ("tokens_per_s", "kv_tokens", "concurrency"), e.used.as_tuple(), strict=True
                 ):
                     families["used"].add_metric([*labels, dim], value)
-            families["debt"].add_metric(labels, scores.debt)
-            families["burst"].add_metric(labels, scores.burst)
-            families["priority"].add_metric(labels, view.priority)
-        for name, pool_view in gw.core.pools.items():
-            cap = pool_view.pool.capacity
-            pc = gw.core.store.pool_counters(name, now)
-            for dim, value in (
-                ("tokens_per_s", cap.throughput),
-                ("kv_tokens", cap.kv_tokens),
-                ("concurrency", cap.concurrency),
+            families["debt"].add_metric(labels, e.debt)
+            families["burst"].add_metric(labels, e.burst)
+            families["priority"].add_metric(labels, e.priority)
+        for name, p in snap.pools.items():
+            for dim, value in zip(
+                ("tokens_per_s", "kv_tokens", "concurrency"), p.capacity.as_tuple(), strict=True
             ):
                 families["pool_capacity"].add_metric([name, dim], value)
-            families["pool_reserved"].add_metric([name, "concurrency"], pc.concurrency)
-            families["pool_reserved"].add_metric([name, "kv_tokens"], pc.kv_tokens)
+            families["pool_reserved"].add_metric([name, "concurrency"], p.reserved_concurrency)
+            families["pool_reserved"].add_metric([name, "kv_tokens"], p.reserved_kv)
             families["pool_reserved"].add_metric(
-                [name, "bucket_tokens"], pc.bucket if math.isfinite(pc.bucket) else 0.0
+                [name, "bucket_tokens"], p.bucket_tokens if math.isfinite(p.bucket_tokens) else 0.0
             )
+            families["replicas"].add_metric([name], p.replicas)
+            families["desired_replicas"].add_metric([name], p.desired_replicas)

@@ -1,5 +1,5 @@
 """The gateway's responses that are not a backend's: OpenAI-shaped errors, 429s with
-Retry-After and x-ratelimit-* headers, and the bearer key of a request."""
+Retry-After, the x-ratelimit-* headers of every decision, and the bearer key of a request."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from tokenpools.control.decisions import Reason, Reject
+from tokenpools.control.decisions import Quota, Reason, Reject
 from tokenpools.openai_api import error_body
 
 log = logging.getLogger("tokenpools.gateway")
@@ -54,15 +54,7 @@ def rejection(decision: Reject) -> web.Response:
         param = "max_tokens" if status == 400 else None
         return error(status, message, kind, decision.reason.value, param)
     wait = decision.retry_after_s if decision.retry_after_s is not None else 60.0
-    headers = retry_after(wait)
-    q = decision.quota  # read in the admission's own store call: no second round trip
-    if q is not None:
-        headers["x-ratelimit-limit-requests"] = _num(q.limit_requests)
-        headers["x-ratelimit-remaining-requests"] = _num(q.remaining_requests)
-        headers["x-ratelimit-reset-requests"] = f"{q.reset_s:.3f}s"
-        headers["x-ratelimit-limit-tokens"] = _num(q.limit_tokens)
-        headers["x-ratelimit-remaining-tokens"] = _num(q.remaining_tokens)
-        headers["x-ratelimit-reset-tokens"] = f"{q.reset_s:.3f}s"
+    headers = retry_after(wait) | ratelimit_headers(decision.quota)
     return error(429, message, "rate_limit_exceeded", decision.reason.value, headers=headers)
 
 
@@ -70,8 +62,19 @@ def retry_after(wait: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(round(wait * 1000))}
 
 
-def _num(x: float) -> str:
-    return "unlimited" if math.isinf(x) else str(int(x))
+def ratelimit_headers(q: Quota | None) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers, numeric; none when the decision read no counters (the
+    shared store was unreachable)."""
+    if q is None or not math.isfinite(q.limit_requests + q.limit_tokens):
+        return {}
+    return {
+        "x-ratelimit-limit-requests": str(int(q.limit_requests)),
+        "x-ratelimit-remaining-requests": str(int(q.remaining_requests)),
+        "x-ratelimit-reset-requests": f"{q.reset_requests_s:.3f}s",
+        "x-ratelimit-limit-tokens": str(int(q.limit_tokens)),
+        "x-ratelimit-remaining-tokens": str(int(q.remaining_tokens)),
+        "x-ratelimit-reset-tokens": f"{q.reset_tokens_s:.3f}s",
+    }
 
 
 def too_large(limit: int) -> web.Response:

@@ -23,6 +23,7 @@ from tokenpools.control.store import Lease
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.gateway.metrics import GatewayMetrics
+from tokenpools.gateway.observe import RequestObserver
 from tokenpools.gateway.responses import bearer
 from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
@@ -76,6 +77,7 @@ class Gateway:
     metrics: GatewayMetrics = field(init=False)
     session: aiohttp.ClientSession | None = None
     capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         self.ledger = open_core(self.config, self.clock(), self.replica)
@@ -83,6 +85,7 @@ class Gateway:
         self._next_renewal = 0.0
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.metrics = GatewayMetrics(self)
+        self.observe = RequestObserver(self.metrics, self.access_log)
         self.model_pool = self._models(self.config)
 
     @staticmethod
@@ -95,14 +98,18 @@ class Gateway:
         if config.state != self.config.state:
             log.warning("the state section changed: it takes effect at the next restart")
             config = replace(config, state=self.config.state)
+        pools = {}  # first, so a missing backend key rejects the reload before anything changes
+        for name, pool in config.pools.items():
+            fresh = BackendPool(pool.backends)  # reads the keys again: a rotated key is adopted
+            keep = self.pools.get(name)
+            if keep is not None and [b.spec for b in keep.backends] == list(pool.backends):
+                for kept, new in zip(keep.backends, fresh.backends, strict=True):
+                    kept.auth = new.auth  # health and requests in flight carry over
+                fresh = keep
+            pools[name] = fresh
         for lease in await self.ledger.background(self.core.apply_config, config, self.clock()):
             self.evict(lease.lease_id)
-        old = self.pools
-        self.pools = {}
-        for name, pool in config.pools.items():
-            keep = old.get(name)
-            same = keep is not None and [b.spec for b in keep.backends] == list(pool.backends)
-            self.pools[name] = keep if same and keep is not None else BackendPool(pool.backends)
+        self.pools = pools
         self.config = config
         self.model_pool = self._models(config)
 
@@ -125,7 +132,9 @@ class Gateway:
                 continue
             try:
                 async with self.session.get(
-                    f"{backend.spec.url}/metrics", timeout=aiohttp.ClientTimeout(total=2)
+                    f"{backend.spec.url}/metrics",
+                    headers=backend.auth,
+                    timeout=aiohttp.ClientTimeout(total=2),
                 ) as r:
                     gauges = vllm_gauges(await r.read())
             except (aiohttp.ClientError, TimeoutError):
@@ -174,3 +183,4 @@ class Gateway:
 
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+HEALTH_INTERVAL = web.AppKey("health_interval_s", float)

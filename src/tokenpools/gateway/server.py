@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenpools.gateway.app import make_app
+from tokenpools.gateway.observe import LogFormat, setup_logging
 from tokenpools.gateway.runtime import Gateway
 from tokenpools.model.config import ConfigError, load_config
 
@@ -22,17 +23,16 @@ log = logging.getLogger("tokenpools.gateway")
 async def reload_from(gateway: Gateway, path: Path) -> bool:
     """Load and adopt `path`; an invalid file is logged and the running config kept."""
     try:
-        config = load_config(path)
+        await gateway.reload(load_config(path))
     except ConfigError as exc:
         log.error("config reload rejected, keeping the running config: %s", exc)
         return False
-    await gateway.reload(config)
     log.info("config reloaded from %s", path)
     return True
 
 
-def build(path: Path, watch_interval_s: float = 2.0) -> web.Application:
-    gateway = Gateway(load_config(path))
+def build(path: Path, watch_interval_s: float = 2.0, access_log: bool = True) -> web.Application:
+    gateway = Gateway(load_config(path), access_log=access_log)
     app = make_app(gateway)
     seen = [path.stat().st_mtime_ns]
 
@@ -69,13 +69,15 @@ def build(path: Path, watch_interval_s: float = 2.0) -> web.Application:
     return app
 
 
-def build_kubernetes(kube: Any, namespace: str, base: dict[str, Any]) -> web.Application:
+def build_kubernetes(
+    kube: Any, namespace: str, base: dict[str, Any], access_log: bool = True
+) -> web.Application:
     """The gateway fed from the cluster: pools, entitlements and Secrets watched, each change
     adopted as a file reload is (an invalid set is logged and the running config kept)."""
     from tokenpools.k8s.source import ClusterSource
 
     source = ClusterSource(kube, namespace, base).start()
-    gateway = Gateway(source.config())
+    gateway = Gateway(source.config(), access_log=access_log)
     app = make_app(gateway)
 
     async def follow(app: web.Application) -> AsyncIterator[None]:
@@ -138,15 +140,21 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 def serve(
-    path: Path | None, host: str, port: int, shutdown_timeout_s: float, namespace: str | None = None
+    path: Path | None,
+    host: str,
+    port: int,
+    shutdown_timeout_s: float,
+    namespace: str | None = None,
+    log_format: LogFormat = "text",
+    access_log: bool = True,
 ) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging(log_format)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream request and settles the lease. SIGTERM/SIGINT stop accepting and give requests
     # in flight `shutdown_timeout_s` to finish.
     if namespace is None:
         assert path is not None
-        application = build(path)
+        application = build(path, access_log=access_log)
     else:  # --kubernetes: the cluster is the config; a file, if given, sets policy/gateway/state
         import yaml
 
@@ -154,7 +162,7 @@ def serve(
 
         base = yaml.safe_load(path.read_text()) if path is not None else {}
         base = {k: v for k, v in (base or {}).items() if k not in ("pools", "entitlements")}
-        application = build_kubernetes(Kube(load_client()), namespace, base)
+        application = build_kubernetes(Kube(load_client()), namespace, base, access_log)
     web.run_app(
         application,
         loop=_new_loop(),

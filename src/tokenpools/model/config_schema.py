@@ -68,6 +68,20 @@ class ProfileSpec(_Strict):
 class BackendSpec(_Strict):
     url: Annotated[str, Field(pattern=r"^https?://[^/\s]+(/.*)?$")]
     timeoutS: Pos = 600.0
+    model: Annotated[str, Field(min_length=1)] | None = None  # the name the backend serves
+    apiKeyEnv: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] | None = None
+    apiKeyFile: Annotated[str, Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> BackendSpec:
+        if self.apiKeyEnv is not None and self.apiKeyFile is not None:
+            raise ValueError("give apiKeyEnv or apiKeyFile, not both")
+        return self
+
+    def to_backend(self) -> Backend:
+        return Backend(
+            self.url.rstrip("/"), self.timeoutS, self.model, self.apiKeyEnv, self.apiKeyFile
+        )
 
 
 class FeedbackSpec(_Strict):
@@ -143,7 +157,7 @@ class PoolSpec(_Strict):
             slo_reference_ms=self.sloReferenceMs,
             input_token_weight=self.tokenWeights.input,
             output_token_weight=self.tokenWeights.output,
-            backends=tuple(Backend(b.url.rstrip("/"), b.timeoutS) for b in self.backends),
+            backends=tuple(b.to_backend() for b in self.backends),
             served_models=tuple(self.servedModels),
             capacity_feedback=None
             if self.capacityFeedback is None

@@ -15,6 +15,9 @@ class Backend:
 
     url: str
     timeout_s: float = 600.0
+    model: str | None = None  # the name this backend serves; None: the name the client sent
+    api_key_env: str | None = None  # where its API key is: an environment variable
+    api_key_file: str | None = None  # or a file (a mounted Secret); read at start and reload
 
 
 @dataclass(frozen=True, slots=True)

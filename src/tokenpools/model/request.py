@@ -10,7 +10,8 @@ class RequestCost:
     """The estimate admission reserves against: prompt tokens and the output ceiling."""
 
     input_tokens: int
-    max_output_tokens: int | None = None  # None → the entitlement's default (paper check 2)
+    # None → the entitlement's default (paper check 2); 0 for what generates nothing (embeddings)
+    max_output_tokens: int | None = None
     sequences: int = 1  # generated from one prompt (`n`, `best_of`): each may reach the ceiling
 
     def __post_init__(self) -> None:
@@ -18,8 +19,8 @@ class RequestCost:
             raise ValueError(f"input_tokens must be >= 0, got {self.input_tokens}")
         if self.sequences < 1:
             raise ValueError(f"sequences must be >= 1, got {self.sequences}")
-        if self.max_output_tokens is not None and self.max_output_tokens < 1:
-            raise ValueError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 0:
+            raise ValueError(f"max_output_tokens must be >= 0, got {self.max_output_tokens}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 from tokenpools.control.eviction import choose_victims
 from tokenpools.control.store import (
-    ADMITTED,
     BucketSpec,
     EntitlementCounters,
     Lease,
@@ -110,7 +109,7 @@ class MemoryStore:
             raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
         short = self._reserve(lease, plan, now, demand=reservation.demand)
         if short is None:
-            return ADMITTED
+            return self._after(Outcome(None), lease, now)
         if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV) and reservation.victim_count:
             victims = choose_victims(
                 self.pool_counters(lease.pool, now),
@@ -121,18 +120,21 @@ class MemoryStore:
             )
             ids = [v.lease_id for v in victims]
             if victims and self._reserve(lease, plan, now, evict=ids) is None:
-                return Outcome(None, evicted=tuple(victims))
+                return self._after(Outcome(None, evicted=tuple(victims)), lease, now)
         if (
             reservation.may_overcommit
             and short in _POOL_SHORTFALLS
             and self._reserve(lease, plan, now, overcommit=True) is None
         ):
-            return Outcome(None, overcommit=True)
-        return Outcome(
-            short,
-            self.entitlement_counters(lease.entitlement, now),
-            self.pool_counters(lease.pool, now),
-        )
+            return self._after(Outcome(None, overcommit=True), lease, now)
+        return self._after(Outcome(short), lease, now)
+
+    def _after(self, outcome: Outcome, lease: Lease, now: float) -> Outcome:
+        """The counters after the step: a refusal's Retry-After and every answer's rate-limit
+        headers are computed from them."""
+        outcome.entitlement = self.entitlement_counters(lease.entitlement, now)
+        outcome.pool = self.pool_counters(lease.pool, now)
+        return outcome
 
     def _reserve(
         self,

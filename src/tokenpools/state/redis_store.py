@@ -133,16 +133,16 @@ class RedisStore(RedisLink):
             raise self.went_down(decided)
         lease = reservation.lease
         status, flags, ent, pool, rows = decided
+        counters = wire.entitlement_counters(ent), wire.pool_counters(pool)
         if status != b"ok":
-            short = Shortfall(status.decode())
-            return Outcome(short, wire.entitlement_counters(ent), wire.pool_counters(pool))
+            return Outcome(Shortfall(status.decode()), *counters)
         reserved, own, overcommit = (f == b"1" for f in flags)
         lease.reserved_path, lease.drew_own = reserved, own
         evicted = tuple(wire.lease(row, lease.pool) for row in rows)
         self._mine[lease.lease_id] = lease
         for victim in evicted:
             self._mine.pop(victim.lease_id, None)
-        return Outcome(None, evicted=evicted, overcommit=overcommit)
+        return Outcome(None, *counters, evicted=evicted, overcommit=overcommit)
 
     # -- ending leases -------------------------------------------------------------------
 

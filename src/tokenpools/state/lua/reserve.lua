@@ -163,13 +163,11 @@ local function admit(p, o)
       short = nil
     end
   end
-  local ent, pool = {}, {}
-  if short ~= nil then -- what the refusal's Retry-After and rate-limit headers are read from
-    refill(e, 'o_', now)
-    refill(p, 'b_', now)
-    refill(p, 'pb_', now)
-    ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
-  end
+  -- what a refusal's Retry-After and every answer's rate-limit headers are read from
+  refill(e, 'o_', now)
+  refill(p, 'b_', now)
+  refill(p, 'pb_', now)
+  local ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
   save_ent(ekey, e)  -- the pool is saved once, after every admission of the call
   local flags = { reserved = l.reserved, own = l.own, overcommit = overcommit }
   return { short or 'ok', counters(flags, ADMIT_FLAGS), ent, pool, evicted }

@@ -1,0 +1,281 @@
+"""One admitted request's exchange with a backend: the upstream request (the backend's model
+name and API key, the request id, the trace context), the answer passed back with the backend's
+headers (hop-by-hop ones excepted), and the lease settled exactly once on every ending: success,
+backend error, timeout, client disconnect, eviction; streams included (usage is always asked of
+the engine, so a stream settles on its own counts)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from tokenpools.gateway.backends import BackendState
+from tokenpools.gateway.responses import error, retry_after
+from tokenpools.gateway.runtime import AdmittedRequest, Gateway
+from tokenpools.model.request import Usage
+from tokenpools.openai_api import CHAT, COMPLETIONS, RESPONSES, error_body
+
+# Not passed back: hop-by-hop headers (RFC 9110 §7.6.1) and what this server sets itself
+# (the body is re-framed, and decompressed by the client session).
+NOT_PASSED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "date",
+        "server",
+    }
+)
+TRACE_HEADERS = ("traceparent", "tracestate")
+_RESPONSE_END_TYPES = ("response.completed", "response.incomplete", "response.failed")
+_RESPONSE_ENDS = tuple(f'"{t}"'.encode() for t in _RESPONSE_END_TYPES)
+
+
+class Exchange:
+    """Owns what an admitted request holds between the backend and the client: its lease
+    (settled once), its place in the backend's count, and the timings the logs report."""
+
+    def __init__(
+        self,
+        gw: Gateway,
+        handle: AdmittedRequest,
+        backend: BackendState,
+        path: str,
+        prompt_tokens: int,
+        headers: dict[str, str],
+    ) -> None:
+        self.gw = gw
+        self.handle = handle
+        self.backend = backend
+        self.path = path
+        self.prompt_tokens = prompt_tokens
+        self.headers = headers  # the gateway's own for the client: request id, rate limits
+        self.usage: Usage | None = None
+        self.streamed = 0  # content events seen: the output estimate if the engine never says
+        self.first_token_at: float | None = None
+        self.settled = False
+
+    def settle(self, usage: Usage | None, refund: bool = True) -> None:
+        """End the lease on `usage`, or release it (None: refund, or charge all of it)."""
+        if self.settled or self.handle.evicted:
+            return
+        self.settled = True
+        self.usage = usage
+        self.gw.ledger.end(self.handle.lease, usage, self.gw.clock(), refund=refund)
+
+    def _so_far(self) -> Usage:
+        return Usage(self.prompt_tokens, self.streamed)
+
+    async def run(
+        self, request: web.Request, body: dict[str, Any], raw: bytes | None
+    ) -> web.StreamResponse:
+        gw, backend = self.gw, self.backend
+        assert gw.session is not None
+        stream = bool(body.get("stream"))
+        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if stream and not wants_usage and self.path in (CHAT, COMPLETIONS):
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+            raw = None  # always ask for usage, so a stream settles on real numbers
+        if backend.spec.model is not None and body["model"] != backend.spec.model:
+            body["model"] = backend.spec.model
+            raw = None
+        upstream_headers = {"Content-Type": "application/json", **backend.auth}
+        upstream_headers["x-request-id"] = self.headers["x-request-id"]
+        for name in TRACE_HEADERS:
+            if name in request.headers:
+                upstream_headers[name] = request.headers[name]
+        backend.open_requests += 1
+        response: web.StreamResponse | None = None
+        try:
+            async with gw.session.post(
+                backend.spec.url + self.path,
+                data=raw if raw is not None else json.dumps(body).encode(),
+                headers=upstream_headers,
+                timeout=aiohttp.ClientTimeout(total=backend.spec.timeout_s),
+            ) as upstream:
+                headers = self._passed(upstream.headers)
+                if upstream.status != 200:
+                    text = await upstream.read()
+                    self.settle(None)
+                    status = upstream.status if upstream.status < 500 else 502
+                    return web.Response(status=status, body=text, headers=headers)
+                if not stream:
+                    text = await upstream.read()
+                    self.first_token_at = time.monotonic()
+                    self.settle(self._usage_of(text))
+                    return web.Response(body=text, headers=headers)
+                response = web.StreamResponse(headers=headers)
+                response.headers["Cache-Control"] = "no-cache"
+                await response.prepare(request)
+                await self._relay(upstream.content, response, wants_usage)
+                self.settle(self.usage or self._so_far())
+                return response
+        except asyncio.CancelledError:
+            if self.handle.evicted:  # preempted by a higher-priority request: say why
+                if response is not None:
+                    with contextlib.suppress(ConnectionResetError, RuntimeError):
+                        await response.write(_preempted_event())
+                    return response
+                return error(
+                    503,
+                    "preempted by higher-priority work",
+                    "server_error",
+                    "preempted",
+                    headers=retry_after(1.0) | self.headers,
+                )
+            self.settle(self._so_far() if self.streamed else None, refund=False)
+            raise
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            backend.healthy = not isinstance(exc, aiohttp.ClientConnectorError)
+            if response is None:
+                self.settle(None)
+                return error(
+                    502,
+                    f"backend error: {exc.__class__.__name__}",
+                    "server_error",
+                    "backend_error",
+                    headers=self.headers,
+                )
+            self.settle(self._so_far())
+            await _write_quietly(
+                response, _error_event("the backend failed mid-stream", "backend_error")
+            )
+            return response
+        except TimeoutError:
+            if response is None:
+                self.settle(None, refund=False)
+                return error(
+                    504,
+                    "the backend timed out",
+                    "server_error",
+                    "backend_timeout",
+                    headers=self.headers,
+                )
+            self.settle(self._so_far())
+            await _write_quietly(response, _error_event("the backend timed out", "backend_timeout"))
+            return response
+        except ConnectionResetError:  # the client went away while we wrote
+            self.settle(self._so_far(), refund=False)
+            return response or web.Response(status=499)
+        finally:
+            backend.open_requests -= 1
+            if not self.settled and not self.handle.evicted:
+                self.settle(None, refund=False)
+
+    def _passed(self, upstream: Any) -> CIMultiDict[str]:
+        """The backend's response headers the client gets, with the gateway's own on top."""
+        out: CIMultiDict[str] = CIMultiDict(
+            (k, v) for k, v in upstream.items() if k.lower() not in NOT_PASSED
+        )
+        for name, value in self.headers.items():
+            out[name] = value
+        return out
+
+    def _usage_of(self, text: bytes) -> Usage:
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            payload = None
+        found = usage_from(payload.get("usage") if isinstance(payload, dict) else None)
+        if found is not None:
+            return found
+        return Usage(self.prompt_tokens, 0)
+
+    async def _relay(
+        self, content: aiohttp.StreamReader, response: web.StreamResponse, wants_usage: bool
+    ) -> None:
+        """Pass the server-sent events on as they came, reading usage as they pass; the usage
+        chunk the gateway asked for on the client's behalf is kept from it."""
+        async for event, data in _events(content):
+            if data == b"[DONE]":
+                await response.write(event)
+                return
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
+            if self._read(data) or wants_usage or self.path not in (CHAT, COMPLETIONS):
+                await response.write(event)
+
+    def _read(self, data: bytes) -> bool:
+        """Count what an event carries; False for the usage-only chunk of a chat stream."""
+        if self.path == RESPONSES:  # typed events; the last one carries the response's usage
+            if b'"response.output_text.delta"' in data:
+                self.streamed += 1
+            elif any(end in data for end in _RESPONSE_ENDS):
+                event = _json(data)
+                if event.get("type") in _RESPONSE_END_TYPES:
+                    self.usage = usage_from((event.get("response") or {}).get("usage"))
+            return True
+        chunk = _json(data)
+        if chunk.get("usage") and not chunk.get("choices"):
+            self.usage = usage_from(chunk["usage"])
+            return False
+        if chunk.get("choices"):
+            self.streamed += 1
+        return True
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[bytes, bytes]]:
+    """Server-sent events: each one's bytes as received, and its data."""
+    lines: list[bytes] = []
+    data = b""
+    async for line in content:
+        lines.append(line)
+        stripped = line.strip()
+        if stripped.startswith(b"data:"):
+            data = stripped[5:].strip()
+        elif not stripped:
+            if data:
+                yield b"".join(lines), data
+            lines, data = [], b""
+    if data:
+        yield b"".join(lines) + b"\n", data
+
+
+def usage_from(usage: Any) -> Usage | None:
+    """The engine's counts from a usage object, in the Chat/Completions or Responses naming
+    (embeddings report prompt tokens only)."""
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    if isinstance(prompt, int) and isinstance(completion, int) and prompt >= 0 <= completion:
+        return Usage(prompt, completion)
+    return None
+
+
+def _json(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    with contextlib.suppress(ConnectionResetError, RuntimeError):
+        await response.write(data)
+
+
+def _error_event(message: str, code: str) -> bytes:
+    return b"data: " + error_body(message, "server_error", code) + b"\n\n"
+
+
+def _preempted_event() -> bytes:
+    return _error_event(
+        "this request was preempted by higher-priority work; retry later", "preempted"
+    )

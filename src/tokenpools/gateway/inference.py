@@ -1,0 +1,136 @@
+"""The inference endpoints (chat, completions, responses, embeddings): authenticate, validate,
+admit through the decision core, hand the admitted request to its `Exchange`, and report each
+request once (access log, metrics), whatever its ending."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+
+import aiohttp
+from aiohttp import web
+
+from tokenpools.control.decisions import Reject
+from tokenpools.gateway.exchange import Exchange
+from tokenpools.gateway.observe import RequestRecord
+from tokenpools.gateway.responses import (
+    bearer,
+    error,
+    ratelimit_headers,
+    rejection,
+    retry_after,
+    too_large,
+)
+from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, AdmittedRequest, Gateway
+from tokenpools.model.request import RequestCost
+from tokenpools.openai_api import (
+    EMBEDDINGS,
+    BadRequest,
+    max_tokens,
+    max_tokens_field,
+    parse_body,
+    sequences,
+)
+from tokenpools.prompt import estimate_prompt_tokens
+
+# A client's own id is kept when it is a plain token of sane length; otherwise one is made.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+def request_id(request: web.Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID.match(given) else f"req_{secrets.token_hex(12)}"
+
+
+async def inference(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    record = RequestRecord(request_id(request), request.method, request.path)
+    try:
+        response = await _answer(request, gw, record)
+    except asyncio.CancelledError:
+        record.status = 499  # the client went away
+        raise
+    else:
+        record.status = response.status
+        if not response.prepared:
+            response.headers["x-request-id"] = record.request_id
+        return response
+    finally:
+        record.duration_s = time.monotonic() - record.started
+        gw.observe.request(record)
+
+
+async def _answer(request: web.Request, gw: Gateway, record: RequestRecord) -> web.StreamResponse:
+    path = request.path
+    settings = gw.config.gateway
+    if request.content_length is not None and request.content_length > settings.max_body_bytes:
+        return too_large(settings.max_body_bytes)
+    key = bearer(request)
+    entitlement = gw.core.entitlement_for_key(key) if key else None
+    if entitlement is None:
+        gw.metrics.unauthorized.inc()
+        return error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
+    record.entitlement = entitlement
+    try:
+        raw = await request.content.read(settings.max_body_bytes + 1)
+    except (aiohttp.ClientPayloadError, web.RequestPayloadError, ConnectionResetError) as exc:
+        reason = str(exc).replace("\n", " ").strip() or exc.__class__.__name__
+        return error(400, f"the body could not be read: {reason}", "invalid_request_error", None)
+    if len(raw) > settings.max_body_bytes:
+        return too_large(settings.max_body_bytes)
+    try:
+        body = parse_body(raw, path)
+        count = sequences(body, settings.max_sequences)
+    except BadRequest as exc:
+        return error(400, str(exc), "invalid_request_error", None, exc.param)
+    record.model, record.stream = body["model"], bool(body.get("stream"))
+    pool_name = gw.model_pool.get(body["model"])
+    if pool_name is None or pool_name != gw.core.entitlements[entitlement].ent.pool:
+        return error(
+            404,
+            f"model {body['model']!r} does not exist or this key has no access to it",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
+    record.pool = pool_name
+    prompt_tokens = estimate_prompt_tokens(body, settings.chars_per_token)
+    requested = 0 if path == EMBEDDINGS else max_tokens(body)
+    decision = await gw.ledger.admit(
+        entitlement, RequestCost(prompt_tokens, requested, count), gw.clock()
+    )
+    gw.metrics.decided(entitlement, decision)
+    record.decided(decision)
+    if isinstance(decision, Reject):
+        return rejection(decision)
+    for victim in decision.evict:
+        gw.evict(victim.lease_id)
+    lease = decision.lease
+    handle = AdmittedRequest(asyncio.current_task(), lease)
+    gw.admitted_requests[lease.lease_id] = handle
+    headers = {"x-request-id": record.request_id, **ratelimit_headers(decision.quota)}
+    try:
+        backend = gw.pools[pool_name].choose()
+        if backend is None:
+            gw.ledger.end(lease, None, gw.clock())
+            return error(
+                503,
+                f"no healthy backend for pool {pool_name!r}",
+                "server_error",
+                "no_backend",
+                headers=retry_after(request.app[HEALTH_INTERVAL]) | headers,  # the next check
+            )
+        record.backend = backend.spec.url
+        forward: bytes | None = raw  # unchanged bodies go upstream as they came
+        if requested is None:  # the reservation assumed the default: make it true
+            body[max_tokens_field(path)] = decision.max_tokens
+            forward = None
+        exchange = Exchange(gw, handle, backend, path, prompt_tokens, headers)
+        try:
+            return await exchange.run(request, body, forward)
+        finally:
+            record.exchanged(exchange)
+    finally:
+        gw.admitted_requests.pop(lease.lease_id, None)
