@@ -30,7 +30,7 @@ $(PVENV)/.built: pyproject.toml setup.py
 	touch $@
 
 demo: $(VENV)/.built
-	$(BIN)/tokenpools check-config examples/tokenpools.yaml
+	$(BIN)/tokenpools check-config src/tokenpools/examples/tokenpools.yaml
 	$(BIN)/tokenpools demo --out out/demo --json out/demo/headline.json
 
 experiments: $(VENV)/.built

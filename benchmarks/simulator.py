@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 from tokenpools import core_build
+from tokenpools.resources import SCENARIOS
 from tokenpools.sim.scenario import load_scenario
 from tokenpools.sim.simulator import simulate
 
-EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+EXPERIMENTS = SCENARIOS
 GOALS_S = {"paper-exp2": 3.0, "beyond-scale": 60.0}
 
 

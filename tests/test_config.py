@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 from tokenpools.cli import app
 from tokenpools.model.config import ConfigError, load_config, parse_config
 from tokenpools.model.keys import hash_key
+from tokenpools.resources import EXAMPLE_CONFIG
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "tokenpools.yaml"
+EXAMPLE = EXAMPLE_CONFIG
 
 
 def base() -> dict[str, Any]:

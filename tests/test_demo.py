@@ -8,9 +8,10 @@ import json
 from pathlib import Path
 
 from tokenpools.demo import run_demo, write_demo
+from tokenpools.resources import SCENARIOS
 from tokenpools.sim.scenario import load_scenario
 
-EXP1 = Path(__file__).parent.parent / "experiments" / "paper-exp1.yaml"
+EXP1 = SCENARIOS / "paper-exp1.yaml"
 
 
 def test_paper_exp1_over_http_matches_the_simulator_within_tolerance(tmp_path: Path) -> None:

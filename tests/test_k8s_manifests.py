@@ -19,6 +19,7 @@ from tokenpools.k8s.crds import crds
 from tokenpools.k8s.manifests import generated
 from tokenpools.k8s.resources import config_data, render
 from tokenpools.model.config import parse_config
+from tokenpools.resources import EXAMPLE_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -85,7 +86,7 @@ def test_every_deploy_manifest_validates() -> None:
 
 
 def test_rendered_custom_resources_validate_and_round_trip() -> None:
-    document = yaml.safe_load((ROOT / "examples" / "tokenpools.yaml").read_text())
+    document = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     objects = render(yaml.safe_load(yaml.safe_dump(document, default_flow_style=False)), "tenants")
     validators = _validators()
     for obj in objects:

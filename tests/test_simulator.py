@@ -12,12 +12,13 @@ import pytest
 from typer.testing import CliRunner
 
 from tokenpools.cli import app
+from tokenpools.resources import SCENARIOS
 from tokenpools.sim.experiments import STATIC_PEAK, run_scenario
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.scenario import Scenario, load_scenario
 from tokenpools.sim.simulator import RunResult, simulate
 
-EXPERIMENTS = Path(__file__).parent.parent / "experiments"
+EXPERIMENTS = SCENARIOS
 
 
 @cache

@@ -2,108 +2,46 @@
 
 from __future__ import annotations
 
-import sys
-import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from tokenpools import core_build
 from tokenpools.commands.backend import backend_app
 from tokenpools.commands.common import fail, progress
+from tokenpools.commands.config import CONFIG_COMMANDS
 from tokenpools.commands.k8s import k8s_app, operator
-from tokenpools.control.core import DecisionCore
-from tokenpools.model.config import ConfigError, load_config
-from tokenpools.model.entitlement import BindingState
-from tokenpools.model.keys import hash_key
-from tokenpools.state.memory import MemoryStore
+from tokenpools.model.config import ConfigError
+from tokenpools.resources import SCENARIOS, scenario_path
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
 
+def _version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        typer.echo(f"tokenpools {version('tokenpools')} (decision core: {core_build()})")
+        raise typer.Exit()
+
+
 @app.callback()
-def main() -> None:
-    """tokenpools: token-pool admission control for multi-tenant LLM inference."""
-
-
-@app.command("check-config")
-def check_config(
-    path: Annotated[Path, typer.Argument(help="the YAML config file")],
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version"),
+    ] = False,
 ) -> None:
-    """Validate a config; show pools and entitlements with binding state and priority."""
-    # Off a terminal (a pipe, CI) rich assumes 80 columns and truncates every cell.
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    try:
-        config = load_config(path)
-    except ConfigError as exc:
-        fail(str(exc))
-    core = DecisionCore(config, MemoryStore(), now=time.time())
-
-    pools = Table(title=f"pools in {path}", title_justify="left")
-    for column in ("pool", "model", "KV B/token", "replicas", "tokens/s", "KV tokens", "seqs"):
-        pools.add_column(column, justify="left" if column in ("pool", "model") else "right")
-    pools.add_column("ℓ̄* ms", justify="right")
-    pools.add_column("desired", justify="right")
-    for name, pool_view in core.pools.items():
-        pool = pool_view.pool
-        cap = pool.capacity
-        pools.add_row(
-            name,
-            pool.model.name,
-            f"{pool.model.kv_bytes_per_token:,.0f}",
-            f"{pool.replicas} ({pool.min_replicas}–{pool.max_replicas})",
-            f"{cap.throughput:,.0f}",
-            f"{cap.kv_tokens:,.0f}",
-            f"{cap.concurrency:g}",
-            f"{pool_view.slo_reference_ms:,.0f}",
-            str(core.desired_replicas(name)),
-        )
-    console.print(pools)
-
-    ents = Table(title="entitlements", title_justify="left")
-    for column in ("entitlement", "tenant", "pool", "class", "state"):
-        ents.add_column(column)
-    for column in ("tokens/s", "KV tokens", "seqs", "SLO ms", "priority"):
-        ents.add_column(column, justify="right")
-    styles = {BindingState.BOUND: "green", BindingState.EXPIRED: "dim"}
-    for name, view in core.entitlements.items():
-        ent = view.ent
-        base = ent.baseline
-        style = styles.get(view.state, "yellow")
-        ents.add_row(
-            name,
-            ent.tenant_id,
-            ent.pool,
-            ent.service_class.value,
-            f"[{style}]{view.state.value}[/]",
-            f"{base.throughput:,.1f}",
-            f"{base.kv_tokens:,.0f}",
-            f"{base.concurrency:g}",
-            "–" if ent.slo_target_ms is None else f"{ent.slo_target_ms:,.0f}",
-            f"{view.priority:.1f}",
-        )
-    console.print(ents)
-    unbound = [n for n, v in core.entitlements.items() if v.state != BindingState.BOUND]
-    if unbound:
-        console.print(f"[yellow]not bound:[/] {', '.join(unbound)}")
-    console.print(f"decision core: {core_build()}")
-    state = config.state
-    if state.backend == "redis":  # not contacted here: checking a file needs no Redis
-        console.print(
-            f"state: shared in Redis at {state.url} (timeout {state.timeout_s * 1000:g} ms; "
-            f"while unreachable, protected classes get {state.fallback_fraction:g} of their "
-            "baseline per replica, the others 503)"
-        )
-    console.print(f"[green]ok[/]: {len(core.pools)} pools, {len(core.entitlements)} entitlements")
+    """tokenpools: token-pool admission control for multi-tenant LLM inference."""
 
 
 @app.command()
 def simulate(
-    scenario: Annotated[Path, typer.Argument(help="a scenario YAML file")],
+    scenario: Annotated[
+        str, typer.Argument(help="a scenario YAML file, or a shipped one's name (paper-exp1)")
+    ],
     policy: Annotated[
         list[str] | None, typer.Option("--policy", "-p", help="repeatable; default: all")
     ] = None,
@@ -121,33 +59,41 @@ def simulate(
     if unknown:
         fail(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
     try:
-        loaded = load_scenario(scenario)
+        loaded = load_scenario(scenario_path(scenario))
         with progress(loaded.duration_s) as advance:
             summary, results = run_scenario(loaded, policies, seed, advance)
     except ConfigError as exc:
         fail(str(exc))
     write_outputs(loaded, summary, results, out)
     typer.echo(policy_table(loaded, summary))
-    typer.echo(f"\nwrote {out / 'summary.json'}, {out / 'report.md'} and figures")
+    drawn = " and figures" if any(out.glob("*.png")) else ""
+    typer.echo(f"\nwrote {out / 'summary.json'}, {out / 'report.md'}{drawn}")
 
 
 @app.command()
 def experiments(
     out: Annotated[Path, typer.Option(help="output folder")] = Path("out/experiments"),
-    folder: Annotated[Path, typer.Option(help="scenario folder")] = Path("experiments"),
+    folder: Annotated[
+        Path | None, typer.Option(help="scenario folder; default: the shipped scenarios")
+    ] = None,
     policy: Annotated[
         list[str] | None, typer.Option("--policy", "-p", help="repeatable; default: all")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="default: each scenario's")] = None,
 ) -> None:
-    """Run every scenario in experiments/ under every policy into one report."""
+    """Run every scenario of a folder (the shipped ones by default) under every policy into
+    one report."""
     from tokenpools.sim.experiments import run_experiments
     from tokenpools.sim.policies import POLICIES
 
     try:
         with progress(None) as advance:
             index = run_experiments(
-                folder, out, policy or list(POLICIES), seed, lambda s, p, t: advance(f"{s} {p}", t)
+                folder or SCENARIOS,
+                out,
+                policy or list(POLICIES),
+                seed,
+                lambda s, p, t: advance(f"{s} {p}", t),
             )
     except ConfigError as exc:
         fail(str(exc))
@@ -221,9 +167,9 @@ def emulate(
 
 @app.command()
 def demo(
-    scenario: Annotated[Path, typer.Option(help="the scenario to replay")] = Path(
-        "experiments/paper-exp1.yaml"
-    ),
+    scenario: Annotated[
+        str, typer.Option(help="the scenario to replay: a file, or a shipped one's name")
+    ] = "paper-exp1",
     out: Annotated[Path, typer.Option(help="output folder")] = Path("out/demo"),
     json_path: Annotated[Path | None, typer.Option("--json", help="write the headline")] = None,
     speed: Annotated[float, typer.Option(help="emulated engines run this much faster")] = 1.0,
@@ -236,7 +182,7 @@ def demo(
     from tokenpools.sim.scenario import load_scenario
 
     try:
-        loaded = load_scenario(scenario)
+        loaded = load_scenario(scenario_path(scenario))
     except ConfigError as exc:
         fail(str(exc))
     typer.echo(
@@ -246,14 +192,15 @@ def demo(
     with progress(loaded.duration_s) as advance:
         results = asyncio.run(run_demo(loaded, speed, lambda t: advance("over HTTP", t)))
     typer.echo(write_demo(loaded, results, out, json_path))
-    typer.echo(
-        f"\nwrote {out / 'summary.json'} and figures" + (f", {json_path}" if json_path else "")
-    )
+    drawn = " and figures" if any(out.glob("*.png")) else ""
+    typer.echo(f"\nwrote {out / 'summary.json'}{drawn}" + (f", {json_path}" if json_path else ""))
 
 
 @app.command()
 def load(
-    scenario: Annotated[Path, typer.Argument(help="a scenario YAML file: its tenants' load")],
+    scenario: Annotated[
+        str, typer.Argument(help="a scenario file or a shipped one's name: its tenants' load")
+    ],
     target: Annotated[str, typer.Option(help="base URL: the gateway, or a backend")],
     key: Annotated[
         list[str] | None, typer.Option(help="TENANT=API_KEY, repeatable; default sk-TENANT")
@@ -284,7 +231,7 @@ def load(
             fail(f"--key wants TENANT=API_KEY, got {item!r}")
         keys[tenant] = value
     try:
-        loaded = load_scenario(scenario)
+        loaded = load_scenario(scenario_path(scenario))
         profile = load_profile(loaded.engine.profile)
     except (ConfigError, ValueError) as exc:
         fail(str(exc))
@@ -309,12 +256,8 @@ def load(
     typer.echo(f"\nwrote {json_path}")
 
 
-@app.command("hash-key")
-def hash_key_command(key: Annotated[str, typer.Argument(help="an API key to hash")]) -> None:
-    """Print the sha256 hash of an API key, for the config's apiKeys."""
-    typer.echo(hash_key(key))
-
-
+for name, command in CONFIG_COMMANDS.items():
+    app.command(name)(command)
 app.add_typer(backend_app, name="backend")
 app.add_typer(k8s_app, name="k8s")
 app.command()(operator)

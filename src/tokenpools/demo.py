@@ -27,7 +27,7 @@ from tokenpools.loadgen import LoadRun, Target
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port, spawn, stop, wait_ready
-from tokenpools.sim import figures
+from tokenpools.sim.experiments import write_figures
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.records import RunResult
 from tokenpools.sim.report import policy_table
@@ -165,7 +165,7 @@ def write_demo(
         "policies": {r.policy: summarize(r) for r in results},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    figures.write_figures(list(results), out)
+    write_figures(list(results), out)
     phases = [p.name for p in scenario.phases]
     overload = "overload" if "overload" in phases else phases[min(1, len(phases) - 1)]
     if json_path is not None:

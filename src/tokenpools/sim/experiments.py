@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tokenpools.sim import figures
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.report import scenario_report
 from tokenpools.sim.scenario import Scenario, load_scenario
 from tokenpools.sim.simulator import RunResult, simulate
 
 Progress = Callable[[str, float], None]  # (policy, simulated time)
+log = logging.getLogger("tokenpools.sim")
 STATIC_PEAK = "tokenpools-static-peak"  # tokenpools on maxReplicas throughout
 
 
@@ -47,10 +48,20 @@ def write_outputs(
     """Write summary.json, report.md and the figures into `out`; return the report text."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    written = figures.write_figures(results, out)
+    written = write_figures(results, out)
     report = scenario_report(scenario, summary, [p.name for p in written])
     (out / "report.md").write_text(report)
     return report
+
+
+def write_figures(results: list[RunResult], out: Path) -> list[Path]:
+    """The PNG figures, when matplotlib is installed (the `sim` extra); else none, said once."""
+    try:
+        from tokenpools.sim import figures
+    except ImportError:
+        log.warning("figures skipped: they need matplotlib (pip install 'tokenpools[sim]')")
+        return []
+    return figures.write_figures(results, out)
 
 
 def run_experiments(

@@ -1,4 +1,5 @@
-"""Scenario files (experiments/*.yaml): who sends what, when, against which engine and config."""
+"""Scenario files (the shipped ones: tokenpools/scenarios/*.yaml): who sends what, when,
+against which engine and config."""
 
 from __future__ import annotations
 
