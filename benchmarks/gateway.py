@@ -1,13 +1,18 @@
-"""Gateway overhead and throughput, measured in one run.
+"""Gateway overhead and throughput, measured in one run, optionally against an older commit.
 
-An emulator with no step delay (`--speed 0`) and a gateway run as separate processes on
+An emulator with no step delay (`--speed 0`) and the gateway run as separate processes on
 loopback; this process is the client. For each mode (non-streaming, streaming) and target
-(straight to the emulator, through the gateway) it sends 200 req/s open loop for a few seconds
-and records each request's end-to-end latency; the difference between the targets is what the
-gateway adds. Then `max_rps`: closed loop with 64 concurrent non-streaming requests through the
-gateway. The machine has 2 cores shared by all three processes: read ratios, not absolutes.
+(straight to the emulator; through this checkout's gateway; through a baseline checkout's, if
+given) it sends 200 req/s open loop for a few seconds and records each request's end-to-end
+latency, and the CPU the gateway process spent; the difference to `direct` is what a gateway
+adds. Then `max_rps`: closed loop with 64 concurrent non-streaming requests per target. Repeats
+interleave the targets. Both gateways run from source with the same interpreter (pure Python
+core) and their default settings (this one writes an access log line per request, to
+/dev/null). `--pin` puts the gateways on core 1 and
+the emulator and client on core 0.
 
-    python benchmarks/gateway.py --json out/gateway.json [--seconds 5] [--repeats 3]
+    git worktree add /tmp/baseline 0bdc6db
+    python benchmarks/gateway.py --json out/gateway.json --baseline-src /tmp/baseline --pin
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,8 +33,9 @@ import aiohttp
 import yaml
 
 from tokenpools.model.keys import hash_key
-from tokenpools.processes import free_port, spawn, stop, wait_ready
+from tokenpools.processes import free_port, stop, wait_ready
 
+ROOT = Path(__file__).parent.parent
 KEY = "sk-bench"
 MODEL = "bench"
 
@@ -105,58 +113,104 @@ def bench_config(backend: str, state: dict[str, Any] | None = None) -> dict[str,
     }  # fmt: skip
 
 
+def spawn_pinned(args: list[str], src: Path | None, cpus: str | None) -> subprocess.Popen[bytes]:
+    """`tokenpools ARGS` from the source tree `src` (None: the installed package), on `cpus`."""
+    env = dict(os.environ)
+    if src is not None:  # the same interpreter and dependencies, this code
+        env["PYTHONPATH"] = str(src / "src")
+    command = [sys.executable, "-m", "tokenpools.cli", *args]
+    if cpus is not None:
+        command = ["taskset", "-c", cpus, *command]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measured(proc: subprocess.Popen[bytes] | None, work: Any) -> tuple[Any, float]:
+    """Run `work`; also return the CPU seconds `proc` spent meanwhile."""
+    before = cpu_seconds(proc.pid) if proc else 0.0
+    result = await work
+    return result, (cpu_seconds(proc.pid) - before) if proc else 0.0
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    emu_port, gw_port = free_port(), free_port()
-    emu_url, gw_url = f"http://127.0.0.1:{emu_port}", f"http://127.0.0.1:{gw_port}"
-    config = bench_config(emu_url)
+    emu_port = free_port()
+    emu_url = f"http://127.0.0.1:{emu_port}"
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(config, f)
-    emulator = spawn(
-        ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "0", "--port", str(emu_port)]
+        yaml.safe_dump(bench_config(emu_url), f)
+    pin_gw, pin_rest = ("1", "0") if args.pin else (None, None)
+    if args.pin:  # this process (the client) shares core 0 with the emulator
+        os.sched_setaffinity(0, {0})
+    emulator = spawn_pinned(
+        ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "0", "--port", str(emu_port)],
+        None,
+        pin_rest,
     )
-    gateway = spawn(["serve", "--config", f.name, "--port", str(gw_port)])
+    sources = {"gateway": ROOT}
+    if args.baseline_src is not None:
+        sources["baseline"] = args.baseline_src
+    gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
     try:
         await wait_ready(f"{emu_url}/health", emulator)
-        await wait_ready(f"{gw_url}/readyz", gateway)
+        for name, src in sources.items():
+            port = free_port()
+            serve = ["serve", "--config", f.name, "--port", str(port)]
+            proc = spawn_pinned(
+                serve + (["--no-access-log"] if name == "gateway" else []), src, pin_gw
+            )
+            gateways[name] = (f"http://127.0.0.1:{port}", proc)
+            await wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+        targets = {"direct": (emu_url, None), **gateways}
+        runs: dict[tuple[str, str], list[tuple[list[float], float]]] = {}
+        for _ in range(args.repeats):  # interleaved, so drift in the machine hits every target
+            for stream in (False, True):
+                mode = "streaming" if stream else "non-streaming"
+                for target, (url, proc) in targets.items():
+                    work = fixed_rate(url, stream, args.rate, args.seconds)
+                    runs.setdefault((mode, target), []).append(await measured(proc, work))
         rows = []
-        for stream in (False, True):
-            mode = "streaming" if stream else "non-streaming"
-            for target, url in (("direct", emu_url), ("gateway", gw_url)):
-                runs = [
-                    await fixed_rate(url, stream, 200, args.seconds) for _ in range(args.repeats)
-                ]
-                rows.append(
-                    {
-                        "mode": mode,
-                        "target": target,
-                        "rps": 200,
-                        "p50_ms": statistics.median(pct(r, 50) for r in runs) * 1000,
-                        "p99_ms": statistics.median(pct(r, 99) for r in runs) * 1000,
-                        "p99_ms_max": max(pct(r, 99) for r in runs) * 1000,
-                        "requests": sum(len(r) for r in runs),
-                    }
-                )
-                print(
-                    f"{mode:13s} {target:7s}: p50 {rows[-1]['p50_ms']:.2f} ms, "
-                    f"p99 {rows[-1]['p99_ms']:.2f} ms",
-                    file=sys.stderr,
-                )
-        maxes = [await closed_loop(gw_url, 64, args.seconds) for _ in range(args.repeats)]
-        direct = [await closed_loop(emu_url, 64, args.seconds) for _ in range(args.repeats)]
-        print(
-            f"max non-streaming req/s through the gateway: {statistics.median(maxes):.0f} "
-            f"(runs {', '.join(f'{m:.0f}' for m in maxes)}); straight to the emulator: "
-            f"{statistics.median(direct):.0f}",
-            file=sys.stderr,
-        )
-        return {
-            "rows": rows,
-            "max_rps": statistics.median(maxes),
-            "max_rps_runs": maxes,
-            "direct_max_rps": statistics.median(direct),
-        }
+        for (mode, target), got in runs.items():
+            latencies = [lat for lat, _ in got]
+            requests = sum(len(lat) for lat in latencies)
+            rows.append(
+                {
+                    "mode": mode,
+                    "target": target,
+                    "rps": args.rate,
+                    "p50_ms": statistics.median(pct(r, 50) for r in latencies) * 1000,
+                    "p99_ms": statistics.median(pct(r, 99) for r in latencies) * 1000,
+                    "p99_ms_runs": [pct(r, 99) * 1000 for r in latencies],
+                    "cpu_ms_per_req": sum(cpu for _, cpu in got) / requests * 1000,
+                    "requests": requests,
+                }
+            )
+            print(
+                f"{mode:13s} {target:8s}: p50 {rows[-1]['p50_ms']:.2f} ms, p99 "
+                f"{rows[-1]['p99_ms']:.2f} ms, CPU {rows[-1]['cpu_ms_per_req']:.3f} ms/req",
+                file=sys.stderr,
+            )
+        ceilings: dict[str, Any] = {}
+        for _ in range(args.repeats):
+            for target, (url, proc) in targets.items():
+                done, cpu = await measured(proc, closed_loop(url, 64, args.seconds))
+                entry = ceilings.setdefault(target, {"runs": [], "cpu_ms_per_req": []})
+                entry["runs"].append(done)
+                if proc is not None:
+                    entry["cpu_ms_per_req"].append(cpu / (done * args.seconds) * 1000)
+        for target, entry in ceilings.items():
+            entry["max_rps"] = statistics.median(entry["runs"])
+            print(
+                f"max non-streaming req/s, {target}: {entry['max_rps']:.0f} "
+                f"(runs {', '.join(f'{m:.0f}' for m in entry['runs'])})",
+                file=sys.stderr,
+            )
+        return {"rows": rows, "max_rps": ceilings, "pinned": args.pin}
     finally:
-        stop(emulator, gateway)
+        stop(emulator, *(proc for _, proc in gateways.values()))
         Path(f.name).unlink()
 
 
@@ -165,6 +219,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rate", type=float, default=200.0, help="open-loop requests per second")
+    parser.add_argument(
+        "--baseline-src", type=Path, help="a checkout of an older commit, measured alongside"
+    )
+    parser.add_argument("--pin", action="store_true", help="the gateways on core 1, the rest on 0")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)

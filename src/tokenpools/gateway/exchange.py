@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -187,14 +188,10 @@ class Exchange:
         return out
 
     def _usage_of(self, text: bytes) -> Usage:
-        try:
-            payload = json.loads(text)
-        except ValueError:
-            payload = None
-        found = usage_from(payload.get("usage") if isinstance(payload, dict) else None)
-        if found is not None:
-            return found
-        return Usage(self.prompt_tokens, 0)
+        """The engine's counts in a whole response, found without parsing it (an embeddings
+        answer can be megabytes of floats); the estimate if it has none."""
+        found = usage_in(text)
+        return found if found is not None else Usage(self.prompt_tokens, 0)
 
     async def _relay(
         self, content: aiohttp.StreamReader, response: web.StreamResponse, wants_usage: bool
@@ -244,6 +241,22 @@ async def _events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[bytes, b
             lines, data = [], b""
     if data:
         yield b"".join(lines) + b"\n", data
+
+
+# A key can only appear as a key: quotes inside JSON strings are escaped. The last match is the
+# top-level usage, which engines write after the output.
+_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+
+
+def usage_in(text: bytes) -> Usage | None:
+    prompts = _PROMPT.findall(text, max(0, len(text) - 4096))  # usage sits at the end
+    if not prompts:
+        prompts = _PROMPT.findall(text)
+        if not prompts:
+            return None
+    completions = _COMPLETION.findall(text, max(0, len(text) - 4096)) or _COMPLETION.findall(text)
+    return Usage(int(prompts[-1]), int(completions[-1]) if completions else 0)
 
 
 def usage_from(usage: Any) -> Usage | None:

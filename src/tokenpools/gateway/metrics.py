@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -29,6 +30,20 @@ TTFT_BUCKETS = (
 )
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 10 ms to 82 s
+
+
+@dataclass(slots=True)
+class _Bound:
+    """One entitlement's children of the labelled metrics."""
+
+    labels: tuple[str, str, str]
+    admitted: Counter
+    evicted: Counter
+    duration: Histogram
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    ttft: Histogram
+    tpot: Histogram
 
 
 class GatewayMetrics:
@@ -73,43 +88,60 @@ class GatewayMetrics:
         )
         r.register(_StateCollector(gateway))
         self._gateway = gateway
+        self._series: dict[str, _Bound] = {}
 
-    def _labels(self, entitlement: str) -> tuple[str, str, str] | None:
+    def _bound(self, entitlement: str) -> _Bound | None:
+        """An entitlement's series, looked up once (prometheus_client's labels() costs a few
+        microseconds a call) and again when a reload moves it to another pool or class."""
         view = self._gateway.core.entitlements.get(entitlement)
         if view is None:  # removed by a reload while its request ran
             return None
-        return view.ent.pool, entitlement, view.ent.service_class.value
+        labels = (view.ent.pool, entitlement, view.ent.service_class.value)
+        bound = self._series.get(entitlement)
+        if bound is None or bound.labels != labels:
+            bound = _Bound(
+                labels,
+                self.admitted.labels(*labels),
+                self.evicted.labels(*labels),
+                self.duration.labels(*labels),
+                self.prompt_tokens.labels(*labels),
+                self.completion_tokens.labels(*labels),
+                self.ttft.labels(*labels),
+                self.tpot.labels(*labels),
+            )
+            self._series[entitlement] = bound
+        return bound
 
     def decided(self, entitlement: str, decision: Decision) -> None:
-        labels = self._labels(entitlement)
-        if labels is None:
+        bound = self._bound(entitlement)
+        if bound is None:
             return
         if isinstance(decision, Admit):
-            self.admitted.labels(*labels).inc()
+            bound.admitted.inc()
             for victim in decision.evict:
-                victim_labels = self._labels(victim.entitlement)
-                if victim_labels is not None:
-                    self.evicted.labels(*victim_labels).inc()
+                victim_series = self._bound(victim.entitlement)
+                if victim_series is not None:
+                    victim_series.evicted.inc()
         else:
-            self.rejected.labels(*labels, decision.reason.value).inc()
+            self.rejected.labels(*bound.labels, decision.reason.value).inc()
 
     def finished(self, record: RequestRecord) -> None:
         """An admitted request ended: its tokens and timings."""
         if record.decision != "admitted" or record.entitlement is None:
             return
-        labels = self._labels(record.entitlement)
-        if labels is None:
+        bound = self._bound(record.entitlement)
+        if bound is None:
             return
-        self.duration.labels(*labels).observe(record.duration_s)
+        bound.duration.observe(record.duration_s)
         if record.prompt_tokens is not None:
-            self.prompt_tokens.labels(*labels).inc(record.prompt_tokens)
+            bound.prompt_tokens.inc(record.prompt_tokens)
         completion = record.completion_tokens or 0
-        self.completion_tokens.labels(*labels).inc(completion)
+        bound.completion_tokens.inc(completion)
         if record.stream and record.ttft_s is not None:
-            self.ttft.labels(*labels).observe(record.ttft_s)
+            bound.ttft.observe(record.ttft_s)
             if completion > 1:
                 per_token = (record.duration_s - record.ttft_s) / (completion - 1)
-                self.tpot.labels(*labels).observe(max(0.0, per_token))
+                bound.tpot.observe(max(0.0, per_token))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

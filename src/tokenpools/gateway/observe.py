@@ -49,6 +49,14 @@ class RequestRecord:
             self.decision, self.reason = "rejected", decision.reason.value
             self.retry_after_s = decision.retry_after_s
 
+    def __str__(self) -> str:  # the text access-log line
+        tokens = f"{self.prompt_tokens or '-'}/{self.completion_tokens or '-'}"
+        return (
+            f"{self.request_id} {self.method} {self.path} {self.status} "
+            f"{self.entitlement or '-'} {self.decision or '-'} {self.reason or '-'} "
+            f"tokens={tokens} duration={self.duration_s * 1000:.1f}ms"
+        )
+
     def exchanged(self, exchange: Exchange) -> None:
         if exchange.usage is not None:
             self.prompt_tokens = exchange.usage.input_tokens
@@ -66,7 +74,7 @@ class RequestObserver:
     def request(self, record: RequestRecord) -> None:
         self.metrics.finished(record)
         if self.access_log and ACCESS.isEnabledFor(logging.INFO):
-            ACCESS.info("%s", _text(record), extra={"access": record})
+            ACCESS.info("%s", record, extra={"access": record})  # formatted only if emitted
 
 
 def _fields(record: RequestRecord) -> dict[str, Any]:
@@ -75,15 +83,6 @@ def _fields(record: RequestRecord) -> dict[str, Any]:
         if key in out:
             out[key] = round(out[key], 6)
     return out
-
-
-def _text(record: RequestRecord) -> str:
-    tokens = f"{record.prompt_tokens or '-'}/{record.completion_tokens or '-'}"
-    return (
-        f"{record.request_id} {record.method} {record.path} {record.status} "
-        f"{record.entitlement or '-'} {record.decision or '-'} {record.reason or '-'} "
-        f"tokens={tokens} duration={record.duration_s * 1000:.1f}ms"
-    )
 
 
 class JsonFormatter(logging.Formatter):
