@@ -2,14 +2,13 @@
 
 An emulator with no step delay (`--speed 0`) and the gateway run as separate processes on
 loopback; this process is the client. For each mode (non-streaming, streaming) and target
-(straight to the emulator; through this checkout's gateway; through a baseline checkout's, if
-given) it sends 200 req/s open loop for a few seconds and records each request's end-to-end
-latency, and the CPU the gateway process spent; the difference to `direct` is what a gateway
-adds. Then `max_rps`: closed loop with 64 concurrent non-streaming requests per target. Repeats
-interleave the targets. Both gateways run from source with the same interpreter (pure Python
-core) and their default settings (this one writes an access log line per request, to
-/dev/null). `--pin` puts the gateways on core 1 and
-the emulator and client on core 0.
+(straight to the emulator; through this checkout's gateway, with and without its access log;
+through a baseline checkout's, if given) it sends 200 req/s open loop for a few seconds and
+records each request's end-to-end latency, and the CPU the gateway process spent; the
+difference to `direct` is what a gateway adds. Then `max_rps`: closed loop with 64 concurrent
+non-streaming requests per target. Repeats interleave the targets. Both gateways run from
+source with the same interpreter (pure Python core); this one's access log goes to /dev/null.
+`--pin` puts the gateways on core 1 and the emulator and client on core 0.
 
     git worktree add /tmp/baseline 0bdc6db
     python benchmarks/gateway.py --json out/gateway.json --baseline-src /tmp/baseline --pin
@@ -150,18 +149,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         None,
         pin_rest,
     )
-    sources = {"gateway": ROOT}
+    variants: dict[str, tuple[Path, list[str]]] = {
+        "gateway": (ROOT, []),
+        "gateway-no-access-log": (ROOT, ["--no-access-log"]),
+    }
     if args.baseline_src is not None:
-        sources["baseline"] = args.baseline_src
+        variants["baseline"] = (args.baseline_src, [])
     gateways: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
     try:
         await wait_ready(f"{emu_url}/health", emulator)
-        for name, src in sources.items():
+        for name, (src, options) in variants.items():
             port = free_port()
-            serve = ["serve", "--config", f.name, "--port", str(port)]
-            proc = spawn_pinned(
-                serve + (["--no-access-log"] if name == "gateway" else []), src, pin_gw
-            )
+            serve = ["serve", "--config", f.name, "--port", str(port), *options]
+            proc = spawn_pinned(serve, src, pin_gw)
             gateways[name] = (f"http://127.0.0.1:{port}", proc)
             await wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
         targets = {"direct": (emu_url, None), **gateways}
@@ -189,7 +189,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 }
             )
             print(
-                f"{mode:13s} {target:8s}: p50 {rows[-1]['p50_ms']:.2f} ms, p99 "
+                f"{mode:13s} {target:21s}: p50 {rows[-1]['p50_ms']:.2f} ms, p99 "
                 f"{rows[-1]['p99_ms']:.2f} ms, CPU {rows[-1]['cpu_ms_per_req']:.3f} ms/req",
                 file=sys.stderr,
             )

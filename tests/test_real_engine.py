@@ -5,6 +5,7 @@ real continuous batching over 4 slots on this machine's CPUs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from tests.servers import ServerThread
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.processes import free_port, wait_ready
-from tokenpools.real_engines.llamacpp import LlamaCppServer
+from tokenpools.real_engines.llamacpp import LlamaCppServer, packaged_model
 from tokenpools.real_engines.protection import KEYS, MODEL, Load, gateway_config, protection
 
 pytestmark = pytest.mark.real_engine
@@ -135,3 +136,42 @@ def test_backend_command_serves_the_packaged_model_until_interrupted() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0
+
+
+@pytest.fixture(scope="module")
+def llama_jinja() -> Iterator[str]:
+    """The engine rendering the model's own Jinja chat template, as vLLM always does."""
+    server = LlamaCppServer(slots=2, ctx_per_slot=2048, jinja=True)
+    yield server.start()
+    server.stop()
+
+
+@pytest.mark.parametrize("tokenizer", ["backend", "gguf"])
+def test_admission_counts_the_prompt_as_the_engine_does(
+    llama_jinja: str, tokenizer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`tokenizer: backend` asks the engine (/apply-template, /tokenize); a GGUF file renders
+    the same template and encodes it here. Either way admission reserves for exactly the prompt
+    the engine then reports, CJK, code and tool definitions included."""
+    data = gateway_config(llama_jinja, 2)
+    data["pools"][0]["tokenizer"] = "backend" if tokenizer == "backend" else str(packaged_model())
+    gw = Gateway(parse_config(data))
+    server = ServerThread(make_app(gw))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["gold"], max_retries=0)
+    tools = [
+        {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    ]
+    prompts = ["Name three colours.", "多租户推理平台需要公平。", "def f(x):\n    return x * 2\n"]
+    try:
+        with caplog.at_level(logging.INFO, logger="tokenpools.access"):
+            for text in prompts:
+                client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1,
+                    tools=tools,  # type: ignore[arg-type]
+                )  # fmt: skip
+    finally:
+        server.stop()
+    records = [r.access for r in caplog.records if hasattr(r, "access")]
+    assert len(records) == len(prompts) and all(r.status == 200 for r in records)
+    assert [r.counted_prompt_tokens for r in records] == [r.prompt_tokens for r in records]
+    assert gw.counters["smollm2"].fallbacks == 0

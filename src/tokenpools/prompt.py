@@ -16,14 +16,14 @@ def prompt_parts(body: dict[str, Any]) -> tuple[list[str], int]:
     """The texts of the prompt, and the tokens given as ids (counted as they are)."""
     texts: list[str] = []
     ids = 0
-    for message in _items(body):
+    for message in prompt_items(body):
         _texts_of(message, texts)
     if isinstance(body.get("instructions"), str):
         texts.append(body["instructions"])
     if isinstance(body.get("tools"), list) and body["tools"]:
         texts.append(json.dumps(body["tools"], separators=(",", ":")))
     ids += _plain(body.get("prompt"), texts)
-    if not _has_items(body):  # an embedding's input, or a Responses request's plain text
+    if not _hasprompt_items(body):  # an embedding's input, or a Responses request's plain text
         ids += _plain(body.get("input"), texts)
     return texts, ids
 
@@ -41,19 +41,19 @@ def estimate_prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
             extra = len(text.encode("utf-8", "surrogatepass")) - len(text)
             wide = extra / 2
             tokens += (len(text) - wide) / chars_per_token + wide
-    return max(1, round(tokens) + ids + FRAMING_TOKENS * len(_items(body)))
+    return max(1, round(tokens) + ids + FRAMING_TOKENS * len(prompt_items(body)))
 
 
-def _items(body: dict[str, Any]) -> list[dict[str, Any]]:
+def prompt_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The chat messages, or a Responses request's input items."""
     if isinstance(body.get("messages"), list):
         return [m for m in body["messages"] if isinstance(m, dict)]
-    if _has_items(body):
+    if _hasprompt_items(body):
         return [m for m in body["input"] if isinstance(m, dict)]
     return []
 
 
-def _has_items(body: dict[str, Any]) -> bool:
+def _hasprompt_items(body: dict[str, Any]) -> bool:
     value = body.get("input")
     return isinstance(value, list) and any(isinstance(m, dict) for m in value)
 

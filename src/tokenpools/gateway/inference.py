@@ -33,7 +33,6 @@ from tokenpools.openai_api import (
     parse_body,
     sequences,
 )
-from tokenpools.prompt import estimate_prompt_tokens
 
 # A client's own id is kept when it is a plain token of sane length; otherwise one is made.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
@@ -96,7 +95,7 @@ async def _answer(request: web.Request, gw: Gateway, record: RequestRecord) -> w
             "model",
         )
     record.pool = pool_name
-    prompt_tokens = estimate_prompt_tokens(body, settings.chars_per_token)
+    prompt_tokens = record.counted_prompt_tokens = await gw.prompt_tokens(pool_name, body, path)
     requested = 0 if path == EMBEDDINGS else max_tokens(body)
     decision = await gw.ledger.admit(
         entitlement, RequestCost(prompt_tokens, requested, count), gw.clock()

@@ -36,6 +36,7 @@ class RequestRecord:
     reason: str | None = None
     retry_after_s: float | None = None
     backend: str | None = None
+    counted_prompt_tokens: int | None = None  # what admission reserved for (estimate or tokenizer)
     prompt_tokens: int | None = None  # the engine's count once it answered
     completion_tokens: int | None = None
     evicted: bool = False

@@ -25,6 +25,7 @@ from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.gateway.observe import RequestObserver
 from tokenpools.gateway.responses import bearer
+from tokenpools.gateway.tokens import PromptCounter
 from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.openai_api import vllm_gauges
@@ -84,9 +85,22 @@ class Gateway:
         self.core = self.ledger.core
         self._next_renewal = 0.0
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
+        self.counters = self._counters(self.config)
         self.metrics = GatewayMetrics(self)
         self.observe = RequestObserver(self.metrics, self.access_log)
         self.model_pool = self._models(self.config)
+
+    @staticmethod
+    def _counters(config: Config) -> dict[str, PromptCounter]:
+        """Each pool's prompt counter; a tokenizer file that cannot be read is a ConfigError."""
+        g = config.gateway
+        return {
+            name: PromptCounter(pool.tokenizer, g.chars_per_token, g.tokenize_timeout_s)
+            for name, pool in config.pools.items()
+        }
+
+    async def prompt_tokens(self, pool: str, body: dict[str, Any], path: str) -> int:
+        return await self.counters[pool].count(body, path, self.pools[pool], self.session)
 
     @staticmethod
     def _models(config: Config) -> dict[str, str]:
@@ -98,7 +112,8 @@ class Gateway:
         if config.state != self.config.state:
             log.warning("the state section changed: it takes effect at the next restart")
             config = replace(config, state=self.config.state)
-        pools = {}  # first, so a missing backend key rejects the reload before anything changes
+        counters = self._counters(config)  # first: an unreadable tokenizer or backend key
+        pools = {}  # rejects the reload before anything changes
         for name, pool in config.pools.items():
             fresh = BackendPool(pool.backends)  # reads the keys again: a rotated key is adopted
             keep = self.pools.get(name)
@@ -110,6 +125,7 @@ class Gateway:
         for lease in await self.ledger.background(self.core.apply_config, config, self.clock()):
             self.evict(lease.lease_id)
         self.pools = pools
+        self.counters = counters
         self.config = config
         self.model_pool = self._models(config)
 

@@ -28,6 +28,7 @@ class GatewaySettings:
     max_body_bytes: int = 1 << 20
     chars_per_token: float = 4.0
     max_sequences: int = 8  # the most sequences (`n`, `best_of`) one request may ask for
+    tokenize_timeout_s: float = 0.5  # a pool's `tokenizer: backend` waits this long, then estimates
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,11 @@ def parse_config(data: Any) -> Config:
         pools=pools,
         entitlements=entitlements,
         gateway=GatewaySettings(
-            tuple(g.adminKeys), g.maxBodyBytes, g.charsPerToken, g.maxSequences
+            tuple(g.adminKeys),
+            g.maxBodyBytes,
+            g.charsPerToken,
+            g.maxSequences,
+            g.tokenizeTimeoutMs / 1000,
         ),
         state=StateSettings(
             backend=st.backend,

@@ -120,6 +120,9 @@ class PoolSpec(_Strict):
     backends: list[BackendSpec] = []
     servedModels: list[Annotated[str, Field(min_length=1)]] = []
     capacityFeedback: FeedbackSpec | None = None  # shrink capacity when the engines saturate
+    # prompt tokens: estimate (characters), backend (the engine's /tokenize), or a tokenizer file
+    # (tokenizer.json or a GGUF model, read with the `tokenizer` extra)
+    tokenizer: Annotated[str, Field(min_length=1)] = "estimate"
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
@@ -162,6 +165,7 @@ class PoolSpec(_Strict):
             capacity_feedback=None
             if self.capacityFeedback is None
             else self.capacityFeedback.to_feedback(),
+            tokenizer=self.tokenizer,
         )
 
 
@@ -275,6 +279,7 @@ class GatewaySpec(_Strict):
     maxBodyBytes: Annotated[int, Field(gt=0)] = 1 << 20
     charsPerToken: Pos = 4.0  # prompt-token estimate without a tokenizer
     maxSequences: Annotated[int, Field(ge=1, le=128)] = 8  # the most `n` / `best_of` asks for
+    tokenizeTimeoutMs: Annotated[float, Field(gt=0, le=10000)] = 500.0  # `tokenizer: backend`
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySpec:

@@ -46,6 +46,7 @@ class Pool:
     backends: tuple[Backend, ...] = ()
     served_models: tuple[str, ...] = ()  # model names clients send; empty: the pool's name
     capacity_feedback: CapacityFeedback | None = None
+    tokenizer: str = "estimate"  # how the gateway counts prompt tokens: estimate, backend, a file
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -48,6 +48,7 @@ class LlamaCppServer:
     ctx_per_slot: int = 2048
     threads: int = 2
     model: Path | None = None
+    jinja: bool = False  # the model's own Jinja chat template, which tool definitions need
 
     def start(self) -> str:
         try:
@@ -61,6 +62,7 @@ class LlamaCppServer:
         params.port = self.port
         params.hostnames = [self.host]
         params.endpoint_metrics = True
+        params.use_jinja = self.jinja
         params.cpuparams.n_threads = self.threads
         params.cpuparams_batch.n_threads = self.threads
         params.verbosity = 0  # errors only: a request log per token would swamp the output

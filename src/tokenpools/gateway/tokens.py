@@ -1,0 +1,125 @@
+"""How many prompt tokens a request brings, per pool (`tokenizer:` in the pool's config):
+
+- `estimate`: characters per token (prompt.py); free, and corrected at settlement;
+- `backend`: the engine's own count, with its chat template and the tools: vLLM's /tokenize, or
+  llama.cpp's /apply-template then /tokenize (which one a backend speaks is found on first use);
+- a file: a `tokenizer.json`, or the tokenizer and chat template inside a GGUF model
+  (gateway/tokenizer_file.py, the `tokenizer` extra).
+
+Whatever fails (no healthy backend, a timeout, an engine without the endpoint) falls back to the
+estimate, and is counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tokenpools.gateway.backends import BackendPool, BackendState
+from tokenpools.gateway.tokenizer_file import load_tokenizer
+from tokenpools.openai_api import CHAT, RESPONSES
+from tokenpools.prompt import estimate_prompt_tokens, prompt_items, prompt_parts
+
+ESTIMATE, BACKEND = "estimate", "backend"
+
+
+class PromptCounter:
+    """One pool's way to count; `fallbacks` is how often the estimate stood in."""
+
+    def __init__(self, mode: str, chars_per_token: float, timeout_s: float) -> None:
+        self.mode = mode
+        self.chars_per_token = chars_per_token
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.tokenizer = None if mode in (ESTIMATE, BACKEND) else load_tokenizer(Path(mode))
+        self.dialects: dict[str, str] = {}  # backend URL → vllm | llamacpp
+        self.fallbacks = 0
+
+    async def count(
+        self,
+        body: dict[str, Any],
+        path: str,
+        pool: BackendPool,
+        session: aiohttp.ClientSession | None,
+    ) -> int:
+        if self.tokenizer is not None:
+            return self.tokenizer.count(body)
+        if self.mode == BACKEND and session is not None:
+            backend = pool.choose()
+            if backend is not None:
+                try:
+                    return await self._ask(session, backend, body, path)
+                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+                    pass
+            self.fallbacks += 1
+        return estimate_prompt_tokens(body, self.chars_per_token)
+
+    async def _ask(
+        self,
+        session: aiohttp.ClientSession,
+        backend: BackendState,
+        body: dict[str, Any],
+        path: str,
+    ) -> int:
+        url = backend.spec.url
+        model = backend.spec.model or body["model"]
+        messages = as_messages(body) if path in (CHAT, RESPONSES) else None
+        dialect = self.dialects.get(url, "vllm")
+        if dialect == "vllm":
+            request: dict[str, Any] = {"model": model}
+            if messages is not None:
+                request |= {"messages": messages, "add_generation_prompt": True}
+                if body.get("tools"):
+                    request["tools"] = body["tools"]
+            else:
+                request["prompt"] = _plain_text(body)
+            reply = await self._post(session, backend, "/tokenize", request)
+            if isinstance(reply.get("count"), int):
+                self.dialects[url] = "vllm"
+                return int(reply["count"])
+            self.dialects[url] = dialect = "llamacpp"  # its /tokenize wants `content`
+        text = _plain_text(body)
+        if messages is not None:
+            template = {"messages": messages} | (
+                {"tools": body["tools"]} if body.get("tools") else {}
+            )
+            text = (await self._post(session, backend, "/apply-template", template))["prompt"]
+        reply = await self._post(
+            session, backend, "/tokenize", {"content": text, "add_special": True}
+        )
+        return len(reply["tokens"])
+
+    async def _post(
+        self, session: aiohttp.ClientSession, backend: BackendState, path: str, data: Any
+    ) -> dict[str, Any]:
+        async with session.post(
+            backend.spec.url + path,
+            data=json.dumps(data),
+            headers={"Content-Type": "application/json", **backend.auth},
+            timeout=self.timeout,
+        ) as r:
+            reply = await r.json(content_type=None) if r.status == 200 else {}
+        return reply if isinstance(reply, dict) else {}
+
+
+def as_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat messages, or a Responses request's instructions and input as messages."""
+    if "messages" in body:
+        return list(body["messages"])
+    out: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        out.append({"role": "system", "content": body["instructions"]})
+    if isinstance(body.get("input"), str):
+        return [*out, {"role": "user", "content": body["input"]}]
+    for item in prompt_items(body):
+        content = item.get("content")
+        if isinstance(content, list):  # input_text parts → plain text
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        out.append({"role": item.get("role", "user"), "content": content or ""})
+    return out
+
+
+def _plain_text(body: dict[str, Any]) -> str:
+    texts, _ = prompt_parts(body)
+    return "\n".join(texts)
