@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,6 +19,8 @@ from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.gateway.observe import JsonFormatter
 from tokenpools.model.config import parse_config
 from tokenpools.processes import free_port
+
+ROOT = Path(__file__).parent.parent
 
 
 def sample(metrics: str, name: str, **labels: str) -> float:
@@ -118,6 +121,30 @@ def test_metrics_export_desired_replicas_and_backend_health(gateway: ServerThrea
     assert sample(text, "tokenpools_desired_replicas", pool="pool") >= 1
     assert sample(text, "tokenpools_backend_healthy", pool="pool") == 1
     assert sample(text, "tokenpools_store_up") == 1
+    assert "tokenpools_tokenizer_fallbacks_total" in text
+
+
+def test_the_grafana_dashboard_reads_only_metrics_the_gateway_exports(
+    gateway: ServerThread,
+) -> None:
+    c = client(gateway)
+    c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+    ).close()
+    with pytest.raises(openai.BadRequestError):  # a refusal, so its counter has a series
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                  max_tokens=10**6)  # fmt: skip
+    text = httpx.get(f"{gateway.url}/metrics").text
+    series = {
+        re.split(r"[{ ]", line, maxsplit=1)[0]
+        for line in text.splitlines()
+        if not line.startswith("#")
+    }
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "tokenpools-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b((?:tokenpools|gen_ai)_[a-z_]+)", e)}
+    assert len(exprs) >= 16 and used
+    assert used <= series, used - series
 
 
 def test_readyz_says_what_is_missing() -> None:

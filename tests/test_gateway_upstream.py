@@ -21,6 +21,7 @@ from tests.gateway_setup import KEYS, MODEL, admin, config_data
 from tests.servers import ServerThread
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.gateway.server import reload_from
+from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.config import ConfigError, parse_config
 
 SERVED = "org/the-model-v2"  # what the backend calls the model clients know as MODEL
@@ -190,3 +191,35 @@ def test_every_decided_answer_carries_numeric_rate_limit_headers(gateway: Server
         assert streamed.headers["x-ratelimit-limit-requests"] == "8"  # the pool's 8 slots
         assert int(streamed.headers["x-ratelimit-remaining-tokens"]) >= 0
         assert sum(1 for line in streamed.iter_lines() if line.startswith("data:")) >= 3
+
+
+def test_a_span_per_request_joins_the_clients_trace_and_parents_the_backends(
+    backend: CheckingBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    monkeypatch.setenv("TP_UPSTREAM_KEY", "sk-upstream-1")
+    config = parse_config(upstream_config(backend.server.url, apiKeyEnv="TP_UPSTREAM_KEY"))
+    gw = ServerThread(make_app(Gateway(config, tracing=Tracing(provider.get_tracer("test")))))
+    try:
+        assert chat(gw, traceparent=TRACE).status_code == 200
+        assert chat(gw, **{"Authorization": "Bearer wrong"}).status_code == 401
+    finally:
+        gw.stop()
+    ok, refused = exported.get_finished_spans()
+    assert ok.name == f"chat {MODEL}" and refused.name == "chat"
+    assert ok.context is not None and ok.parent is not None
+    assert f"{ok.context.trace_id:032x}" == TRACE.split("-")[1]  # the client's trace
+    assert ok.attributes is not None and refused.attributes is not None
+    assert ok.attributes["gen_ai.usage.input_tokens"] == 7  # the backend's usage
+    assert ok.attributes["gen_ai.usage.output_tokens"] == 3
+    assert ok.attributes["tokenpools.decision"] == "admitted"
+    assert refused.attributes["http.response.status_code"] == 401
+    # The backend's parent is the gateway's span, in the same trace.
+    sent = backend.seen[-1]["traceparent"].split("-")
+    assert sent[1] == TRACE.split("-")[1] and sent[2] == f"{ok.context.span_id:016x}"

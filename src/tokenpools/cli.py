@@ -119,6 +119,9 @@ def serve(
     namespace: Annotated[str, typer.Option(help="with --kubernetes")] = "default",
     log_format: Annotated[LogLines, typer.Option(help="log lines as")] = LogLines.TEXT,
     access_log: Annotated[bool, typer.Option(help="one log line per inference request")] = True,
+    otel: Annotated[
+        bool, typer.Option(help="OpenTelemetry spans over OTLP/HTTP (the otel extra)")
+    ] = False,
 ) -> None:
     """Run the OpenAI-compatible admission gateway (reloads on SIGHUP and on file change)."""
     from tokenpools.gateway.server import serve as run
@@ -134,6 +137,7 @@ def serve(
             namespace if kubernetes else None,
             log_format=log_format.value,
             access_log=access_log,
+            otel=otel,
         )
     except ConfigError as exc:
         fail(str(exc))

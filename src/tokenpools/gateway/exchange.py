@@ -59,6 +59,7 @@ class Exchange:
         path: str,
         prompt_tokens: int,
         headers: dict[str, str],
+        trace: dict[str, str],
     ) -> None:
         self.gw = gw
         self.handle = handle
@@ -66,6 +67,7 @@ class Exchange:
         self.path = path
         self.prompt_tokens = prompt_tokens
         self.headers = headers  # the gateway's own for the client: request id, rate limits
+        self.trace = trace  # the trace context for the backend
         self.usage: Usage | None = None
         self.streamed = 0  # content events seen: the output estimate if the engine never says
         self.first_token_at: float | None = None
@@ -95,11 +97,8 @@ class Exchange:
         if backend.spec.model is not None and body["model"] != backend.spec.model:
             body["model"] = backend.spec.model
             raw = None
-        upstream_headers = {"Content-Type": "application/json", **backend.auth}
+        upstream_headers = {"Content-Type": "application/json", **backend.auth, **self.trace}
         upstream_headers["x-request-id"] = self.headers["x-request-id"]
-        for name in TRACE_HEADERS:
-            if name in request.headers:
-                upstream_headers[name] = request.headers[name]
         backend.open_requests += 1
         response: web.StreamResponse | None = None
         try:

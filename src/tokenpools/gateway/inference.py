@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from tokenpools.control.decisions import Reject
-from tokenpools.gateway.exchange import Exchange
+from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.observe import RequestRecord
 from tokenpools.gateway.responses import (
     bearer,
@@ -24,6 +24,7 @@ from tokenpools.gateway.responses import (
     too_large,
 )
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, AdmittedRequest, Gateway
+from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import (
     EMBEDDINGS,
@@ -46,8 +47,13 @@ def request_id(request: web.Request) -> str:
 async def inference(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     record = RequestRecord(request_id(request), request.method, request.path)
+    span = None if gw.tracing is None else gw.tracing.start(record, request.headers)
+    if span is not None and gw.tracing is not None:
+        trace = gw.tracing.headers(span)  # the backend's spans join ours
+    else:
+        trace = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
     try:
-        response = await _answer(request, gw, record)
+        response = await _answer(request, gw, record, trace)
     except asyncio.CancelledError:
         record.status = 499  # the client went away
         raise
@@ -59,9 +65,13 @@ async def inference(request: web.Request) -> web.StreamResponse:
     finally:
         record.duration_s = time.monotonic() - record.started
         gw.observe.request(record)
+        if span is not None:
+            Tracing.end(span, record)
 
 
-async def _answer(request: web.Request, gw: Gateway, record: RequestRecord) -> web.StreamResponse:
+async def _answer(
+    request: web.Request, gw: Gateway, record: RequestRecord, trace: dict[str, str]
+) -> web.StreamResponse:
     path = request.path
     settings = gw.config.gateway
     if request.content_length is not None and request.content_length > settings.max_body_bytes:
@@ -126,7 +136,7 @@ async def _answer(request: web.Request, gw: Gateway, record: RequestRecord) -> w
         if requested is None:  # the reservation assumed the default: make it true
             body[max_tokens_field(path)] = decision.max_tokens
             forward = None
-        exchange = Exchange(gw, handle, backend, path, prompt_tokens, headers)
+        exchange = Exchange(gw, handle, backend, path, prompt_tokens, headers, trace)
         try:
             return await exchange.run(request, body, forward)
         finally:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenpools.control.decisions import Admit, Decision
@@ -175,6 +175,13 @@ class _StateCollector(Collector):
             "Requests admitted on this replica's local budget while the store was unreachable",
         )
         fallback.add_metric([], len(gw.core.fallback.leases))
+        estimated = CounterMetricFamily(
+            "tokenpools_tokenizer_fallbacks",
+            "Prompts estimated because the pool's tokenizer (tokenizer: backend) did not answer",
+            labels=["pool"],
+        )
+        for name, counter in gw.counters.items():
+            estimated.add_metric([name], counter.fallbacks)
         for name, pool in gw.pools.items():
             for b in pool.backends:
                 families["backend_healthy"].add_metric([name, b.spec.url], float(b.healthy))
@@ -183,7 +190,7 @@ class _StateCollector(Collector):
             up.add_metric([], 1)
         except StoreUnavailable:
             up.add_metric([], 0)
-        yield from (*families.values(), up, fallback)
+        yield from (*families.values(), up, fallback, estimated)
 
     def _collect_state(self, families: dict[str, GaugeMetricFamily]) -> None:
         now = self.gateway.clock()

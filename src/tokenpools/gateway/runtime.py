@@ -26,6 +26,7 @@ from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.gateway.observe import RequestObserver
 from tokenpools.gateway.responses import bearer
 from tokenpools.gateway.tokens import PromptCounter
+from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.openai_api import vllm_gauges
@@ -79,6 +80,7 @@ class Gateway:
     session: aiohttp.ClientSession | None = None
     capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
     access_log: bool = True
+    tracing: Tracing | None = None  # OpenTelemetry spans, when asked for (the otel extra)
 
     def __post_init__(self) -> None:
         self.ledger = open_core(self.config, self.clock(), self.replica)

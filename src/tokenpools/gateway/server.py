@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -15,6 +16,7 @@ from aiohttp import web
 from tokenpools.gateway.app import make_app
 from tokenpools.gateway.observe import LogFormat, setup_logging
 from tokenpools.gateway.runtime import Gateway
+from tokenpools.gateway.tracing import otlp_tracing
 from tokenpools.model.config import ConfigError, load_config
 
 log = logging.getLogger("tokenpools.gateway")
@@ -31,8 +33,9 @@ async def reload_from(gateway: Gateway, path: Path) -> bool:
     return True
 
 
-def build(path: Path, watch_interval_s: float = 2.0, access_log: bool = True) -> web.Application:
-    gateway = Gateway(load_config(path), access_log=access_log)
+def build(path: Path, watch_interval_s: float = 2.0, **options: Any) -> web.Application:
+    """The gateway of a config file; `options` are Gateway's (access_log, tracing)."""
+    gateway = Gateway(load_config(path), **options)
     app = make_app(gateway)
     seen = [path.stat().st_mtime_ns]
 
@@ -70,14 +73,14 @@ def build(path: Path, watch_interval_s: float = 2.0, access_log: bool = True) ->
 
 
 def build_kubernetes(
-    kube: Any, namespace: str, base: dict[str, Any], access_log: bool = True
+    kube: Any, namespace: str, base: dict[str, Any], **options: Any
 ) -> web.Application:
     """The gateway fed from the cluster: pools, entitlements and Secrets watched, each change
     adopted as a file reload is (an invalid set is logged and the running config kept)."""
     from tokenpools.k8s.source import ClusterSource
 
     source = ClusterSource(kube, namespace, base).start()
-    gateway = Gateway(source.config(), access_log=access_log)
+    gateway = Gateway(source.config(), **options)
     app = make_app(gateway)
 
     async def follow(app: web.Application) -> AsyncIterator[None]:
@@ -147,14 +150,17 @@ def serve(
     namespace: str | None = None,
     log_format: LogFormat = "text",
     access_log: bool = True,
+    otel: bool = False,
 ) -> None:
     setup_logging(log_format)
+    tracing = otlp_tracing() if otel or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") else None
+    options: dict[str, Any] = {"access_log": access_log, "tracing": tracing}
     # handler_cancellation: a client that disconnects cancels its handler, which closes the
     # upstream request and settles the lease. SIGTERM/SIGINT stop accepting and give requests
     # in flight `shutdown_timeout_s` to finish.
     if namespace is None:
         assert path is not None
-        application = build(path, access_log=access_log)
+        application = build(path, **options)
     else:  # --kubernetes: the cluster is the config; a file, if given, sets policy/gateway/state
         import yaml
 
@@ -162,7 +168,7 @@ def serve(
 
         base = yaml.safe_load(path.read_text()) if path is not None else {}
         base = {k: v for k, v in (base or {}).items() if k not in ("pools", "entitlements")}
-        application = build_kubernetes(Kube(load_client()), namespace, base, access_log)
+        application = build_kubernetes(Kube(load_client()), namespace, base, **options)
     web.run_app(
         application,
         loop=_new_loop(),
