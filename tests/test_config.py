@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from tokenpools.cli import app
@@ -185,6 +187,22 @@ def test_check_config_fails_with_a_clear_message(tmp_path: Path) -> None:
 def test_hash_key_command() -> None:
     result = CliRunner().invoke(app, ["hash-key", "sk-x"])
     assert result.output.strip() == hash_key("sk-x")
+    piped = CliRunner().invoke(app, ["hash-key"], input="sk-x\n")  # kept out of shell history
+    assert piped.exit_code == 0 and piped.output.strip() == hash_key("sk-x")
+    empty = CliRunner().invoke(app, ["hash-key"], input="")
+    assert empty.exit_code != 0 and "no key given" in empty.output
+
+
+def test_key_schema_example_and_version_commands() -> None:
+    made = CliRunner().invoke(app, ["gen-key"])
+    key, hashed = made.stdout.strip(), made.stderr.strip()
+    assert key.startswith("sk-tp-") and len(key) > 40 and hashed.endswith(hash_key(key))
+    schema = json.loads(CliRunner().invoke(app, ["schema"]).stdout)
+    assert schema["required"] == ["pools"] and "BackendSpec" in schema["$defs"]
+    example = CliRunner().invoke(app, ["example-config"]).stdout
+    assert parse_config(yaml.safe_load(example)).pools  # a valid config, as shipped
+    version = CliRunner().invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.stdout.startswith("tokenpools 0.")
 
 
 def test_state_section_defaults_to_memory_and_converts_units() -> None:
