@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import httpx
 
+from tests.gateway_setup import FAST, KEYS, admin, config_data
 from tests.servers import ServerThread, wait_until
-from tests.test_gateway_e2e import FAST, KEYS, admin, config_data, open_streams
+from tests.test_gateway_e2e import open_streams
 from tokenpools.control.feedback import next_fraction
 from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app

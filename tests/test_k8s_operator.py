@@ -271,9 +271,9 @@ def test_serve_kubernetes_follows_the_cluster_over_http(cluster: Any) -> None:
 
     import httpx
 
+    from tests.gateway_setup import FAST
     from tests.servers import ServerThread as HttpServer
     from tests.servers import wait_until
-    from tests.test_gateway_e2e import FAST
     from tokenpools.emulator.server import make_app as make_emulator
     from tokenpools.gateway.server import build_kubernetes
     from tokenpools.k8s.api import SECRETS

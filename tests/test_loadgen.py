@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 from typer.testing import CliRunner
 
+from tests.gateway_setup import FAST
 from tests.servers import ServerThread
-from tests.test_gateway_e2e import FAST
 from tokenpools.cli import app
 from tokenpools.emulator.server import make_app as make_emulator
 
