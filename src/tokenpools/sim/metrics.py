@@ -43,8 +43,13 @@ def tenant_metrics(
     ttft, tpot, e2e = [], [], []
     good = 0
     counts: dict[str, int] = defaultdict(int)
+    wasted = [0.0, 0.0, 0.0]  # output tokens, slot-seconds, KV-token-seconds of evictions
     for a in attempts:
         counts[a.outcome] += 1
+        if a.outcome == "evicted":
+            wasted[0] += a.output_tokens
+            wasted[1] += a.wasted_slot_s
+            wasted[2] += a.wasted_kv_token_s
         if a.outcome == "rejected" and a.reason == "low_priority":
             counts["low_priority"] += 1
         if a.number == 1:
@@ -79,6 +84,10 @@ def tenant_metrics(
         "rejected": counts["rejected"],
         "rejected_low_priority": counts["low_priority"],
         "evicted": counts["evicted"],
+        "completed_per_admitted": _r(counts["completed"] / admitted if admitted else None),
+        "wasted_output_tokens": int(wasted[0]),
+        "wasted_slot_s": _r(wasted[1]),
+        "wasted_kv_token_s": _r(wasted[2]),
         "output_tok_s": _r(output_tokens / seconds if seconds > 0 else 0.0),
         "goodput_rps": _r(good / seconds if seconds > 0 else 0.0),
         "new_requests": new,

@@ -60,6 +60,10 @@ class Attempt:
     first_token_at: float | None = None
     finished_at: float | None = None
     output_tokens: int = 0
+    started_at: float | None = None  # handed to an engine
+    # What an evicted attempt held for nothing: its time in the engine and ∫ its KV dt.
+    wasted_slot_s: float = 0.0
+    wasted_kv_token_s: float = 0.0
 
 
 @dataclass(slots=True)

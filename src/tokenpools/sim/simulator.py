@@ -30,6 +30,8 @@ from tokenpools.sim.records import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
 from tokenpools.sim.workload import backoff_s, next_gap, workload_at
 
+MIN_WAIT_S = 0.001  # a refused client waits at least this long: time must move between tries
+
 
 class Simulation:
     def __init__(
@@ -82,7 +84,9 @@ class Simulation:
         )
         self.policy_name = policy
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        # (time, rank, sequence, action): at one instant rank 0 (joins) goes first, then the
+        # rest in the order scheduled; the sequence keeps actions from ever being compared.
+        self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._ids = itertools.count(1)
         self.active: dict[str, Attempt] = {}
@@ -115,8 +119,8 @@ class Simulation:
 
     # -- scheduling ---------------------------------------------------------------------------
 
-    def at(self, t: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._heap, (t, next(self._seq), action))
+    def at(self, t: float, action: Callable[[], None], first: bool = False) -> None:
+        heapq.heappush(self._heap, (t, 0 if first else 1, next(self._seq), action))
 
     def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
         end = self.scenario.duration_s
@@ -132,10 +136,9 @@ class Simulation:
             tenant = self.tenants[name]
             w = tenant.workload
             joins = max(0.0, w.start_s - tenant.entitlement_lead_s)
-            self._heap.insert(0, (joins, -1, partial(self._join, ent)))
+            self.at(joins, partial(self._join, ent), first=True)
             if w.end_s is not None:
                 self.at(w.end_s, partial(self._leave, ent))
-        heapq.heapify(self._heap)
         for event in self.scenario.capacity:
             self.at(event.at_s, partial(self._capacity, event.fraction))
         self.at(0.0, self._tick)
@@ -149,7 +152,7 @@ class Simulation:
             self.at(min(phase.end_s, end), partial(self._phase_edge, phase.name, 1))
         next_report = 0.0
         while self._heap:
-            t, _, action = heapq.heappop(self._heap)
+            t, _, _, action = heapq.heappop(self._heap)
             if t > end:
                 break
             self.now = t
@@ -233,22 +236,24 @@ class Simulation:
 
     def _retry_or_give_up(self, job: Job, retry_after_s: float | None) -> None:
         retry = self.tenants[job.tenant].retry
-        if job.tries >= retry.max_tries:
-            self.gave_up[job.tenant] += 1
-            self._job_done(job)
-            return
         wait = backoff_s(
             job.tries,
             retry_after_s if retry.honour_retry_after else None,
             retry.jitter,
             self.rng[job.tenant],
         )
-        self.at(self.now + wait, lambda: self._send(job))
+        if job.tries >= retry.max_tries:
+            self.gave_up[job.tenant] += 1
+            # A closed-loop client that gives up still waits what it was told before its next
+            # request: asking again at the same instant would be refused again, for ever.
+            self._job_done(job, max(wait, MIN_WAIT_S))
+            return
+        self.at(self.now + max(wait, MIN_WAIT_S), lambda: self._send(job))
 
-    def _job_done(self, job: Job) -> None:
+    def _job_done(self, job: Job, wait_s: float = 0.0) -> None:
         if job.client is not None:
             think = self.tenants[job.tenant].workload.arrivals.think_s
-            self.at(self.now + think, lambda: self._new_job(job.tenant, job.client))
+            self.at(self.now + max(think, wait_s), lambda: self._new_job(job.tenant, job.client))
 
     # -- engines ------------------------------------------------------------------------------
 
@@ -259,6 +264,9 @@ class Simulation:
         )
         self.engines[index].add(req.req_id, req.prompt_tokens, req.output_tokens, req.tenant)
         self.where[req.req_id] = index
+        attempt = self.active.get(req.req_id)
+        if attempt is not None:
+            attempt.started_at = self.now
         if not self.busy[index]:
             self._step(index)
 
@@ -295,10 +303,17 @@ class Simulation:
     def _evict(self, req_id: str) -> None:
         attempt = self.active.pop(req_id, None)
         index = self.where.pop(req_id, None)
+        generated = 0
         if index is not None:
+            generated = self.engines[index].generated(req_id)
             self.engines[index].abort(req_id)
         if attempt is None:
             return
+        if attempt.started_at is not None:  # the work thrown away (its KV grew linearly)
+            held = self.now - attempt.started_at
+            attempt.output_tokens = generated
+            attempt.wasted_slot_s = held
+            attempt.wasted_kv_token_s = held * (attempt.req.prompt_tokens + generated / 2)
         attempt.outcome, attempt.reason, attempt.finished_at = "evicted", "evicted", self.now
         self.policy.ended_early(attempt.req, self.now)
         self._retry_or_give_up(attempt.job, None)
