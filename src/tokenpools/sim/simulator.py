@@ -236,19 +236,23 @@ class Simulation:
 
     def _retry_or_give_up(self, job: Job, retry_after_s: float | None) -> None:
         retry = self.tenants[job.tenant].retry
+        gives_up = job.tries >= retry.max_tries
+        if gives_up and job.client is None:  # open loop: nobody waits on this job any more
+            self.gave_up[job.tenant] += 1
+            return
         wait = backoff_s(
             job.tries,
             retry_after_s if retry.honour_retry_after else None,
             retry.jitter,
             self.rng[job.tenant],
         )
-        if job.tries >= retry.max_tries:
+        if gives_up:
             self.gave_up[job.tenant] += 1
             # A closed-loop client that gives up still waits what it was told before its next
             # request: asking again at the same instant would be refused again, for ever.
             self._job_done(job, max(wait, MIN_WAIT_S))
             return
-        self.at(self.now + max(wait, MIN_WAIT_S), lambda: self._send(job))
+        self.at(self.now + wait, lambda: self._send(job))
 
     def _job_done(self, job: Job, wait_s: float = 0.0) -> None:
         if job.client is not None:
