@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenpools.gateway.exchange import usage_in
+from tokenpools.gateway.usage import usage_in
 from tokenpools.model.request import Usage
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
+import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -21,6 +20,14 @@ from multidict import CIMultiDict
 from tokenpools.gateway.backends import BackendState
 from tokenpools.gateway.responses import error, retry_after
 from tokenpools.gateway.runtime import AdmittedRequest, Gateway
+from tokenpools.gateway.usage import (
+    RESPONSE_END_TYPES,
+    RESPONSE_ENDS,
+    events,
+    json_object,
+    usage_from,
+    usage_in,
+)
 from tokenpools.model.request import Usage
 from tokenpools.openai_api import CHAT, COMPLETIONS, RESPONSES, error_body
 
@@ -43,8 +50,7 @@ NOT_PASSED = frozenset(
     }
 )
 TRACE_HEADERS = ("traceparent", "tracestate")
-_RESPONSE_END_TYPES = ("response.completed", "response.incomplete", "response.failed")
-_RESPONSE_ENDS = tuple(f'"{t}"'.encode() for t in _RESPONSE_END_TYPES)
+log = logging.getLogger("tokenpools.gateway")
 
 
 class Exchange:
@@ -109,7 +115,17 @@ class Exchange:
                 timeout=aiohttp.ClientTimeout(total=backend.spec.timeout_s),
             ) as upstream:
                 headers = self._passed(upstream.headers)
-                if upstream.status != 200:
+                if upstream.status in (401, 403):  # not the client's key: ours, upstream
+                    self.settle(None)
+                    log.warning("backend %s refused the gateway's key", backend.spec.url)
+                    return error(
+                        502,
+                        f"the backend refused the gateway's credentials (HTTP {upstream.status})",
+                        "server_error",
+                        "backend_auth",
+                        headers=self.headers,
+                    )
+                if upstream.status != 200:  # its own words, e.g. a validation error
                     text = await upstream.read()
                     self.settle(None)
                     status = upstream.status if upstream.status < 500 else 502
@@ -197,7 +213,7 @@ class Exchange:
     ) -> None:
         """Pass the server-sent events on as they came, reading usage as they pass; the usage
         chunk the gateway asked for on the client's behalf is kept from it."""
-        async for event, data in _events(content):
+        async for event, data in events(content):
             if data == b"[DONE]":
                 await response.write(event)
                 return
@@ -211,71 +227,18 @@ class Exchange:
         if self.path == RESPONSES:  # typed events; the last one carries the response's usage
             if b'"response.output_text.delta"' in data:
                 self.streamed += 1
-            elif any(end in data for end in _RESPONSE_ENDS):
-                event = _json(data)
-                if event.get("type") in _RESPONSE_END_TYPES:
+            elif any(end in data for end in RESPONSE_ENDS):
+                event = json_object(data)
+                if event.get("type") in RESPONSE_END_TYPES:
                     self.usage = usage_from((event.get("response") or {}).get("usage"))
             return True
-        chunk = _json(data)
+        chunk = json_object(data)
         if chunk.get("usage") and not chunk.get("choices"):
             self.usage = usage_from(chunk["usage"])
             return False
         if chunk.get("choices"):
             self.streamed += 1
         return True
-
-
-async def _events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[bytes, bytes]]:
-    """Server-sent events: each one's bytes as received, and its data."""
-    lines: list[bytes] = []
-    data = b""
-    async for line in content:
-        lines.append(line)
-        stripped = line.strip()
-        if stripped.startswith(b"data:"):
-            data = stripped[5:].strip()
-        elif not stripped:
-            if data:
-                yield b"".join(lines), data
-            lines, data = [], b""
-    if data:
-        yield b"".join(lines) + b"\n", data
-
-
-# A key can only appear as a key: quotes inside JSON strings are escaped. The last match is the
-# top-level usage, which engines write after the output.
-_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
-
-
-def usage_in(text: bytes) -> Usage | None:
-    prompts = _PROMPT.findall(text, max(0, len(text) - 4096))  # usage sits at the end
-    if not prompts:
-        prompts = _PROMPT.findall(text)
-        if not prompts:
-            return None
-    completions = _COMPLETION.findall(text, max(0, len(text) - 4096)) or _COMPLETION.findall(text)
-    return Usage(int(prompts[-1]), int(completions[-1]) if completions else 0)
-
-
-def usage_from(usage: Any) -> Usage | None:
-    """The engine's counts from a usage object, in the Chat/Completions or Responses naming
-    (embeddings report prompt tokens only)."""
-    if not isinstance(usage, dict):
-        return None
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
-    if isinstance(prompt, int) and isinstance(completion, int) and prompt >= 0 <= completion:
-        return Usage(prompt, completion)
-    return None
-
-
-def _json(data: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

@@ -47,15 +47,19 @@ def request_id(request: web.Request) -> str:
 async def inference(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     record = RequestRecord(request_id(request), request.method, request.path)
-    span = None if gw.tracing is None else gw.tracing.start(record, request.headers)
-    if span is not None and gw.tracing is not None:
-        trace = gw.tracing.headers(span)  # the backend's spans join ours
+    tracing = gw.tracing
+    span = tracing.start(record, request.headers) if tracing is not None else None
+    if tracing is not None and span is not None:
+        trace = tracing.headers(span)  # the backend's spans join ours
     else:
         trace = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
     try:
         response = await _answer(request, gw, record, trace)
     except asyncio.CancelledError:
         record.status = 499  # the client went away
+        raise
+    except Exception:
+        record.status = 500  # answered by the openai_errors middleware
         raise
     else:
         record.status = response.status

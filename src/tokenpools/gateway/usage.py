@@ -1,0 +1,69 @@
+"""Reading an engine's usage from what it answers: a whole response (its tail scanned, not
+parsed), a usage object in either naming, and the events of a stream."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from tokenpools.model.request import Usage
+
+RESPONSE_END_TYPES = ("response.completed", "response.incomplete", "response.failed")
+RESPONSE_ENDS = tuple(f'"{t}"'.encode() for t in RESPONSE_END_TYPES)
+
+
+async def events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[bytes, bytes]]:
+    """Server-sent events: each one's bytes as received, and its data."""
+    lines: list[bytes] = []
+    data = b""
+    async for line in content:
+        lines.append(line)
+        stripped = line.strip()
+        if stripped.startswith(b"data:"):
+            data = stripped[5:].strip()
+        elif not stripped:
+            if data:
+                yield b"".join(lines), data
+            lines, data = [], b""
+    if data:
+        yield b"".join(lines) + b"\n", data
+
+
+# A key can only appear as a key: quotes inside JSON strings are escaped. The last match is the
+# top-level usage, which engines write after the output.
+_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+
+
+def usage_in(text: bytes) -> Usage | None:
+    prompts = _PROMPT.findall(text, max(0, len(text) - 4096))  # usage sits at the end
+    if not prompts:
+        prompts = _PROMPT.findall(text)
+        if not prompts:
+            return None
+    completions = _COMPLETION.findall(text, max(0, len(text) - 4096)) or _COMPLETION.findall(text)
+    return Usage(int(prompts[-1]), int(completions[-1]) if completions else 0)
+
+
+def usage_from(usage: Any) -> Usage | None:
+    """The engine's counts from a usage object, in the Chat/Completions or Responses naming
+    (embeddings report prompt tokens only)."""
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    if isinstance(prompt, int) and isinstance(completion, int) and prompt >= 0 <= completion:
+        return Usage(prompt, completion)
+    return None
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
