@@ -18,7 +18,7 @@ from tests.gateway_setup import config_data
 from tests.servers import ServerThread
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.runtime import Gateway
-from tokenpools.gateway.tokens import PromptCounter, as_messages
+from tokenpools.gateway.tokens import PAUSE_S, PromptCounter, as_messages
 from tokenpools.model.config import ConfigError, parse_config
 from tokenpools.model.pool import Backend
 from tokenpools.processes import free_port
@@ -79,6 +79,31 @@ def test_without_an_answer_the_estimate_stands_in() -> None:
     nobody = f"http://127.0.0.1:{free_port()}"
     assert count(counter, BODY, CHAT, nobody) == estimate_prompt_tokens(BODY, 4.0)
     assert counter.fallbacks == 1
+
+
+def test_a_backend_that_cannot_count_is_left_alone_for_a_while() -> None:
+    asked: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"error": {"message": "not here"}}, status=404)
+
+    app = web.Application()
+    app.router.add_post("/{path:.*}", record)
+    server = ServerThread(app)
+    now = [0.0]
+    counter = PromptCounter("backend", 4.0, 0.5, clock=lambda: now[0])
+    try:
+        estimate = estimate_prompt_tokens(BODY, 4.0)
+        assert count(counter, BODY, CHAT, server.url) == estimate
+        assert asked == ["/tokenize", "/apply-template"]  # vLLM's way, then llama.cpp's
+        assert count(counter, BODY, CHAT, server.url) == estimate
+        assert len(asked) == 2 and counter.fallbacks == 2  # paused: not asked again
+        now[0] = PAUSE_S + 1
+        count(counter, BODY, CHAT, server.url)
+        assert len(asked) == 4 and counter.fallbacks == 3
+    finally:
+        server.stop()
 
 
 def test_a_tokenizer_file_encodes_every_part(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ estimate, and is counted."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,24 @@ from tokenpools.openai_api import CHAT, RESPONSES
 from tokenpools.prompt import estimate_prompt_tokens, prompt_items, prompt_parts
 
 ESTIMATE, BACKEND = "estimate", "backend"
+# After a backend fails to count (no endpoint, a timeout), it is not asked again for this long:
+# every request would otherwise pay the failed round trips before its estimate.
+PAUSE_S = 30.0
 
 
 class PromptCounter:
     """One pool's way to count; `fallbacks` is how often the estimate stood in."""
 
-    def __init__(self, mode: str, chars_per_token: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        mode: str,
+        chars_per_token: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.mode = mode
+        self.clock = clock
+        self.paused: dict[str, float] = {}  # backend URL → when it may be asked again
         self.chars_per_token = chars_per_token
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.tokenizer = None if mode in (ESTIMATE, BACKEND) else load_tokenizer(Path(mode))
@@ -47,11 +60,12 @@ class PromptCounter:
             return self.tokenizer.count(body)
         if self.mode == BACKEND and session is not None:
             backend = pool.choose()
-            if backend is not None:
+            if backend is not None and self.paused.get(backend.spec.url, 0.0) <= self.clock():
                 try:
                     return await self._ask(session, backend, body, path)
                 except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
-                    pass
+                    self.paused[backend.spec.url] = self.clock() + PAUSE_S
+                    self.dialects.pop(backend.spec.url, None)  # found again when it answers
             self.fallbacks += 1
         return estimate_prompt_tokens(body, self.chars_per_token)
 
