@@ -1,4 +1,5 @@
-"""The event loop: arrivals, retries, engine steps, capacity changes, policy ticks, samples.
+"""The event loop: engine steps, capacity changes, joins and leaves, policy ticks, samples;
+the clients that send the requests are sim/clients.py.
 
 Deterministic: every random draw comes from a per-tenant random.Random seeded from the scenario
 seed and the tenant's name, and simultaneous events run in the order they were scheduled.
@@ -17,20 +18,11 @@ from tokenpools.engine.model import Engine, StepResult
 from tokenpools.engine.profile import EngineProfile, load_profile
 from tokenpools.model.config import ConfigError
 from tokenpools.sim.autoscaler import Autoscaler, ReplicaMeter
+from tokenpools.sim.clients import Clients
 from tokenpools.sim.policies import derive_limits, make_policy
-from tokenpools.sim.policy import (
-    AdmissionPolicy,
-    Hold,
-    Refuse,
-    Send,
-    SimRequest,
-    TenantLimits,
-)
-from tokenpools.sim.records import Attempt, Job, RunResult, Sample, new_job
-from tokenpools.sim.scenario import Scenario, Tenant, Workload
-from tokenpools.sim.workload import backoff_s, next_gap, workload_at
-
-MIN_WAIT_S = 0.001  # a refused client waits at least this long: time must move between tries
+from tokenpools.sim.policy import AdmissionPolicy, SimRequest, TenantLimits
+from tokenpools.sim.records import Attempt, RunResult, Sample
+from tokenpools.sim.scenario import Scenario
 
 
 class Simulation:
@@ -88,15 +80,11 @@ class Simulation:
         # rest in the order scheduled; the sequence keeps actions from ever being compared.
         self._heap: list[tuple[float, int, int, Callable[[], None]]] = []
         self._seq = itertools.count()
-        self._ids = itertools.count(1)
-        self.active: dict[str, Attempt] = {}
-        self.where: dict[str, int] = {}
-        self.attempts: list[Attempt] = []
+        self.active: dict[str, Attempt] = {}  # by request id, admitted and not yet ended
+        self.where: dict[str, int] = {}  # request id → the replica serving it
         self.samples: list[Sample] = []
         self.output_tokens: Counter[tuple[str, str]] = Counter()
-        self.gave_up: Counter[str] = Counter()
-        self._rejected: Counter[str] = Counter()
-        self._low_priority: Counter[str] = Counter()
+        self.clients = Clients(self)
 
     # -- the cluster, as policies see it ----------------------------------------------------
 
@@ -124,13 +112,7 @@ class Simulation:
 
     def run(self, progress: Callable[[float], None] | None = None) -> RunResult:
         end = self.scenario.duration_s
-        for name, tenant in self.tenants.items():
-            w = tenant.workload
-            if w.arrivals.kind == "closed":
-                for client in range(w.arrivals.clients or 0):
-                    self.at(w.start_s, partial(self._new_job, name, client))
-            else:
-                self.at(w.start_s, partial(self._open_arrival, name))
+        self.clients.start()
         # Joining tenants are added before anyone's first request at the same instant.
         for name, ent in self._joining.items():
             tenant = self.tenants[name]
@@ -167,101 +149,18 @@ class Simulation:
             self.policy_name,
             self.seed,
             self.config,
-            self.attempts,
+            self.clients.attempts,
             self.samples,
             dict(self.output_tokens),
-            self.gave_up,
+            self.clients.gave_up,
             replica_seconds=self.meter.seconds,
             peak_replicas=self.meter.peak,
             scaling=self.scaling,
         )
 
-    # -- clients ------------------------------------------------------------------------------
-
-    def _workload(self, tenant: Tenant) -> tuple[Workload, float]:
-        return workload_at(tenant, self.now)
-
-    def _active_window(self, tenant: Tenant) -> bool:
-        w = tenant.workload
-        return w.start_s <= self.now and (w.end_s is None or self.now < w.end_s)
-
-    def _open_arrival(self, name: str) -> None:
-        tenant = self.tenants[name]
-        if not self._active_window(tenant):
-            return
-        self._new_job(name, None)
-        w, factor = self._workload(tenant)
-        a = w.arrivals
-        rate = a.rate if a.rate is not None else (a.slots or 0) / self._service_s(w)
-        self.at(
-            self.now + next_gap(a.kind, rate * factor, a.cv, self.rng[name]),
-            lambda: self._open_arrival(name),
-        )
-
-    def _service_s(self, w: Workload) -> float:
-        return self.profile.nominal_service_s(
-            round(w.prompt.mean_value()), round(w.output.mean_value())
-        )
-
-    def _new_job(self, name: str, client: int | None) -> None:
-        tenant = self.tenants[name]
-        if self._active_window(tenant):
-            self._send(new_job(tenant, self.rng[name], self.now, client))
-
-    def _send(self, job: Job) -> None:
-        job.tries += 1
-        tenant = self.tenants[job.tenant]
-        req = job.request(
-            f"{job.tenant}-{next(self._ids)}", tenant.entitlement or tenant.name, self.now
-        )
-        attempt = Attempt(req, job, job.tries)
-        self.attempts.append(attempt)
-        verdict = self.policy.admit(req, self.now)
-        if isinstance(verdict, Refuse):
-            attempt.outcome, attempt.reason = "rejected", verdict.reason
-            attempt.finished_at = self.now
-            self._rejected[job.tenant] += 1
-            if verdict.reason == "low_priority":
-                self._low_priority[job.tenant] += 1
-            self._retry_or_give_up(job, verdict.retry_after_s)
-            return
-        self.active[req.req_id] = attempt
-        if isinstance(verdict, Send):
-            for victim in verdict.evict:
-                self._evict(victim)
-            self._to_engine(req)
-        else:
-            assert isinstance(verdict, Hold)
-            self._dispatch_queued()
-
-    def _retry_or_give_up(self, job: Job, retry_after_s: float | None) -> None:
-        retry = self.tenants[job.tenant].retry
-        gives_up = job.tries >= retry.max_tries
-        if gives_up and job.client is None:  # open loop: nobody waits on this job any more
-            self.gave_up[job.tenant] += 1
-            return
-        wait = backoff_s(
-            job.tries,
-            retry_after_s if retry.honour_retry_after else None,
-            retry.jitter,
-            self.rng[job.tenant],
-        )
-        if gives_up:
-            self.gave_up[job.tenant] += 1
-            # A closed-loop client that gives up still waits what it was told before its next
-            # request: asking again at the same instant would be refused again, for ever.
-            self._job_done(job, max(wait, MIN_WAIT_S))
-            return
-        self.at(self.now + wait, lambda: self._send(job))
-
-    def _job_done(self, job: Job, wait_s: float = 0.0) -> None:
-        if job.client is not None:
-            think = self.tenants[job.tenant].workload.arrivals.think_s
-            self.at(self.now + max(think, wait_s), lambda: self._new_job(job.tenant, job.client))
-
     # -- engines ------------------------------------------------------------------------------
 
-    def _to_engine(self, req: SimRequest) -> None:
+    def to_engine(self, req: SimRequest) -> None:
         index = min(
             self.serving,
             key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
@@ -299,12 +198,12 @@ class Simulation:
             attempt.outcome, attempt.finished_at = "completed", now
             attempt.output_tokens = seq.generated
             self.policy.finished(attempt.req, seq.generated, now)
-            self._job_done(attempt.job)
+            self.clients.job_done(attempt.job)
         self._step(index)
         if self.policy.holds_requests:
-            self._dispatch_queued()
+            self.dispatch_queued()
 
-    def _evict(self, req_id: str) -> None:
+    def evict(self, req_id: str) -> None:
         attempt = self.active.pop(req_id, None)
         index = self.where.pop(req_id, None)
         generated = 0
@@ -320,16 +219,16 @@ class Simulation:
             attempt.wasted_kv_token_s = held * (attempt.req.prompt_tokens + generated / 2)
         attempt.outcome, attempt.reason, attempt.finished_at = "evicted", "evicted", self.now
         self.policy.ended_early(attempt.req, self.now)
-        self._retry_or_give_up(attempt.job, None)
+        self.clients.retry_or_give_up(attempt.job, None)
 
-    def _dispatch_queued(self) -> None:
+    def dispatch_queued(self) -> None:
         free = sum(
             max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting)
             for e in (self.engines[i] for i in self.serving)
         )
         if free:
             for req in self.policy.dispatch(self.now, free):
-                self._to_engine(req)
+                self.to_engine(req)
 
     # -- timeline -----------------------------------------------------------------------------
 
@@ -344,16 +243,16 @@ class Simulation:
         smaller = self.profile.model_copy(update={"max_num_seqs": seqs})
         throughput = smaller.output_tokens_per_s() / self.profile.output_tokens_per_s()
         for req_id in self.policy.capacity(fraction, throughput, self.now):
-            self._evict(req_id)
+            self.evict(req_id)
 
     def replicas_changed(self) -> None:
         """Replicas were added or drained (the autoscaler): tell the policy, act on it."""
         gone = self.draining | self.released
         self.serving = [i for i in range(len(self.engines)) if i not in gone]
         for req_id in self.policy.set_replicas(len(self.serving), self.now):
-            self._evict(req_id)
+            self.evict(req_id)
         if self.policy.holds_requests:
-            self._dispatch_queued()
+            self.dispatch_queued()
 
     def release(self, index: int) -> None:
         """A drained replica is empty: it goes back (and stops costing replica-seconds)."""
@@ -373,11 +272,11 @@ class Simulation:
 
     def _leave(self, entitlement: str) -> None:
         for req_id in self.policy.leave(entitlement, self.now):
-            self._evict(req_id)
+            self.evict(req_id)
 
     def _tick(self) -> None:
         for req_id in self.policy.tick(self.now):
-            self._evict(req_id)
+            self.evict(req_id)
 
         self.at(self.now + 0.5, self._tick)
 
@@ -394,12 +293,12 @@ class Simulation:
                 kv_usage=self.kv_usage,
                 running_by_tenant={k: v for k, v in running.items() if v},
                 scores=self.policy.scores(self.now),
-                rejected_by_tenant=dict(self._rejected),
-                low_priority_by_tenant=dict(self._low_priority),
+                rejected_by_tenant=dict(self.clients.rejected),
+                low_priority_by_tenant=dict(self.clients.low_priority),
             )
         )
-        self._rejected.clear()
-        self._low_priority.clear()
+        self.clients.rejected.clear()
+        self.clients.low_priority.clear()
         self.at(self.now + self.scenario.sample_interval_s, self._sample)
 
 
