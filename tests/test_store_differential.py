@@ -81,7 +81,7 @@ class SameLedger(RuleBasedStateMachine):
 
     @initialize(pool_buckets=st.tuples(BUCKETS, BUCKETS, BUCKETS, BUCKETS))
     def start(self, pool_buckets: tuple[BucketSpec, ...]) -> None:
-        self.memory = MemoryStore()
+        self.memory = MemoryStore(counters_on_admit=True)  # as Redis: counters on every answer
         self.redis = RedisStore(self.url, timeout_s=1.0, prefix=f"sm{id(self)}")
         self.redis.client.flushdb()
         self.stores = (self.memory, self.redis)

@@ -168,7 +168,8 @@ class DecisionCore(Catalog):
                 outcome.evicted,
                 outcome.overcommit,
                 step.max_tokens,
-                quota(view, step.pool_view, outcome),
+                # only where the host asked the store for counters after an admission
+                None if outcome.entitlement is None else quota(view, step.pool_view, outcome),
             )
         return self._reject(outcome, step, now)
 

@@ -151,23 +151,18 @@ def quota(view: EntitlementView, pool_view: PoolView, outcome: Outcome) -> Quota
     e, p = outcome.entitlement, outcome.pool
     if e is None or p is None:
         return None
-    if math.isfinite(view.plan.ent_concurrency):
-        limit, used = view.plan.ent_concurrency, e.concurrency
-    else:
-        limit, used = pool_view.pool.capacity.concurrency, p.concurrency
+    plan = view.plan
+    if plan.ent_concurrency < math.inf:
+        limit, used = plan.ent_concurrency, e.concurrency
+    else:  # no limit of its own: the pool's (its plan's shared capacity)
+        limit, used = plan.shared_concurrency, p.concurrency
     left = max(0.0, limit - used)
     own = view.own_bucket
-    bucket, level = (own, e.bucket) if math.isfinite(own.depth) else (pool_view.bucket, p.bucket)
+    bucket, level = (own, e.bucket) if own.depth < math.inf else (pool_view.bucket, p.bucket)
     level = min(max(0.0, level), bucket.depth)
     refill = (bucket.depth - level) / bucket.rate if 0 < bucket.rate < math.inf else 0.0
-    return Quota(
-        limit,
-        left,
-        0.0 if left >= 1 else pool_view.mean_service_s,
-        bucket.depth,
-        level,
-        refill,
-    )
+    wait = 0.0 if left >= 1 else pool_view.mean_service_s
+    return Quota(limit, left, wait, bucket.depth, level, refill)
 
 
 Decision = Admit | Reject

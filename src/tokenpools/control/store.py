@@ -157,11 +157,14 @@ class Outcome:
 
     shortfall: Shortfall | None  # None: admitted (lease.reserved_path and drew_own are set)
     # The counters after the step, which Retry-After and the rate-limit headers are computed
-    # from (None only where a store cannot read them, e.g. a test double).
+    # from: always after a refusal; after an admission where the host asked for them.
     entitlement: EntitlementCounters | None = None
     pool: PoolCounters | None = None
     evicted: tuple[Lease, ...] = ()  # preemptible leases ended to admit this one
     overcommit: bool = False
+
+
+ADMITTED = Outcome(None)  # a plain admission without counters, shared: treat it as read-only
 
 
 class Store(Protocol):

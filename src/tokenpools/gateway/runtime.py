@@ -48,7 +48,8 @@ def open_core(config: Config, now: float, replica: str) -> GatewayLedger:
     """The decision core on the store the config names, and the gateway's way to it."""
     settings = config.state
     if settings.backend == "memory":
-        return GatewayLedger(DecisionCore(config, MemoryStore(), now=now, replica=replica))
+        local = MemoryStore(counters_on_admit=True)  # every answer's x-ratelimit-* headers
+        return GatewayLedger(DecisionCore(config, local, now=now, replica=replica))
     from tokenpools.state.redis_store import RedisStore  # redis-py only where it is used
 
     store = RedisStore(
