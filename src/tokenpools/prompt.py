@@ -6,54 +6,60 @@ Prompts given as token ids count exactly."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 # Chat templates wrap every message in a few tokens of their own (role markers, separators).
 FRAMING_TOKENS = 4
 
 
-def prompt_parts(body: dict[str, Any]) -> tuple[list[str], int]:
-    """The texts of the prompt, and the tokens given as ids (counted as they are)."""
+class PromptParts(NamedTuple):
+    texts: list[str]
+    token_ids: int  # tokens given as ids, counted as they are
+    messages: int  # chat messages or input items: the template frames each one
+
+
+def prompt_parts(body: dict[str, Any]) -> PromptParts:
+    """What the prompt is made of."""
     texts: list[str] = []
-    ids = 0
-    for message in prompt_items(body):
+    items = prompt_items(body)
+    for message in items:
         _texts_of(message, texts)
     if isinstance(body.get("instructions"), str):
         texts.append(body["instructions"])
     if isinstance(body.get("tools"), list) and body["tools"]:
         texts.append(json.dumps(body["tools"], separators=(",", ":")))
-    ids += _plain(body.get("prompt"), texts)
-    if not _hasprompt_items(body):  # an embedding's input, or a Responses request's plain text
+    ids = _plain(body.get("prompt"), texts)
+    if not _has_items(body):  # an embedding's input, or a Responses request's plain text
         ids += _plain(body.get("input"), texts)
-    return texts, ids
+    return PromptParts(texts, ids, len(items))
 
 
 def estimate_prompt_tokens(body: dict[str, Any], chars_per_token: float) -> int:
     """Without a tokenizer: ASCII text at `chars_per_token`, other characters (CJK, accents,
     emoji) about one token each, plus chat framing per message. Settlement corrects the
     estimate with the backend's real usage."""
-    texts, ids = prompt_parts(body)
+    parts = prompt_parts(body)
     tokens = 0.0
-    for text in texts:
+    for text in parts.texts:
         if text.isascii():
             tokens += len(text) / chars_per_token
         else:  # a CJK character is 3 bytes of UTF-8 and about a token
             extra = len(text.encode("utf-8", "surrogatepass")) - len(text)
             wide = extra / 2
             tokens += (len(text) - wide) / chars_per_token + wide
-    return max(1, round(tokens) + ids + FRAMING_TOKENS * len(prompt_items(body)))
+    return max(1, round(tokens) + parts.token_ids + FRAMING_TOKENS * parts.messages)
 
 
 def prompt_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The chat messages, or a Responses request's input items."""
     if isinstance(body.get("messages"), list):
         return [m for m in body["messages"] if isinstance(m, dict)]
-    if _hasprompt_items(body):
+    if _has_items(body):
         return [m for m in body["input"] if isinstance(m, dict)]
     return []
 
 
-def _hasprompt_items(body: dict[str, Any]) -> bool:
+def _has_items(body: dict[str, Any]) -> bool:
     value = body.get("input")
     return isinstance(value, list) and any(isinstance(m, dict) for m in value)
 

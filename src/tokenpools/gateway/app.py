@@ -21,7 +21,7 @@ from aiohttp import web
 
 from tokenpools.gateway.admin import admin_entitlements, admin_pools
 from tokenpools.gateway.inference import inference
-from tokenpools.gateway.responses import bearer, error, openai_errors
+from tokenpools.gateway.responses import error, invalid_key, openai_errors
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
@@ -32,10 +32,9 @@ log = logging.getLogger("tokenpools.gateway")
 def _models_of(request: web.Request) -> tuple[str, ...] | web.Response:
     """The model names the caller's key may use, or the 401 to answer."""
     gw = request.app[GATEWAY]
-    key = bearer(request)
-    entitlement = gw.core.entitlement_for_key(key) if key else None
+    entitlement = gw.entitlement_of(request)
     if entitlement is None:
-        return error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
+        return invalid_key()
     return gw.config.pools[gw.core.entitlements[entitlement].ent.pool].models
 
 

@@ -144,8 +144,7 @@ class Exchange:
         except asyncio.CancelledError:
             if self.handle.evicted:  # preempted by a higher-priority request: say why
                 if response is not None:
-                    with contextlib.suppress(ConnectionResetError, RuntimeError):
-                        await response.write(_preempted_event())
+                    await _write_quietly(response, _preempted_event())
                     return response
                 return error(
                     503,

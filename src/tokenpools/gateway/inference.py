@@ -16,8 +16,8 @@ from tokenpools.control.decisions import Reject
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.observe import RequestRecord
 from tokenpools.gateway.responses import (
-    bearer,
     error,
+    invalid_key,
     ratelimit_headers,
     rejection,
     retry_after,
@@ -47,9 +47,9 @@ def request_id(request: web.Request) -> str:
 async def inference(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     record = RequestRecord(request_id(request), request.method, request.path)
-    tracing = gw.tracing
-    span = tracing.start(record, request.headers) if tracing is not None else None
-    if tracing is not None and span is not None:
+    tracing, span = gw.tracing, None
+    if tracing is not None:
+        span = tracing.start(record, request.headers)
         trace = tracing.headers(span)  # the backend's spans join ours
     else:
         trace = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
@@ -80,11 +80,10 @@ async def _answer(
     settings = gw.config.gateway
     if request.content_length is not None and request.content_length > settings.max_body_bytes:
         return too_large(settings.max_body_bytes)
-    key = bearer(request)
-    entitlement = gw.core.entitlement_for_key(key) if key else None
+    entitlement = gw.entitlement_of(request)
     if entitlement is None:
         gw.metrics.unauthorized.inc()
-        return error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
+        return invalid_key()
     record.entitlement = entitlement
     try:
         raw = await request.content.read(settings.max_body_bytes + 1)

@@ -77,6 +77,10 @@ def ratelimit_headers(q: Quota | None) -> dict[str, str]:
     }
 
 
+def invalid_key() -> web.Response:
+    return error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
+
+
 def too_large(limit: int) -> web.Response:
     return error(
         413, f"the body is larger than {limit} bytes", "invalid_request_error", "body_too_large"

@@ -194,6 +194,11 @@ class Gateway:
                 if not renewed:
                     self.evict(lease_id)
 
+    def entitlement_of(self, request: web.Request) -> str | None:
+        """The entitlement whose API key the request bears; None for none or an unknown one."""
+        key = bearer(request)
+        return self.core.entitlement_for_key(key) if key else None
+
     def is_admin(self, request: web.Request) -> bool:
         key = bearer(request)
         return key is not None and any(

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenpools.model.config import ConfigError
-from tokenpools.prompt import FRAMING_TOKENS, prompt_items, prompt_parts
+from tokenpools.prompt import FRAMING_TOKENS, prompt_parts
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -39,10 +39,9 @@ class TokenizerFile:
             else:  # the engine adds BOS unless the template wrote it
                 prompt = text if text.startswith(self.bos) else self.bos + text
                 return len(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
-        texts, ids = prompt_parts(body)
+        texts, ids, messages = prompt_parts(body)
         encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
-        framing = FRAMING_TOKENS * len(prompt_items(body))
-        return max(1, sum(len(e.ids) for e in encoded) + ids + framing)
+        return max(1, sum(len(e.ids) for e in encoded) + ids + FRAMING_TOKENS * messages)
 
 
 _LOADED: dict[Path, TokenizerFile] = {}

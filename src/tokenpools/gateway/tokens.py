@@ -135,5 +135,4 @@ def as_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _plain_text(body: dict[str, Any]) -> str:
-    texts, _ = prompt_parts(body)
-    return "\n".join(texts)
+    return "\n".join(prompt_parts(body).texts)
