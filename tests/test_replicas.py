@@ -416,15 +416,22 @@ def test_a_stalled_redis_delays_no_request_beyond_the_timeout(cluster: Cluster) 
         os.kill(cluster.redis_proc.pid, signal.SIGCONT)
     replies = cluster.replies
     assert not [r for r in replies if r.status not in (200, 429, 503)]
+    stall_s = stalled["to"] - stalled["from"]
     during = [r for r in replies if stalled["from"] <= r.start and r.end <= stalled["to"]]
-    refused = [r for r in during if r.status == 503]
+    # Requests that began in the stall's first half would wait at least half the stall (1 s)
+    # if the store call were unbounded; bounded, each waits one timeout.
+    early = [r for r in replies if stalled["from"] <= r.start <= stalled["from"] + stall_s / 2]
+    refused = sorted(r.end - r.start for r in early if r.status == 503)
     assert refused, "spot is refused while Redis is stalled"
-    slowest = max(r.end - r.start for r in refused)
-    # One timeout, plus this loaded 2-core machine's scheduling noise.
-    assert slowest <= TIMEOUT_S + 0.25, slowest
+    slowest, median = refused[-1], refused[len(refused) // 2]
+    # The median is one timeout plus noise; the slowest may also carry a scheduling stall of
+    # this loaded 2-core machine, but stays well below the half stall an unbounded wait takes.
+    assert median <= TIMEOUT_S + 0.1, refused
+    assert slowest < stall_s / 2 * 0.75, refused
     print(
-        f"stalled {stalled['to'] - stalled['from']:.1f} s: {len(refused)} refused, slowest "
-        f"{slowest * 1000:.0f} ms (timeoutMs {TIMEOUT_S * 1000:g}); "
+        f"stalled {stall_s:.1f} s: {len(refused)} refused early on, median "
+        f"{median * 1000:.0f} ms, slowest {slowest * 1000:.0f} ms "
+        f"(timeoutMs {TIMEOUT_S * 1000:g}); "
         f"{sum(r.status == 200 for r in during)} admitted on the local budget"
     )
     wait_for(lambda: pool_leases(cluster) == 0, TTL_S + 3)
