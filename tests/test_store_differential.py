@@ -58,6 +58,7 @@ def tight_plans(draw: Any) -> ReservePlan:
         "overcommit_concurrency",
         "shared_kv",
         "contended_concurrency",
+        "backfill_concurrency",
     ]
     for name in draw(st.lists(st.sampled_from(tight), min_size=1, max_size=3, unique=True)):
         values[name] = draw(st.sampled_from([1.0, 2.0, 3.0, 600.0]))

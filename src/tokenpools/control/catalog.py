@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tokenpools.control import plans
+from tokenpools.control.backfill import BORROWERS, lendable
 from tokenpools.control.binding import bind, external_states
+from tokenpools.control.eviction import may_evict
 from tokenpools.control.priority import priority, slo_reference
 from tokenpools.control.store import BucketSpec, Lease, ReservePlan, Scores, Store, StoreUnavailable
 from tokenpools.model.config import Config
@@ -37,6 +39,8 @@ class EntitlementView:
     max_tokens: float  # a request above either limit can never be admitted
     max_kv: float
     priority: float = 0.0
+    scores: Scores = field(default_factory=Scores)  # the latest, priority included
+    may_evict: bool = False  # control/eviction.py, from the class and the debt
 
 
 @dataclass(slots=True)
@@ -171,7 +175,7 @@ class Catalog:
                     max_kv=max_kv,
                 )
                 self._refresh_priority(ent.name, now)
-            self._order_preemptible(view)
+            self._arrange_preemptible(view)
         self._next_expiry = min(
             (
                 v.ent.expires_at
@@ -182,10 +186,31 @@ class Catalog:
         )
         return changed
 
-    def _order_preemptible(self, view: PoolView) -> None:
-        names = [n for n in view.members if self._ents[n].preemptible]
+    def _arrange_preemptible(self, view: PoolView) -> None:
+        """From the members' latest scores: the order preemptible entitlements are evicted in,
+        and how much of the unused protected baselines surplus work may borrow."""
+        members = [self._ents[n] for n in view.members]
+        names = [m.ent.name for m in members if m.preemptible]
         view.preemptible_order = sorted(names, key=lambda n: (self._ents[n].priority, n))
         view.preemptible_priorities = [self._ents[n].priority for n in view.preemptible_order]
+        owners = [
+            (m.ent.baseline, m.scores)
+            for m in members
+            if m.protected and m.state == BindingState.BOUND
+        ]
+        lend_c, lend_k = lendable(owners, self.policy)
+        for m in members:
+            if m.ent.service_class in BORROWERS and (
+                m.plan.backfill_concurrency != lend_c or m.plan.backfill_kv != lend_k
+            ):
+                m.plan = replace(m.plan, backfill_concurrency=lend_c, backfill_kv=lend_k)
+
+    def _adopt_scores(self, view: EntitlementView, scores: Scores) -> float:
+        """Take an entitlement's scores; its priority computed from them is returned."""
+        view.priority = w = self._priority_of(view, scores)
+        view.scores = replace(scores, priority=w)
+        view.may_evict = may_evict(view.ent.service_class, scores.debt)
+        return w
 
     def _priority_of(self, view: EntitlementView, scores: Scores) -> float:
         ent = view.ent
@@ -203,8 +228,8 @@ class Catalog:
         try:
             scores = self.store.scores(name, now)
         except StoreUnavailable:
-            scores = Scores(priority=view.priority)
-        view.priority = w = self._priority_of(view, scores)
+            scores = view.scores
+        w = self._adopt_scores(view, scores)
         if w != scores.priority:
             with contextlib.suppress(StoreUnavailable):
                 self.store.set_scores(name, replace(scores, priority=w), now)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
+from tokenpools.control.backfill import recent_peaks
 from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
 from tokenpools.control.decisions import (
     SHORTFALL_REJECTS,
@@ -143,8 +144,13 @@ class DecisionCore(Catalog):
             now + self.policy.lease_ttl_s,
             view.preemptible,
         )
-        # Who this request may evict: the pool's preemptible entitlements strictly below it.
-        count = bisect.bisect_left(pool_view.preemptible_priorities, view.priority)
+        # Who this request may evict: the pool's preemptible entitlements strictly below it,
+        # if the pool owes it capacity.
+        count = (
+            bisect.bisect_left(pool_view.preemptible_priorities, view.priority)
+            if view.may_evict
+            else 0
+        )
         order = pool_view.preemptible_order
         return Pending(
             lease, view.plan, tokens, order, count, view.protected, view, pool_view, max_out
@@ -295,14 +301,14 @@ class DecisionCore(Catalog):
                 if self.store.claim_update(name, period, now):
                     self._update_scores(pool_view, now)
                     updated.append(name)
-                    self._order_preemptible(pool_view)
+                    self._arrange_preemptible(pool_view)
                 else:  # another replica updates them: read them once it has, next tick
                     pool_view.scores_pending = True
             elif pool_view.scores_pending:
                 pool_view.scores_pending = False
                 for member in pool_view.members:
-                    self._ents[member].priority = self.store.scores(member, now).priority
-                self._order_preemptible(pool_view)
+                    self._adopt_scores(self._ents[member], self.store.scores(member, now))
+                self._arrange_preemptible(pool_view)
         return updated
 
     def _update_scores(self, pool_view: PoolView, now: float) -> None:
@@ -310,7 +316,8 @@ class DecisionCore(Catalog):
         for name in pool_view.members:
             view = self._ents[name]
             ent = view.ent
-            obs = observe(self.store.take_window(name, now))
+            window = self.store.take_window(name, now)
+            obs = observe(window)
             self.observations[name] = obs
             old = self.store.scores(name, now)
             bound = view.state == BindingState.BOUND
@@ -320,9 +327,13 @@ class DecisionCore(Catalog):
                 else 0.0
             )
             burst = ewma(old.burst, burst_excess(ent.baseline, obs), policy.gamma_burst)
-            scores = Scores(debt=debt, burst=burst)
-            view.priority = w = self._priority_of(view, scores)
-            self.store.set_scores(name, replace(scores, priority=w), now)
+            peak_c, peak_k = (
+                recent_peaks(old, (window.peak_concurrency, window.peak_kv), ent.baseline, policy)
+                if view.protected and bound
+                else (0.0, 0.0)
+            )
+            self._adopt_scores(view, Scores(debt, burst, 0.0, peak_c, peak_k))
+            self.store.set_scores(name, view.scores, now)
 
     def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
         return self.set_capacity(pool_name, now, replicas=replicas)

@@ -1,11 +1,27 @@
-"""Which preemptible leases make room: the rule every store runs inside its atomic admission
-(state/lua/reserve.lua is its port) and the core runs when capacity shrinks."""
+"""Who may evict preemptible work, and which leases make room: the rule every store runs
+inside its atomic admission (state/lua/reserve.lua is its port) and the core runs when
+capacity shrinks."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
 from tokenpools.control.store import Lease, PoolCounters, ReservePlan
+from tokenpools.model.service_class import PROTECTED, ServiceClass
+
+# An elastic entitlement under-served by more than this (debt, a fraction of its baseline) is
+# owed capacity. Not 0: debt decays geometrically, so any past shortfall stays above 0.
+OWED_DEBT = 0.01
+
+
+def may_evict(service_class: ServiceClass, debt: float) -> bool:
+    """Eviction takes back capacity the pool owes: to dedicated and guaranteed requests, and
+    to elastic ones while their debt says they are under-served. Spot, preemptible and elastic
+    work that is served take only free capacity, and wait (429, Retry-After) like everyone
+    else competing for it: a request already running is not ended for work nobody promised."""
+    if service_class in PROTECTED:
+        return True
+    return service_class == ServiceClass.ELASTIC and debt > OWED_DEBT
 
 
 def eviction_order(

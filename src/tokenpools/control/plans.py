@@ -7,7 +7,10 @@ The capacity rules, per dimension, with C the pool capacity and o = overcommit Ã
   protected baselines may reach at most C + o. So idle reserved capacity is lent to
   non-evictable work only up to o, and a protected tenant coming back always finds room
   within C + o once preemptible work is evicted;
-- preemptible work may fill all of C: it is evicted when someone above it needs the room.
+- preemptible work may fill all of C, the unused protected baselines included as far as
+  their owners have not used them lately (control/backfill.py, which bounds spot's borrowing
+  the same way): it is evicted when someone the pool owes capacity needs the room
+  (control/eviction.py).
 """
 
 from __future__ import annotations
@@ -72,6 +75,10 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         shared_kv=cap.kv_tokens,
         nonpreemptible_concurrency=INF if preemptible else cap.concurrency * over,
         nonpreemptible_kv=INF if preemptible else cap.kv_tokens * over,
+        # spot and preemptible: all of it until an update period has measured the owners'
+        # peaks (control/backfill.py)
+        backfill_concurrency=INF,
+        backfill_kv=INF,
         shared_bucket_floor=0.0,
         nonpreemptible_bucket_floor=-lend * depth,
         contended_concurrency=cap.concurrency * (1.0 - policy.headroom),
@@ -119,6 +126,8 @@ def fallback_limits(
         shared_kv=0.0,
         nonpreemptible_concurrency=0.0,
         nonpreemptible_kv=0.0,
+        backfill_concurrency=INF,
+        backfill_kv=INF,
         shared_bucket_floor=INF,
         nonpreemptible_bucket_floor=INF,
         contended_concurrency=INF,

@@ -86,6 +86,11 @@ class ReservePlan:
     shared_kv: float
     nonpreemptible_concurrency: float  # non-preemptible + unused protected baselines, shared path
     nonpreemptible_kv: float
+    # How much of the unused protected baselines this request may fill: for spot and
+    # preemptible work, what their owners have not used lately (control/backfill.py); INF for
+    # the others. (Spot's borrowing is also bounded by `nonpreemptible_*`.)
+    backfill_concurrency: float
+    backfill_kv: float
     shared_bucket_floor: float  # pool bucket level after admission
     nonpreemptible_bucket_floor: float  # pool bucket minus protected bucket after admission
     contended_concurrency: float  # used + unused protected baselines above this: contended
@@ -127,6 +132,8 @@ class Window:
     admitted_tokens: float  # reserved at admission (n_in + max_tokens, weighted)
     concurrency_seconds: float  # ∫ in-flight dt
     kv_seconds: float  # ∫ reserved KV dt
+    peak_concurrency: float = 0.0  # the most in flight at once during the period
+    peak_kv: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +141,10 @@ class Scores:
     debt: float = 0.0
     burst: float = 0.0
     priority: float = 0.0
+    # A protected entitlement's recent peak in flight (control/backfill.py): what of its
+    # unused baseline preemptible work may not borrow.
+    peak_concurrency: float = 0.0
+    peak_kv: float = 0.0
 
 
 @dataclass(slots=True)

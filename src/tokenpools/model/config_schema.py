@@ -238,6 +238,7 @@ class PolicySpec(_Strict):
     headroom: Fraction = 0.25
     contentionWindowS: Pos = 0.5
     overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
+    backfillWindowS: NonNeg = 20.0
     elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
     defaultMaxTokens: Annotated[int, Field(ge=1)] = 256
     leaseTtlS: Pos = 600.0
@@ -265,6 +266,7 @@ class PolicySpec(_Strict):
             headroom=self.headroom,
             contention_window_s=self.contentionWindowS,
             overcommit=self.overcommit,
+            backfill_window_s=self.backfillWindowS,
             elastic_oversubscription=self.elasticOversubscription,
             default_max_tokens=self.defaultMaxTokens,
             lease_ttl_s=self.leaseTtlS,

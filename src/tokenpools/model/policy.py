@@ -24,6 +24,9 @@ class Policy:
     headroom: float = 0.25  # near full: within this fraction of capacity
     contention_window_s: float = 0.5  # a refusal this recent is unmet demand (check 5)
     overcommit: float = 0.1  # protected classes may exceed capacity by this fraction
+    # preemptible work borrows an unused protected baseline only where its owner has not been
+    # within this long (control/backfill.py); 0: all of it
+    backfill_window_s: float = 20.0
     elastic_oversubscription: float = 1.5  # elastic baselines bind while Σ ≤ capacity × this
     default_max_tokens: int = 256
     lease_ttl_s: float = 600.0

@@ -58,6 +58,10 @@ class EntitlementAccount:
         "leases",
         "name",
         "own",
+        "peak_concurrency",
+        "peak_kv",
+        "peak_recent_concurrency",
+        "peak_recent_kv",
         "pool",
         "priority",
         "protected",
@@ -72,8 +76,10 @@ class EntitlementAccount:
         self.holdback_concurrency = self.holdback_kv = 0.0  # its baseline, held back while unused
         self.held_concurrency = self.held_kv = 0.0  # what of it is held back now
         self.concurrency = self.kv = 0.0
+        self.peak_concurrency = self.peak_kv = 0.0  # the most in flight this window
         self.leases = 0
         self.debt = self.burst = self.priority = 0.0
+        self.peak_recent_concurrency = self.peak_recent_kv = 0.0  # scores
         self.t_acc = self.window_start = now
         self.conc_seconds = self.kv_seconds = self.settled = self.demand = 0.0
         self.admitted = 0.0

@@ -86,6 +86,14 @@ def first_shortfall(
             short = Shortfall.RESERVED_KV
         elif unreserved < plan.nonpreemptible_bucket_floor:
             short = Shortfall.RESERVED_THROUGHPUT
+        # Surplus work borrows the unused baselines only as far as the plan lends them.
+        elif (
+            hold_c > plan.backfill_concurrency
+            and used_c + hold_c - plan.backfill_concurrency + 1 > plan.shared_concurrency
+        ):
+            short = Shortfall.RESERVED_CONCURRENCY
+        elif hold_k > plan.backfill_kv and used_k + hold_k - plan.backfill_kv + kv > plan.shared_kv:
+            short = Shortfall.RESERVED_KV
         elif used_c + 1 > plan.shared_concurrency:
             short = Shortfall.POOL_CONCURRENCY
         elif used_k + kv > plan.shared_kv:

@@ -179,6 +179,8 @@ class MemoryStore:
         e.concurrency += 1
         e.kv += lease.kv_tokens
         e.leases += 1
+        e.peak_concurrency = max(e.peak_concurrency, e.concurrency)
+        e.peak_kv = max(e.peak_kv, e.kv)
         p.concurrency += 1
         p.kv += lease.kv_tokens
         p.leases += 1
@@ -314,20 +316,24 @@ class MemoryStore:
             admitted_tokens=e.admitted,
             concurrency_seconds=e.conc_seconds,
             kv_seconds=e.kv_seconds,
+            peak_concurrency=e.peak_concurrency,
+            peak_kv=e.peak_kv,
         )
         e.window_start = now
         e.settled = e.demand = e.admitted = e.conc_seconds = e.kv_seconds = 0.0
+        e.peak_concurrency, e.peak_kv = e.concurrency, e.kv
         return window
 
     def scores(self, name: str, now: float) -> Scores:
         e = self._ents[name]
-        return Scores(e.debt, e.burst, e.priority)
+        return Scores(e.debt, e.burst, e.priority, e.peak_recent_concurrency, e.peak_recent_kv)
 
     def set_scores(self, name: str, scores: Scores, now: float) -> None:
         e = self._ents[name]
         if e.priority != scores.priority:
             self._pools[e.pool].low = None
         e.debt, e.burst, e.priority = scores.debt, scores.burst, scores.priority
+        e.peak_recent_concurrency, e.peak_recent_kv = scores.peak_concurrency, scores.peak_kv
 
     def claim_update(self, pool: str, period: int, now: float) -> bool:
         p = self._pools[pool]

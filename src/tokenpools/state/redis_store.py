@@ -224,15 +224,13 @@ class RedisStore(RedisLink):
     def take_window(self, name: str, now: float) -> Window:
         args = wire.args("take_window", name=name)
         reply = self._call(self._ent_pool[name], "take_window", now, args)
-        seconds, settled, demand, admitted, conc, kv = map(float, reply)
-        return Window(seconds, settled, demand, admitted, conc, kv)
+        return Window(*map(float, reply))
 
     def scores(self, name: str, now: float) -> Scores:
         reply = self._call(self._ent_pool[name], "scores", now, wire.args("scores", name=name))
         if reply[0] is None:
             return Scores()
-        debt, burst, priority = map(float, reply)
-        return Scores(debt, burst, priority)
+        return Scores(*(0.0 if v is None else float(v) for v in reply))
 
     def set_scores(self, name: str, scores: Scores, now: float) -> None:
         args = wire.args(
@@ -241,6 +239,8 @@ class RedisStore(RedisLink):
             debt=wire.num(scores.debt),
             burst=wire.num(scores.burst),
             priority=wire.num(scores.priority),
+            peak_c=wire.num(scores.peak_concurrency),
+            peak_k=wire.num(scores.peak_kv),
         )
         self._call(self._ent_pool[name], "set_scores", now, args)
 

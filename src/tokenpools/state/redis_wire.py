@@ -49,7 +49,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "preemptible": (),
     "take_window": ("name",),
     "scores": ("name",),
-    "set_scores": ("name", "debt", "burst", "priority"),
+    "set_scores": ("name", "debt", "burst", "priority", "peak_c", "peak_k"),
     "claim_update": ("period",),
     "pool_counters": (),
     "entitlement_counters": ("name",),

@@ -18,6 +18,9 @@ local function book(id, l, e, p, now)
   e.conc = e.conc + 1
   e.kv = e.kv + l.kv
   e.leases = e.leases + 1
+  -- a record written before peaks were kept has none: the current load is its peak
+  e.peak_c = math.max(e.peak_c or 0, e.conc)
+  e.peak_k = math.max(e.peak_k or 0, e.kv)
   p.conc = p.conc + 1
   p.kv = p.kv + l.kv
   p.leases = p.leases + 1

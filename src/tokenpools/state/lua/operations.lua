@@ -22,10 +22,11 @@ local function configure_entitlement(p, now)
   local key = ent_key(name)
   local e = load_ent(key)
   if e == nil then
-    e = { conc = 0.0, kv = 0.0, leases = 0, hold_c = 0.0, hold_k = 0.0, t_acc = now,
-      window_start = now, conc_s = 0.0, kv_s = 0.0, settled = 0.0, demand = 0.0, admitted = 0.0 }
+    e = { conc = 0.0, kv = 0.0, peak_c = 0.0, peak_k = 0.0, leases = 0, hold_c = 0.0,
+      hold_k = 0.0, t_acc = now, window_start = now, conc_s = 0.0, kv_s = 0.0, settled = 0.0,
+      demand = 0.0, admitted = 0.0 }
     new_bucket(e, 'o_', tonumber(ARGV[A.o_rate]), tonumber(ARGV[A.o_depth]), now)
-    redis.call('HSET', key, 'debt', 0, 'burst', 0, 'priority', 0)
+    redis.call('HSET', key, 'debt', 0, 'burst', 0, 'priority', 0, 'peak_c', 0, 'peak_k', 0)
   else
     reshape(e, 'o_', tonumber(ARGV[A.o_rate]), tonumber(ARGV[A.o_depth]), now)
   end
@@ -108,9 +109,10 @@ local function take_window(now)
   local e = load_ent(key)
   accumulate(e, now)
   local reply = { fmt(now - e.window_start), fmt(e.settled), fmt(e.demand), fmt(e.admitted),
-    fmt(e.conc_s), fmt(e.kv_s) }
+    fmt(e.conc_s), fmt(e.kv_s), fmt(e.peak_c or e.conc), fmt(e.peak_k or e.kv) }
   e.window_start = now
   e.settled, e.demand, e.admitted, e.conc_s, e.kv_s = 0.0, 0.0, 0.0, 0.0, 0.0
+  e.peak_c, e.peak_k = e.conc, e.kv
   save_ent(key, e)
   return reply
 end
@@ -118,7 +120,7 @@ end
 local function set_scores()
   local name = ARGV[A.name]
   redis.call('HSET', ent_key(name), 'debt', ARGV[A.debt], 'burst', ARGV[A.burst],
-    'priority', ARGV[A.priority])
+    'priority', ARGV[A.priority], 'peak_c', ARGV[A.peak_c], 'peak_k', ARGV[A.peak_k])
   redis.call('ZADD', P .. ':low', 'XX', ARGV[A.priority], name)
   return 'ok'
 end
@@ -151,7 +153,8 @@ if op == 'get_lease' then
   return lease_reply(ARGV[A.id], l)
 end
 if op == 'scores' then
-  return redis.call('HMGET', ent_key(ARGV[A.name]), 'debt', 'burst', 'priority')
+  return redis.call('HMGET', ent_key(ARGV[A.name]), 'debt', 'burst', 'priority', 'peak_c',
+    'peak_k')
 end
 if op == 'set_scores' then return set_scores() end
 if op == 'take_window' then return take_window(now) end

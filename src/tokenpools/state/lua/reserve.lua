@@ -60,6 +60,14 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
     end
     if used_k - pre_k + hold_k + kv > plan.nonpreemptible_kv then return contended('reserved_kv') end
     if unreserved < plan.nonpreemptible_bucket_floor then return contended('reserved_throughput') end
+    -- surplus work borrows the unused baselines only as far as the plan lends them
+    if hold_c > plan.backfill_concurrency
+      and used_c + hold_c - plan.backfill_concurrency + 1 > plan.shared_concurrency then
+      return contended('reserved_concurrency')
+    end
+    if hold_k > plan.backfill_kv and used_k + hold_k - plan.backfill_kv + kv > plan.shared_kv then
+      return contended('reserved_kv')
+    end
     if used_c + 1 > plan.shared_concurrency then return contended('pool_concurrency') end
     if used_k + kv > plan.shared_kv then return contended('pool_kv') end
     if p.b_level - tokens < plan.shared_bucket_floor then return contended('pool_throughput') end
