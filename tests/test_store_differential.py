@@ -32,6 +32,8 @@ def plans(draw: Any) -> ReservePlan:
             values[f.name] = draw(st.sampled_from([False, False, True]))
         elif f.name == "contention_window_s":
             values[f.name] = draw(st.sampled_from([0.0, 5.0]))
+        elif f.name == "priority_margin":
+            values[f.name] = draw(st.sampled_from([1.0, 1.2]))
         elif f.name.endswith("bucket_floor") or f.name == "contended_bucket":
             values[f.name] = draw(st.sampled_from([-INF, -INF, 0.0, 100.0]))
         else:
@@ -46,7 +48,7 @@ REACHED: Counter[str] = Counter()  # which branches the generated steps took
 def tight_plans(draw: Any) -> ReservePlan:
     """Open but for a few pool limits: full pools, evictions and overcommit happen."""
     values: dict[str, Any] = {f.name: INF for f in fields(ReservePlan)}
-    values.update(own_required=False, contention_window_s=5.0)
+    values.update(own_required=False, contention_window_s=5.0, priority_margin=1.0)
     for name in ("reserved_bucket_floor", "overcommit_bucket_floor", "shared_bucket_floor",
                  "nonpreemptible_bucket_floor", "contended_bucket"):  # fmt: skip
         values[name] = -INF
@@ -68,7 +70,7 @@ def tight_plans(draw: Any) -> ReservePlan:
 OPEN = ReservePlan(**{
     f.name: -INF if "floor" in f.name or f.name == "contended_bucket" else INF
     for f in fields(ReservePlan)
-} | {"own_required": False, "contention_window_s": 0.0})  # fmt: skip
+} | {"own_required": False, "contention_window_s": 0.0, "priority_margin": 1.0})  # fmt: skip
 
 
 def close(a: float, b: float) -> bool:

@@ -36,6 +36,7 @@ OPEN = ReservePlan(
     contended_kv=INF,
     contended_bucket=-INF,
     contention_window_s=2.0,
+    priority_margin=1.0,
 )
 
 events = st.lists(

@@ -85,6 +85,7 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         contended_kv=cap.kv_tokens * (1.0 - policy.headroom),
         contended_bucket=policy.headroom * depth,
         contention_window_s=policy.contention_window_s,
+        priority_margin=1.0 + policy.priority_margin,
     )
 
 
@@ -134,5 +135,6 @@ def fallback_limits(
         contended_kv=INF,
         contended_bucket=-INF,
         contention_window_s=0.0,
+        priority_margin=1.0,
     )
     return plan, BucketSpec(own.rate * fraction, own.depth * fraction)

@@ -97,6 +97,8 @@ class ReservePlan:
     contended_kv: float
     contended_bucket: float  # pool minus protected bucket below this: contended
     contention_window_s: float  # a refusal this recent counts as unmet demand
+    # check 5 compares the request's priority × this: within it, priorities count as equal
+    priority_margin: float
 
 
 # Counter snapshots are built on every rejected request: plain slotted classes, since a frozen

@@ -237,6 +237,7 @@ class PolicySpec(_Strict):
     burstWindowS: Pos = 60.0
     headroom: Fraction = 0.25
     contentionWindowS: Pos = 0.5
+    priorityMargin: NonNeg = 0.2
     overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
     backfillWindowS: NonNeg = 20.0
     elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
@@ -265,6 +266,7 @@ class PolicySpec(_Strict):
             burst_window_s=self.burstWindowS,
             headroom=self.headroom,
             contention_window_s=self.contentionWindowS,
+            priority_margin=self.priorityMargin,
             overcommit=self.overcommit,
             backfill_window_s=self.backfillWindowS,
             elastic_oversubscription=self.elasticOversubscription,

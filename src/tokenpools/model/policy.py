@@ -23,6 +23,8 @@ class Policy:
     burst_window_s: float = 60.0  # token-bucket depth = rate × this (TPM-like)
     headroom: float = 0.25  # near full: within this fraction of capacity
     contention_window_s: float = 0.5  # a refusal this recent is unmet demand (check 5)
+    # check 5: a request yields only to priorities above its own by more than this fraction
+    priority_margin: float = 0.2
     overcommit: float = 0.1  # protected classes may exceed capacity by this fraction
     # preemptible work borrows an unused protected baseline only where its owner has not been
     # within this long (control/backfill.py); 0: all of it

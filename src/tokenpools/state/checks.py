@@ -74,7 +74,9 @@ def first_shortfall(
             used_c + hold_c + 1 > plan.contended_concurrency
             or used_k + hold_k + kv > plan.contended_kv
             or unreserved < plan.contended_bucket
-        ) and p.outranked(e.name, e.priority, now - plan.contention_window_s, ents):
+        ) and p.outranked(
+            e.name, e.priority * plan.priority_margin, now - plan.contention_window_s, ents
+        ):
             p.note_refusal(e.name, e.priority, now)
             return Shortfall.LOW_PRIORITY
         # What is held for protected baselines first: evicting preemptible work cannot

@@ -51,7 +51,7 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
     if (used_c + hold_c + 1 > plan.contended_concurrency
         or used_k + hold_k + kv > plan.contended_kv
         or unreserved < plan.contended_bucket)
-        and outranked(name, e.priority, now - plan.contention_window_s) then
+        and outranked(name, e.priority * plan.priority_margin, now - plan.contention_window_s) then
       return contended('low_priority')
     end
     -- What is held for protected baselines first: evicting preemptible work cannot help there.
