@@ -64,6 +64,9 @@ def test_pools_spread_over_shards_and_decide_as_in_memory(shards: RedisCluster) 
                 {"name": p, "model": "Llama-3.1-8B", "perReplica": per_replica} for p in pools
             ],
             "entitlements": [entitlement(p, cls) for p in pools for cls in CLASSES],
+            # every idle baseline lent, so that guaranteed requests evict preemptible work
+            # here; the lending limits are compared in tests/test_store_differential.py
+            "policy": {"backfillWindowS": 0},
         }
     )
     store = RedisStore(shards.url, timeout_s=1.0, prefix="diff")
