@@ -108,6 +108,28 @@ def phase_table(scenario: Scenario, block: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def waste_table(scenario: Scenario, summary: dict[str, Any]) -> str | None:
+    """Per policy, what became of the preemptible tenants' admitted work; None without any."""
+    block = next(iter(summary["policies"].values()))
+    names = [t.name for t in scenario.tenants if block["tenants"][t.name]["class"] == "preemptible"]
+    if not names:
+        return None
+    head = ["policy", "admitted", "completed", "completed / admitted", "evicted"]
+    head += ["output tokens wasted", "slot-seconds wasted"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for policy, b in summary["policies"].items():
+        t = [b["tenants"][n]["totals"] for n in names]
+        admitted, completed = sum(x["admitted"] for x in t), sum(x["completed"] for x in t)
+        cells = [f"`{policy}`", str(admitted), str(completed)]
+        cells.append(_fmt(completed / admitted if admitted else None))
+        cells.append(str(sum(x["evicted"] for x in t)))
+        cells.append(f"{sum(x['wasted_output_tokens'] for x in t):,}")
+        cells.append(f"{sum(x['wasted_slot_s'] for x in t):,.0f}")
+        rows.append("| " + " | ".join(cells) + " |")
+    who = ", ".join(names) if len(names) <= 3 else f"{len(names)} tenants"
+    return f"Preemptible work ({who}):\n\n" + "\n".join(rows)
+
+
 def autoscaling_table(scenario: Scenario, summary: dict[str, Any]) -> str:
     """Replicas used against the static peak, and the protected tenants' SLO attainment."""
     spec = scenario.autoscaling
@@ -144,6 +166,9 @@ def scenario_report(scenario: Scenario, summary: dict[str, Any], figures: list[s
     ]
     if scenario.autoscaling is not None:
         parts += [autoscaling_table(scenario, summary), ""]
+    waste = waste_table(scenario, summary)
+    if waste is not None:
+        parts += [waste, ""]
     fairness = [
         f"`{p}` {b['jain_index']:.3f}"
         for p, b in summary["policies"].items()
