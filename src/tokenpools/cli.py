@@ -13,6 +13,7 @@ from tokenpools.commands.backend import backend_app
 from tokenpools.commands.common import fail, progress
 from tokenpools.commands.config import CONFIG_COMMANDS
 from tokenpools.commands.k8s import k8s_app, operator
+from tokenpools.commands.top import top
 from tokenpools.model.config import ConfigError
 from tokenpools.resources import SCENARIOS, scenario_path
 
@@ -265,6 +266,7 @@ for name, command in CONFIG_COMMANDS.items():
 app.add_typer(backend_app, name="backend")
 app.add_typer(k8s_app, name="k8s")
 app.command()(operator)
+app.command()(top)
 
 if __name__ == "__main__":
     app()

@@ -17,13 +17,17 @@ from tokenpools.model.resources import Resources
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
+def not_admin() -> web.Response:
+    return error(401, "admin key required", "invalid_request_error", "invalid_api_key")
+
+
 def admin_only(report: Callable[[Gateway], dict[str, Any]]) -> Handler:
     """A handler that answers admins with `report`, computed where store reads may wait."""
 
     async def guarded(request: web.Request) -> web.Response:
         gw = request.app[GATEWAY]
         if not gw.is_admin(request):
-            return error(401, "admin key required", "invalid_request_error", "invalid_api_key")
+            return not_admin()
         try:
             return web.json_response(await gw.ledger.background(report, gw))
         except StoreUnavailable as exc:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from tokenpools.gateway import dashboard
 from tokenpools.gateway.admin import admin_entitlements, admin_pools
 from tokenpools.gateway.inference import inference
 from tokenpools.gateway.responses import error, invalid_key, openai_errors
@@ -107,6 +108,7 @@ def make_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/pools", admin_pools)
     app.router.add_get("/admin/entitlements", admin_entitlements)
+    dashboard.add_routes(app)
 
     async def background(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)

@@ -110,10 +110,10 @@ async def _answer(
     record.pool = pool_name
     prompt_tokens = record.counted_prompt_tokens = await gw.prompt_tokens(pool_name, body, path)
     requested = 0 if path == EMBEDDINGS else max_tokens(body)
-    decision = await gw.ledger.admit(
-        entitlement, RequestCost(prompt_tokens, requested, count), gw.clock()
-    )
+    now = gw.clock()
+    decision = await gw.ledger.admit(entitlement, RequestCost(prompt_tokens, requested, count), now)
     gw.metrics.decided(entitlement, decision)
+    gw.history.decided(entitlement, decision, now)
     record.decided(decision)
     if isinstance(decision, Reject):
         return rejection(decision)

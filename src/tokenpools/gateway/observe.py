@@ -13,6 +13,7 @@ from tokenpools.control.decisions import Admit, Decision
 
 if TYPE_CHECKING:
     from tokenpools.gateway.exchange import Exchange
+    from tokenpools.gateway.history import History
     from tokenpools.gateway.metrics import GatewayMetrics
 
 ACCESS = logging.getLogger("tokenpools.access")
@@ -68,12 +69,15 @@ class RequestRecord:
 
 
 class RequestObserver:
-    def __init__(self, metrics: GatewayMetrics, access_log: bool = True) -> None:
+    def __init__(self, metrics: GatewayMetrics, history: History, access_log: bool = True) -> None:
         self.metrics = metrics
+        self.history = history
         self.access_log = access_log
 
     def request(self, record: RequestRecord) -> None:
         self.metrics.finished(record)
+        if record.ttft_s is not None and record.entitlement is not None:
+            self.history.first_token(record.entitlement, record.ttft_s)
         if self.access_log and ACCESS.isEnabledFor(logging.INFO):
             ACCESS.info("%s", record, extra={"access": record})  # formatted only if emitted
 

@@ -5,6 +5,7 @@ Work that touches the store goes through `GatewayLedger`, so the event loop neve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -19,8 +20,10 @@ from aiohttp import web
 
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.feedback import next_fraction
-from tokenpools.control.store import Lease
+from tokenpools.control.snapshot import snapshot
+from tokenpools.control.store import Lease, StoreUnavailable
 from tokenpools.gateway.backends import BackendPool
+from tokenpools.gateway.history import History
 from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.gateway.observe import RequestObserver
@@ -90,7 +93,9 @@ class Gateway:
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.counters = self._counters(self.config)
         self.metrics = GatewayMetrics(self)
-        self.observe = RequestObserver(self.metrics, self.access_log)
+        self.history = History(self.replica)
+        self._next_sample = 0.0
+        self.observe = RequestObserver(self.metrics, self.history, self.access_log)
         self.model_pool = self._models(self.config)
 
     @staticmethod
@@ -186,6 +191,10 @@ class Gateway:
         result = await self.ledger.background(self.core.tick, now)
         for lease in result.expired:
             self.evict(lease.lease_id)
+        if now >= self._next_sample:  # the dashboard's history: one sample per update period
+            self._next_sample = now + self.core.policy.update_period_s
+            with contextlib.suppress(StoreUnavailable):
+                self.history.sample(await self.ledger.background(snapshot, self.core, now))
         if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
             self._next_renewal = now + self.core.policy.lease_ttl_s / 4
             handles = list(self.admitted_requests.items())
