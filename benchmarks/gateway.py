@@ -3,7 +3,8 @@
 An emulator with no step delay (`--speed 0`) and the gateway run as separate processes on
 loopback; this process is the client. For each mode (non-streaming, streaming) and target
 (straight to the emulator; through this checkout's gateway, with and without its access log;
-through a baseline checkout's, if given) it sends 200 req/s open loop for a few seconds and
+through a baseline checkout's, if given; through this checkout's gateway while a dashboard
+page polls its /admin/history every 2 s) it sends 200 req/s open loop for a few seconds and
 records each request's end-to-end latency, and the CPU the gateway process spent; the
 difference to `direct` is what a gateway adds. Then `max_rps`: closed loop with 64 concurrent
 non-streaming requests per target. Repeats interleave the targets. Both gateways run from
@@ -36,7 +37,9 @@ from tokenpools.processes import free_port, stop, wait_ready
 
 ROOT = Path(__file__).parent.parent
 KEY = "sk-bench"
+ADMIN_KEY = "sk-bench-admin"
 MODEL = "bench"
+DASHBOARD = "gateway-dashboard-open"  # the same gateway process as `gateway`, with a page polling
 
 
 def body(stream: bool) -> dict[str, Any]:
@@ -96,6 +99,7 @@ def bench_config(backend: str, state: dict[str, Any] | None = None) -> dict[str,
     """One pool too large to ever refuse, one key: what is measured is the gateway itself."""
     return {
         "state": state or {},
+        "gateway": {"adminKeys": [hash_key(ADMIN_KEY)]},
         "pools": [
             {
                 "name": "bench",
@@ -110,6 +114,25 @@ def bench_config(backend: str, state: dict[str, Any] | None = None) -> dict[str,
              "concurrency": 1e5, "apiKeys": [hash_key(KEY)]}
         ],
     }  # fmt: skip
+
+
+async def with_page_open(url: str, work: Any) -> Any:
+    """`work`, while a dashboard page polls `url`'s /admin/history as the page does."""
+
+    async def poll() -> None:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        async with aiohttp.ClientSession() as session:
+            while True:
+                async with session.get(f"{url}/admin/history", headers=headers) as r:
+                    assert r.status == 200, r.status
+                    await r.read()
+                await asyncio.sleep(2.0)
+
+    poller = asyncio.create_task(poll())
+    try:
+        return await work
+    finally:
+        poller.cancel()
 
 
 def spawn_pinned(args: list[str], src: Path | None, cpus: str | None) -> subprocess.Popen[bytes]:
@@ -164,13 +187,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             proc = spawn_pinned(serve, src, pin_gw)
             gateways[name] = (f"http://127.0.0.1:{port}", proc)
             await wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
-        targets = {"direct": (emu_url, None), **gateways}
+        targets = {"direct": (emu_url, None), **gateways, DASHBOARD: gateways["gateway"]}
         runs: dict[tuple[str, str], list[tuple[list[float], float]]] = {}
         for _ in range(args.repeats):  # interleaved, so drift in the machine hits every target
             for stream in (False, True):
                 mode = "streaming" if stream else "non-streaming"
                 for target, (url, proc) in targets.items():
                     work = fixed_rate(url, stream, args.rate, args.seconds)
+                    if target == DASHBOARD:
+                        work = with_page_open(url, work)
                     runs.setdefault((mode, target), []).append(await measured(proc, work))
         rows = []
         for (mode, target), got in runs.items():
@@ -196,7 +221,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ceilings: dict[str, Any] = {}
         for _ in range(args.repeats):
             for target, (url, proc) in targets.items():
-                done, cpu = await measured(proc, closed_loop(url, 64, args.seconds))
+                work = closed_loop(url, 64, args.seconds)
+                if target == DASHBOARD:
+                    work = with_page_open(url, work)
+                done, cpu = await measured(proc, work)
                 entry = ceilings.setdefault(target, {"runs": [], "cpu_ms_per_req": []})
                 entry["runs"].append(done)
                 if proc is not None:

@@ -3,13 +3,14 @@ update period of every pool and entitlement, in a ring buffer of `length` sample
 refusals. Decisions are counted as they are made (a dict increment each); everything else is
 read from a `Snapshot` when a sample is taken, off the admission path.
 
-Memory: a sample holds ~10 numbers per pool and ~15 plus one per refusal reason per
-entitlement, so `length` = 120 samples (10 minutes at the default 5 s period) of 50
-entitlements is ~1 MB of Python objects; `refusals` keeps 50 entries.
+Memory: `length` = 120 samples (10 minutes at the default 5 s period) of one pool and 50
+entitlements measured 4.2 MB with tracemalloc, and stayed there over 300 periods (~35 KB a
+sample, growing with the entitlements); `refusals` keeps 50 entries.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +119,7 @@ class History:
                 "in_flight": p.in_flight,
                 "reserved": {"concurrency": p.reserved_concurrency, "kv_tokens": p.reserved_kv},
                 "held_back": {"concurrency": p.holdback_concurrency, "kv_tokens": p.holdback_kv},
+                "bucket_tokens": None if math.isinf(p.bucket_tokens) else p.bucket_tokens,
                 "utilization": (
                     p.reserved_concurrency / p.capacity.concurrency
                     if p.capacity.concurrency > 0

@@ -4,11 +4,12 @@
 
 const KEY = "tokenpools-admin-key";
 const POLL_MS = 2000;
+// [title, kind, digits]; admitted and refused are this replica's, the rest the pool's
 const COLUMNS = [
   ["entitlement", "text"], ["pool", "text"], ["class", "text"], ["state", "text"],
-  ["baseline", "num"], ["in flight", "num"], ["priority", "num"], ["debt", "num"],
-  ["burst", "num"], ["admitted/s", "num"], ["refused/s", "num"], ["refused", "num"],
-  ["TTFT p50", "num"], ["TTFT p99", "num"],
+  ["baseline", "num", 0], ["in flight", "num", 0], ["priority", "num", 1], ["debt", "num", 3],
+  ["burst", "num", 2], ["admitted/s", "num", 2], ["refused/s", "num", 2], ["refused", "num", 0],
+  ["refused by reason (/s)", "text"], ["TTFT p50", "num", 2], ["TTFT p99", "num", 2],
 ];
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
   "#7f7f7f", "#bcbd22", "#17becf"];
@@ -67,7 +68,8 @@ function render(history) {
   const latest = history.samples[history.samples.length - 1];
   const store = history.store.up ? "up" : "DOWN";
   $("status").textContent = `replica ${history.replica} · store ${history.store.backend} ${store}`
-    + ` · ${history.samples.length} samples every ${history.update_period_s} s`;
+    + ` · ${history.samples.length} samples every ${history.update_period_s} s · pool figures are`
+    + " the shared store's, admitted and refused this replica's";
   $("status").className = history.store.up ? "" : "down";
   if (!latest) return;
   renderPools(latest, history.backends);
@@ -79,12 +81,14 @@ function render(history) {
   chart("debt", times, names, history.samples, (e) => e.debt);
   chart("refused", times, names, history.samples, (e) => sum(e.refused_per_s));
   for (const pool of Object.keys(latest.pools)) {
-    chart(`pool-${pool}`, times, ["reserved", "held back", "capacity"], history.samples, null,
-      (s, series) => {
-        const p = s.pools[pool];
-        if (!p) return null;
-        return [p.reserved.concurrency, p.held_back.concurrency, p.capacity.concurrency][series];
-      });
+    for (const [dimension, id] of [["concurrency", "pool"], ["kv_tokens", "kv"]]) {
+      chart(`${id}-${pool}`, times, ["in flight", "held back", "capacity"], history.samples,
+        null, (s, series) => {
+          const p = s.pools[pool];
+          if (!p) return null;
+          return [p.reserved[dimension], p.held_back[dimension], p.capacity[dimension]][series];
+        });
+    }
   }
 }
 
@@ -96,7 +100,8 @@ function renderPools(latest, backends) {
       card = document.createElement("div");
       card.className = "pool";
       card.id = `pool-card-${name}`;
-      card.innerHTML = `<h3></h3><dl></dl><div id="chart-pool-${name}"></div>`;
+      card.innerHTML = `<h3></h3><dl></dl><h4>sequences</h4><div id="chart-pool-${name}"></div>`
+        + `<h4>KV tokens</h4><div id="chart-kv-${name}"></div>`;
       holder.append(card);
     }
     card.querySelector("h3").textContent = `${name}`;
@@ -107,7 +112,8 @@ function renderPools(latest, backends) {
       ["slots", `${fmt(p.reserved.concurrency, 0)} of ${fmt(p.capacity.concurrency, 0)} in flight`
         + `, ${fmt(p.held_back.concurrency, 0)} held back`],
       ["KV tokens", `${fmt(p.reserved.kv_tokens, 0)} of ${fmt(p.capacity.kv_tokens, 0)}`],
-      ["tokens/s", fmt(p.capacity.tokens_per_s, 0)],
+      ["tokens/s", `${fmt(p.capacity.tokens_per_s, 0)} capacity, bucket `
+        + `${p.bucket_tokens === null ? "unlimited" : fmt(p.bucket_tokens, 0)}`],
       ["backends", `${healthy} of ${(backends[name] || []).length} healthy`],
     ];
     card.querySelector("dl").replaceChildren(...rows.flatMap(([k, v]) => {
@@ -121,8 +127,13 @@ function renderPools(latest, backends) {
 }
 
 function rowOf(name, e) {
+  const reasons = Object.entries(e.refused_per_s)
+    .filter(([, rate]) => rate)
+    .map(([reason, rate]) => `${reason} ${fmt(rate, 1)}`)
+    .join(", ");
   return [name, e.pool, e.class, e.state, e.baseline_concurrency, e.in_flight, e.priority, e.debt,
-    e.burst, e.admitted_per_s, sum(e.refused_per_s), e.refused_total, e.ttft_p50_s, e.ttft_p99_s];
+    e.burst, e.admitted_per_s, sum(e.refused_per_s), e.refused_total, reasons, e.ttft_p50_s,
+    e.ttft_p99_s];
 }
 
 function renderEntitlements(latest) {
@@ -157,7 +168,7 @@ function renderEntitlements(latest) {
       const kind = COLUMNS[c][1];
       td.className = kind === "text" ? "text" : "";
       td.dataset.column = COLUMNS[c][0];
-      td.textContent = kind === "text" ? value : fmt(value, c === 11 ? 0 : 2);
+      td.textContent = kind === "text" ? value : fmt(value, COLUMNS[c][2]);
       tr.append(td);
     });
     return tr;
@@ -197,7 +208,8 @@ function chart(id, times, names, samples, pick, point) {
   const series = [{}].concat(names.map((name, n) => ({
     label: name, stroke: PALETTE[n % PALETTE.length], width: 1.5, spanGaps: true,
   })));
-  state.charts[id] = new uPlot({ width: 460, height: 220, series }, data, $(`chart-${id}`));
+  const axes = [{}, { size: 70 }];  // room for labels such as 65,536
+  state.charts[id] = new uPlot({ width: 460, height: 220, series, axes }, data, $(`chart-${id}`));
 }
 
 $("login").addEventListener("submit", (event) => {
