@@ -69,6 +69,9 @@ def test_the_core_install_serves_without_the_sim_extra(tmp_path: Path) -> None:
         )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
+        # the dashboard's files are package data: served from the installed package
+        for page in ("dashboard", "dashboard/dashboard.js", "dashboard/vendor/uPlot.iife.min.js"):
+            assert httpx.get(f"{url}/{page}").status_code == 200, page
     finally:
         emulator.terminate()
         gateway.terminate()
