@@ -3,11 +3,13 @@ SSH: the latest sample of `/admin/history` of one gateway replica, redrawn every
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import urllib.error
+import urllib.request
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.console import Group
 from rich.live import Live
@@ -21,19 +23,18 @@ def _n(x: float | None, digits: int = 2) -> str:
 
 
 def fetch(url: str, key: str) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/admin/history", headers={"Authorization": f"Bearer {key}"}
+    )
     try:
-        r = httpx.get(
-            f"{url.rstrip('/')}/admin/history",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=5.0,
-        )
-    except httpx.HTTPError as exc:
+        with urllib.request.urlopen(request, timeout=5.0) as r:
+            data: dict[str, Any] = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            fail("the gateway refused that admin key")
+        fail(f"{url}/admin/history answered {exc.code}: {exc.read()[:200]!r}")
+    except (urllib.error.URLError, OSError) as exc:
         fail(f"cannot reach {url}: {exc}")
-    if r.status_code == 401:
-        fail("the gateway refused that admin key")
-    if r.status_code != 200:
-        fail(f"{url}/admin/history answered {r.status_code}: {r.text[:200]}")
-    data: dict[str, Any] = r.json()
     return data
 
 
