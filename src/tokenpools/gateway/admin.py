@@ -10,6 +10,7 @@ from aiohttp import web
 
 from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
+from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.responses import error, retry_after
 from tokenpools.gateway.runtime import GATEWAY, Gateway
 from tokenpools.model.resources import Resources
@@ -42,6 +43,13 @@ def admin_only(report: Callable[[Gateway], dict[str, Any]]) -> Handler:
     return guarded
 
 
+def backends_json(pool: BackendPool) -> list[dict[str, Any]]:
+    return [
+        {"url": b.spec.url, "healthy": b.healthy, "in_flight": b.open_requests}
+        for b in pool.backends
+    ]
+
+
 def _resources(r: Resources | None) -> dict[str, float] | None:
     if r is None:
         return None
@@ -62,10 +70,7 @@ def admin_pools(gw: Gateway) -> dict[str, Any]:
             "slo_reference_ms": p.slo_reference_ms,
             "desired_replicas": p.desired_replicas,
             "capacity_fraction": gw.capacity_fraction.get(name, 1.0),
-            "backends": [
-                {"url": b.spec.url, "healthy": b.healthy, "in_flight": b.open_requests}
-                for b in gw.pools[name].backends
-            ],
+            "backends": backends_json(gw.pools[name]),
         }
     return out
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenpools.gateway.admin import not_admin
+from tokenpools.gateway.admin import backends_json, not_admin
 from tokenpools.gateway.runtime import GATEWAY
 
 FILES = files("tokenpools.gateway") / "dashboard"
@@ -47,13 +47,7 @@ async def admin_history(request: web.Request) -> web.Response:
         "backend": gw.config.state.backend,
         "up": await gw.ledger.store_answers(gw.clock()),
     }
-    body["backends"] = {
-        name: [
-            {"url": b.spec.url, "healthy": b.healthy, "in_flight": b.open_requests}
-            for b in pool.backends
-        ]
-        for name, pool in gw.pools.items()
-    }
+    body["backends"] = {name: backends_json(pool) for name, pool in gw.pools.items()}
     return web.json_response(body)
 
 

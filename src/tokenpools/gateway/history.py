@@ -130,6 +130,8 @@ class History:
         }
         self.samples.append({"at": snap.at, "pools": pools, "entitlements": ents})
         self._last = (snap.at, totals)
+        for gone in self._counts.keys() - snap.entitlements.keys():  # removed by a reload
+            del self._counts[gone]
 
     def as_json(self) -> dict[str, Any]:
         return {
