@@ -16,6 +16,7 @@ from tokenpools.cli import app
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.snapshot import snapshot
 from tokenpools.gateway.history import History
+from tokenpools.model.request import Usage
 from tokenpools.state.memory import MemoryStore
 
 
@@ -29,7 +30,7 @@ def test_history_keeps_a_bounded_number_of_samples_with_rates_since_the_last() -
             d = core.admit("gold", SMALL, t)
             history.decided("gold", d, t)
             assert d.admitted
-            core.release(d.lease.lease_id, t)  # type: ignore[union-attr]
+            core.settle(d.lease.lease_id, Usage(64, 64), t)  # type: ignore[union-attr]
         history.first_token("gold", 0.1 * (period % 3 + 1))
         core.tick(t)
         history.sample(snapshot(core, t))
@@ -39,6 +40,7 @@ def test_history_keeps_a_bounded_number_of_samples_with_rates_since_the_last() -
     assert gold["admitted_per_s"] == 4 / 5.0 and gold["admitted_total"] == 200
     assert gold["refused_per_s"] == {} and gold["ttft_p50_s"] == 0.2
     assert last["pools"]["p"]["capacity"]["concurrency"] == 16
+    assert last["pools"]["p"]["tokens_per_s_used"] == 4 * 128 / 5.0  # settled in the period
     # Refusals: counted per reason, the last ones kept (at most `refusals`).
     spot = [core.admit("spot", SMALL, t + 1) for _ in range(16)]
     for d in spot:

@@ -99,6 +99,8 @@ def test_the_dashboard_shows_the_pool_live_and_nothing_without_the_key(
             wait_until(lambda: page.evaluate(points) >= 3, 20)
             drawn = "() => window.tokenpools.charts['pool-pool'].data[1].filter(v => v > 0).length"
             assert page.evaluate(drawn) > 0  # slots in flight were drawn
+            settled = "() => window.tokenpools.charts['tps-pool'].data[1].filter(v => v > 0).length"
+            wait_until(lambda: page.evaluate(settled) > 0, 20)  # tokens/s settled were drawn
             # The table sorts by a column header: priority, highest first, then lowest first.
             first_row = page.locator("#entitlements tbody tr").first
             page.click('#entitlements th:text-is("priority")')

@@ -107,6 +107,10 @@ class History:
                 "ttft_p50_s": _quantile(ttfts, 0.5),
                 "ttft_p99_s": _quantile(ttfts, 0.99),
             }
+        used: dict[str, float] = {}  # tokens/s settled in the last update period, per pool
+        for e in snap.entitlements.values():
+            if e.used is not None:
+                used[e.pool] = used.get(e.pool, 0.0) + e.used.throughput
         pools = {
             name: {
                 "replicas": p.replicas,
@@ -120,6 +124,7 @@ class History:
                 "reserved": {"concurrency": p.reserved_concurrency, "kv_tokens": p.reserved_kv},
                 "held_back": {"concurrency": p.holdback_concurrency, "kv_tokens": p.holdback_kv},
                 "bucket_tokens": None if math.isinf(p.bucket_tokens) else p.bucket_tokens,
+                "tokens_per_s_used": used.get(name),
                 "utilization": (
                     p.reserved_concurrency / p.capacity.concurrency
                     if p.capacity.concurrency > 0

@@ -89,6 +89,11 @@ function render(history) {
           return [p.reserved[dimension], p.held_back[dimension], p.capacity[dimension]][series];
         });
     }
+    chart(`tps-${pool}`, times, ["used", "capacity"], history.samples, null, (s, series) => {
+      const p = s.pools[pool];
+      if (!p) return null;
+      return [p.tokens_per_s_used, p.capacity.tokens_per_s][series];
+    });
   }
 }
 
@@ -101,7 +106,8 @@ function renderPools(latest, backends) {
       card.className = "pool";
       card.id = `pool-card-${name}`;
       card.innerHTML = `<h3></h3><dl></dl><h4>sequences</h4><div id="chart-pool-${name}"></div>`
-        + `<h4>KV tokens</h4><div id="chart-kv-${name}"></div>`;
+        + `<h4>KV tokens</h4><div id="chart-kv-${name}"></div>`
+        + `<h4>tokens/s (settled in the last period)</h4><div id="chart-tps-${name}"></div>`;
       holder.append(card);
     }
     card.querySelector("h3").textContent = `${name}`;
