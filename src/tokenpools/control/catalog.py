@@ -175,7 +175,7 @@ class Catalog:
                     max_kv=max_kv,
                 )
                 self._refresh_priority(ent.name, now)
-            self._arrange_preemptible(view)
+            self._arrange_surplus(view)
         self._next_expiry = min(
             (
                 v.ent.expires_at
@@ -186,13 +186,16 @@ class Catalog:
         )
         return changed
 
-    def _arrange_preemptible(self, view: PoolView) -> None:
+    def _arrange_surplus(self, view: PoolView) -> None:
         """From the members' latest scores: the order preemptible entitlements are evicted in,
-        and how much of the unused protected baselines surplus work may borrow."""
+        and how much of the unused protected baselines surplus work (spot, preemptible) may
+        borrow."""
         members = [self._ents[n] for n in view.members]
-        names = [m.ent.name for m in members if m.preemptible]
-        view.preemptible_order = sorted(names, key=lambda n: (self._ents[n].priority, n))
-        view.preemptible_priorities = [self._ents[n].priority for n in view.preemptible_order]
+        evictable = sorted(
+            (m for m in members if m.preemptible), key=lambda m: (m.priority, m.ent.name)
+        )
+        view.preemptible_order = [m.ent.name for m in evictable]
+        view.preemptible_priorities = [m.priority for m in evictable]
         owners = [
             (m.ent.baseline, m.scores)
             for m in members

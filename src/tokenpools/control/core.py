@@ -301,14 +301,14 @@ class DecisionCore(Catalog):
                 if self.store.claim_update(name, period, now):
                     self._update_scores(pool_view, now)
                     updated.append(name)
-                    self._arrange_preemptible(pool_view)
+                    self._arrange_surplus(pool_view)
                 else:  # another replica updates them: read them once it has, next tick
                     pool_view.scores_pending = True
             elif pool_view.scores_pending:
                 pool_view.scores_pending = False
                 for member in pool_view.members:
                     self._adopt_scores(self._ents[member], self.store.scores(member, now))
-                self._arrange_preemptible(pool_view)
+                self._arrange_surplus(pool_view)
         return updated
 
     def _update_scores(self, pool_view: PoolView, now: float) -> None:

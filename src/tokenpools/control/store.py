@@ -134,7 +134,8 @@ class Window:
     admitted_tokens: float  # reserved at admission (n_in + max_tokens, weighted)
     concurrency_seconds: float  # ∫ in-flight dt
     kv_seconds: float  # ∫ reserved KV dt
-    peak_concurrency: float = 0.0  # the most in flight at once during the period
+    # the most in flight at once during the period; kept for protected entitlements only
+    peak_concurrency: float = 0.0
     peak_kv: float = 0.0
 
 
@@ -144,7 +145,7 @@ class Scores:
     burst: float = 0.0
     priority: float = 0.0
     # A protected entitlement's recent peak in flight (control/backfill.py): what of its
-    # unused baseline preemptible work may not borrow.
+    # unused baseline surplus work (spot, preemptible) may not borrow.
     peak_concurrency: float = 0.0
     peak_kv: float = 0.0
 

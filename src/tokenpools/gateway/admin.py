@@ -51,9 +51,7 @@ def backends_json(pool: BackendPool) -> list[dict[str, Any]]:
 
 
 def _resources(r: Resources | None) -> dict[str, float] | None:
-    if r is None:
-        return None
-    return {"tokens_per_s": r.throughput, "kv_tokens": r.kv_tokens, "concurrency": r.concurrency}
+    return None if r is None else r.as_dict()
 
 
 @admin_only

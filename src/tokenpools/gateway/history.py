@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenpools.control.decisions import Admit, Decision
-from tokenpools.control.snapshot import Snapshot
+from tokenpools.control.snapshot import EntitlementSnapshot, PoolSnapshot, Snapshot
 
 LENGTH = 120
 REFUSALS = 50
@@ -32,9 +32,62 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 @dataclass
 class _Counts:
+    """One entitlement's decisions on this replica, and their totals when last sampled."""
+
     admitted: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=TTFTS))
+    sampled_admitted: int = 0
+    sampled_refused: Counter[str] = field(default_factory=Counter)
+
+
+def _per_s(n: int, seconds: float) -> float | None:
+    return n / seconds if seconds > 0 else None
+
+
+def _entitlement_sample(e: EntitlementSnapshot, c: _Counts, seconds: float) -> dict[str, Any]:
+    """The entitlement's figures, with its decisions per second since the last sample and the
+    TTFTs seen since then (both taken: the next sample starts afresh)."""
+    ttfts = list(c.ttfts)
+    c.ttfts.clear()
+    sample = {
+        "pool": e.pool,
+        "class": e.service_class,
+        "state": e.state,
+        "baseline_concurrency": e.baseline.concurrency,
+        "in_flight": e.in_flight,
+        "priority": e.priority,
+        "debt": e.debt,
+        "burst": e.burst,
+        "admitted_per_s": _per_s(c.admitted - c.sampled_admitted, seconds),
+        "refused_per_s": {
+            reason: _per_s(n - c.sampled_refused[reason], seconds)
+            for reason, n in c.refused.items()
+        },
+        "admitted_total": c.admitted,
+        "refused_total": sum(c.refused.values()),
+        "ttft_p50_s": _quantile(ttfts, 0.5),
+        "ttft_p99_s": _quantile(ttfts, 0.99),
+    }
+    c.sampled_admitted, c.sampled_refused = c.admitted, c.refused.copy()
+    return sample
+
+
+def _pool_sample(p: PoolSnapshot, tokens_per_s_used: float | None) -> dict[str, Any]:
+    capacity = p.capacity
+    return {
+        "replicas": p.replicas,
+        "desired_replicas": p.desired_replicas,
+        "capacity": capacity.as_dict(),
+        "in_flight": p.in_flight,
+        "reserved": {"concurrency": p.reserved_concurrency, "kv_tokens": p.reserved_kv},
+        "held_back": {"concurrency": p.holdback_concurrency, "kv_tokens": p.holdback_kv},
+        "bucket_tokens": None if math.isinf(p.bucket_tokens) else p.bucket_tokens,
+        "tokens_per_s_used": tokens_per_s_used,
+        "utilization": (
+            p.reserved_concurrency / capacity.concurrency if capacity.concurrency > 0 else None
+        ),
+    }
 
 
 class History:
@@ -43,7 +96,7 @@ class History:
         self.samples: deque[dict[str, Any]] = deque(maxlen=length)
         self.refusals: deque[dict[str, Any]] = deque(maxlen=refusals)
         self._counts: dict[str, _Counts] = {}
-        self._last: tuple[float, dict[str, tuple[int, Counter[str]]]] | None = None
+        self._sampled_at: float | None = None
 
     def _of(self, entitlement: str) -> _Counts:
         counts = self._counts.get(entitlement)
@@ -72,69 +125,19 @@ class History:
         self._of(entitlement).ttfts.append(ttft_s)
 
     def sample(self, snap: Snapshot) -> None:
-        """One sample: the snapshot's figures, with admissions and refusals per second since
-        the last sample and the TTFTs seen since then."""
-        previous_at, previous = self._last if self._last else (snap.at, {})
-        seconds = snap.at - previous_at
-        ents: dict[str, Any] = {}
-        totals: dict[str, tuple[int, Counter[str]]] = {}
-        for name, e in snap.entitlements.items():
-            counts = self._of(name)
-            before_admitted, before_refused = previous.get(name, (0, Counter()))
-            totals[name] = (counts.admitted, counts.refused.copy())
-            ttfts = list(counts.ttfts)
-            counts.ttfts.clear()
-
-            def per_s(n: int) -> float | None:
-                return n / seconds if seconds > 0 else None
-
-            ents[name] = {
-                "pool": e.pool,
-                "class": e.service_class,
-                "state": e.state,
-                "baseline_concurrency": e.baseline.concurrency,
-                "in_flight": e.in_flight,
-                "priority": e.priority,
-                "debt": e.debt,
-                "burst": e.burst,
-                "admitted_per_s": per_s(counts.admitted - before_admitted),
-                "refused_per_s": {
-                    reason: per_s(n - before_refused.get(reason, 0))
-                    for reason, n in counts.refused.items()
-                },
-                "admitted_total": counts.admitted,
-                "refused_total": sum(counts.refused.values()),
-                "ttft_p50_s": _quantile(ttfts, 0.5),
-                "ttft_p99_s": _quantile(ttfts, 0.99),
-            }
+        """One sample of every pool and entitlement in the snapshot."""
+        seconds = 0.0 if self._sampled_at is None else snap.at - self._sampled_at
+        ents = {
+            name: _entitlement_sample(e, self._of(name), seconds)
+            for name, e in snap.entitlements.items()
+        }
         used: dict[str, float] = {}  # tokens/s settled in the last update period, per pool
         for e in snap.entitlements.values():
             if e.used is not None:
                 used[e.pool] = used.get(e.pool, 0.0) + e.used.throughput
-        pools = {
-            name: {
-                "replicas": p.replicas,
-                "desired_replicas": p.desired_replicas,
-                "capacity": {
-                    "concurrency": p.capacity.concurrency,
-                    "kv_tokens": p.capacity.kv_tokens,
-                    "tokens_per_s": p.capacity.throughput,
-                },
-                "in_flight": p.in_flight,
-                "reserved": {"concurrency": p.reserved_concurrency, "kv_tokens": p.reserved_kv},
-                "held_back": {"concurrency": p.holdback_concurrency, "kv_tokens": p.holdback_kv},
-                "bucket_tokens": None if math.isinf(p.bucket_tokens) else p.bucket_tokens,
-                "tokens_per_s_used": used.get(name),
-                "utilization": (
-                    p.reserved_concurrency / p.capacity.concurrency
-                    if p.capacity.concurrency > 0
-                    else None
-                ),
-            }
-            for name, p in snap.pools.items()
-        }
+        pools = {name: _pool_sample(p, used.get(name)) for name, p in snap.pools.items()}
         self.samples.append({"at": snap.at, "pools": pools, "entitlements": ents})
-        self._last = (snap.at, totals)
+        self._sampled_at = snap.at
         for gone in self._counts.keys() - snap.entitlements.keys():  # removed by a reload
             del self._counts[gone]
 

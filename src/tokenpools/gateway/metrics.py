@@ -201,17 +201,13 @@ class _StateCollector(Collector):
             families["reserved"].add_metric([*labels, "concurrency"], e.reserved_concurrency)
             families["reserved"].add_metric([*labels, "kv_tokens"], e.reserved_kv)
             if e.used is not None:
-                for dim, value in zip(
-                    ("tokens_per_s", "kv_tokens", "concurrency"), e.used.as_tuple(), strict=True
-                ):
+                for dim, value in e.used.as_dict().items():
                     families["used"].add_metric([*labels, dim], value)
             families["debt"].add_metric(labels, e.debt)
             families["burst"].add_metric(labels, e.burst)
             families["priority"].add_metric(labels, e.priority)
         for name, p in snap.pools.items():
-            for dim, value in zip(
-                ("tokens_per_s", "kv_tokens", "concurrency"), p.capacity.as_tuple(), strict=True
-            ):
+            for dim, value in p.capacity.as_dict().items():
                 families["pool_capacity"].add_metric([name, dim], value)
             families["pool_reserved"].add_metric([name, "concurrency"], p.reserved_concurrency)
             families["pool_reserved"].add_metric([name, "kv_tokens"], p.reserved_kv)

@@ -26,8 +26,8 @@ class Policy:
     # check 5: a request yields only to priorities above its own by more than this fraction
     priority_margin: float = 0.2
     overcommit: float = 0.1  # protected classes may exceed capacity by this fraction
-    # preemptible work borrows an unused protected baseline only where its owner has not been
-    # within this long (control/backfill.py); 0: all of it
+    # spot and preemptible work borrow an unused protected baseline only where its owner has
+    # not been within this long (control/backfill.py); 0: all of it
     backfill_window_s: float = 20.0
     elastic_oversubscription: float = 1.5  # elastic baselines bind while Σ ≤ capacity × this
     default_max_tokens: int = 256

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The dimensions' names where hosts show them (admin API, metrics labels, dashboard), in
+# `as_tuple` order.
+DIMENSIONS = ("tokens_per_s", "kv_tokens", "concurrency")
+
 
 @dataclass(frozen=True, slots=True)
 class Resources:
@@ -39,6 +43,9 @@ class Resources:
 
     def as_tuple(self) -> tuple[float, float, float]:
         return (self.throughput, self.kv_tokens, self.concurrency)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(zip(DIMENSIONS, self.as_tuple(), strict=True))
 
     def fits_within(self, limit: Resources) -> bool:
         """True when every dimension is at most the limit's."""

@@ -179,8 +179,6 @@ class MemoryStore:
         e.concurrency += 1
         e.kv += lease.kv_tokens
         e.leases += 1
-        e.peak_concurrency = max(e.peak_concurrency, e.concurrency)
-        e.peak_kv = max(e.peak_kv, e.kv)
         p.concurrency += 1
         p.kv += lease.kv_tokens
         p.leases += 1
@@ -190,6 +188,8 @@ class MemoryStore:
             p.preemptible_by_ent.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         if e.protected:
             self._update_holdback(e, p)
+            e.peak_concurrency = max(e.peak_concurrency, e.concurrency)  # control/backfill.py
+            e.peak_kv = max(e.peak_kv, e.kv)
         if not lease.reserved_path:
             count = p.inflight.get(e.name, 0)
             p.inflight[e.name] = count + 1

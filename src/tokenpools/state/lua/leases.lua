@@ -18,9 +18,6 @@ local function book(id, l, e, p, now)
   e.conc = e.conc + 1
   e.kv = e.kv + l.kv
   e.leases = e.leases + 1
-  -- a record written before peaks were kept has none: the current load is its peak
-  e.peak_c = math.max(e.peak_c or 0, e.conc)
-  e.peak_k = math.max(e.peak_k or 0, e.kv)
   p.conc = p.conc + 1
   p.kv = p.kv + l.kv
   p.leases = p.leases + 1
@@ -29,7 +26,12 @@ local function book(id, l, e, p, now)
     p.pre_k = p.pre_k + l.kv
     redis.call('ZADD', P .. ':pre', redis.call('HINCRBY', P, 'seq', 1), id)
   end
-  if e.protected == 1 then update_holdback(e, p) end
+  if e.protected == 1 then
+    update_holdback(e, p)
+    -- control/backfill.py; a record written before peaks were kept has none
+    e.peak_c = math.max(e.peak_c or 0, e.conc)
+    e.peak_k = math.max(e.peak_k or 0, e.kv)
+  end
   if l.reserved == 0 then
     if redis.call('HINCRBY', P .. ':inf', l.ent, 1) == 1 then
       redis.call('ZADD', P .. ':low', fmt(e.priority), l.ent)
