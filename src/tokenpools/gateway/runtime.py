@@ -139,9 +139,10 @@ class Gateway:
 
     def evict(self, lease_id: str) -> None:
         handle = self.admitted_requests.get(lease_id)
-        if handle is not None and handle.task is not None and not handle.evicted:
+        if handle is not None and not handle.evicted:
             handle.evicted = True
-            handle.task.cancel()
+            if handle.task is not None:  # without one, its host checks `evicted` itself
+                handle.task.cancel()
 
     async def feedback(self, pool_name: str) -> None:
         """One round of capacity feedback for a pool: read its backends' vLLM gauges and move
@@ -202,6 +203,52 @@ class Gateway:
             for (lease_id, _), renewed in zip(handles, alive, strict=True):
                 if not renewed:
                     self.evict(lease_id)
+
+    async def start(
+        self, tick_interval_s: float, health_interval_s: float
+    ) -> list[asyncio.Task[None]]:
+        """Open the upstream session and the store, and start the background work: ticks,
+        backend health checks, capacity feedback. Returns the tasks `stop` ends."""
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector)
+        await self.ledger.start()
+        return [
+            asyncio.create_task(self._ticking(tick_interval_s)),
+            asyncio.create_task(self._checking_health(health_interval_s)),
+            asyncio.create_task(self._feeding_back()),
+        ]
+
+    async def stop(self, tasks: list[asyncio.Task[None]]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.ledger.aclose()
+        if self.session is not None:
+            await self.session.close()
+
+    async def _ticking(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.tick()
+            except Exception:  # a bad tick must not end ticking for good
+                log.exception("tick failed")
+
+    async def _checking_health(self, interval_s: float) -> None:
+        while True:
+            assert self.session is not None
+            await asyncio.gather(*(p.check(self.session) for p in self.pools.values()))
+            await asyncio.sleep(interval_s)
+
+    async def _feeding_back(self) -> None:
+        while True:
+            intervals = {
+                name: pool.capacity_feedback.interval_s
+                for name, pool in self.config.pools.items()
+                if pool.capacity_feedback is not None
+            }
+            await asyncio.sleep(min(intervals.values(), default=5.0))
+            await asyncio.gather(*(self.feedback(name) for name in intervals))
 
     def entitlement_of(self, request: web.Request) -> str | None:
         """The entitlement whose API key the request bears; None for none or an unknown one."""

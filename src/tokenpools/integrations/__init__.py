@@ -1,0 +1,1 @@
+"""Hosts other than our own servers that drive the decision core."""

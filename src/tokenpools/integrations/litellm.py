@@ -1,0 +1,261 @@
+"""tokenpools inside a LiteLLM proxy: every request LiteLLM serves is admitted by the same
+decision core, on the same store, as `tokenpools serve` would admit it, and settled on the
+usage LiteLLM reads from the engine.
+
+A proxy config names two objects of this module, and the environment names the tokenpools
+config (with `state.backend: redis` when LiteLLM runs several workers, so they share one ledger):
+
+    general_settings:
+      custom_auth: tokenpools.integrations.litellm.user_api_key_auth
+    litellm_settings:
+      callbacks: tokenpools.integrations.litellm.proxy_handler_instance
+      num_retries: 0
+
+    TOKENPOOLS_CONFIG=/etc/tokenpools/tokenpools.yaml litellm --config litellm.yaml
+
+LiteLLM's extension points used, and why each (docs/litellm.md says more):
+- custom auth: the bearer key → an entitlement, from the keys in the tokenpools config; with
+  LiteLLM's own virtual keys instead, the key's team (its id or alias) or a
+  `tokenpools_entitlement` in the key's or team's metadata names the entitlement;
+- `async_pre_call_hook`: admission, before LiteLLM's router, so a refusal is never retried by it;
+  a refusal is a ProxyException, which LiteLLM answers with our status and headers;
+- `async_post_call_success_hook`: settles a whole response on its usage;
+- `async_post_call_streaming_iterator_hook`: wraps a stream; it settles when the stream ends,
+  however it ends (the client's disconnect included), and ends a stream evicted by higher-priority
+  work with an error event;
+- `async_post_call_failure_hook`: releases the lease of a call that failed.
+The request's task, seen at admission, is the last guard: if it ends with its lease still held,
+because LiteLLM failed somewhere no hook hears, the lease is released."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from litellm.integrations.custom_logger import CustomLogger
+from litellm.proxy._types import ProxyException, UserAPIKeyAuth
+
+from tokenpools.control.decisions import Reject
+from tokenpools.gateway.responses import refusal
+from tokenpools.gateway.runtime import AdmittedRequest, Gateway
+from tokenpools.gateway.usage import usage_from
+from tokenpools.model.config import load_config
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    RESPONSES,
+    BadRequest,
+    max_tokens,
+    max_tokens_field,
+    sequences,
+)
+
+CONFIG_ENV = "TOKENPOOLS_CONFIG"
+ENTITLEMENT_METADATA = "tokenpools_entitlement"
+# LiteLLM's call types that reach an engine, and the OpenAI endpoint each one is
+CALL_PATHS = {
+    "completion": CHAT,
+    "acompletion": CHAT,
+    "text_completion": COMPLETIONS,
+    "atext_completion": COMPLETIONS,
+    "responses": RESPONSES,
+    "aresponses": RESPONSES,
+    "embeddings": EMBEDDINGS,
+    "aembedding": EMBEDDINGS,
+}
+TICK_INTERVAL_S = 0.25
+HEALTH_INTERVAL_S = 5.0
+
+
+@dataclass
+class Held:
+    """An admitted request while LiteLLM serves it."""
+
+    handle: AdmittedRequest
+    prompt_tokens: int
+    stream: bool
+
+
+def _error(status: int, message: str, kind: str, code: str, **headers: str) -> ProxyException:
+    return ProxyException(message, kind, None, status, headers=dict(headers), openai_code=code)
+
+
+def _usage(obj: Any) -> Usage | None:
+    usage = getattr(obj, "usage", None)
+    if usage is not None and hasattr(usage, "model_dump"):
+        usage = usage.model_dump()
+    return usage_from(usage)
+
+
+class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type information
+    """The callback LiteLLM calls; the gateway's runtime (core, store, ticks, lease renewal)
+    is built from the tokenpools config on first use, inside LiteLLM's event loop."""
+
+    def __init__(self, config_path: str | Path | None = None) -> None:
+        super().__init__()
+        self.config_path = config_path
+        self._gateway: Gateway | None = None
+        self._starting = asyncio.Lock()
+        self.held: dict[str, Held] = {}  # by LiteLLM's call id
+
+    @property
+    def gateway(self) -> Gateway:
+        """The runtime, built (not started) on first use: custom auth needs only its keys."""
+        if self._gateway is None:
+            path = self.config_path or os.environ.get(CONFIG_ENV)
+            if not path:
+                raise RuntimeError(f"tokenpools: set {CONFIG_ENV} to the tokenpools config file")
+            self._gateway = Gateway(load_config(Path(path)), access_log=False)
+        return self._gateway
+
+    async def started(self) -> Gateway:
+        gw = self.gateway
+        if gw.session is None:
+            async with self._starting:
+                if gw.session is None:
+                    self._tasks = await gw.start(TICK_INTERVAL_S, HEALTH_INTERVAL_S)
+        return gw
+
+    def entitlement_of(self, auth: UserAPIKeyAuth) -> str | None:
+        known = self.gateway.core.entitlements
+        named = (
+            (auth.metadata or {}).get(ENTITLEMENT_METADATA),
+            (getattr(auth, "team_metadata", None) or {}).get(ENTITLEMENT_METADATA),
+            auth.team_id,
+            getattr(auth, "team_alias", None),
+        )
+        return next((name for name in named if isinstance(name, str) and name in known), None)
+
+    async def async_pre_call_hook(
+        self, user_api_key_dict: UserAPIKeyAuth, cache: Any, data: dict[str, Any], call_type: str
+    ) -> dict[str, Any]:
+        path = CALL_PATHS.get(call_type)
+        if path is None:  # not a call that reaches an engine
+            return data
+        gw = await self.started()
+        entitlement = self.entitlement_of(user_api_key_dict)
+        if entitlement is None:
+            gw.metrics.unauthorized.inc()
+            raise _error(
+                401, "this key maps to no tokenpools entitlement", "auth_error", "invalid_api_key"
+            )
+        model = data.get("model")
+        pool = gw.model_pool.get(model) if isinstance(model, str) else None
+        if pool is None or pool != gw.core.entitlements[entitlement].ent.pool:
+            raise _error(
+                404,
+                f"model {model!r} does not exist or this key has no access to it",
+                "invalid_request_error",
+                "model_not_found",
+            )
+        try:
+            count = sequences(data, gw.config.gateway.max_sequences)
+            requested = 0 if path == EMBEDDINGS else max_tokens(data)
+        except BadRequest as exc:
+            raise _error(400, str(exc), "invalid_request_error", "invalid_request") from None
+        prompt_tokens = await gw.prompt_tokens(pool, data, path)
+        now = gw.clock()
+        decision = await gw.ledger.admit(
+            entitlement, RequestCost(prompt_tokens, requested, count), now
+        )
+        gw.metrics.decided(entitlement, decision)
+        gw.history.decided(entitlement, decision, now)
+        if isinstance(decision, Reject):
+            r = refusal(decision)
+            # LiteLLM writes the status as the body's `code`: the reason goes in a header too
+            raise _error(
+                r.status, r.message, r.kind, r.code, **r.headers, **{"x-tokenpools-reason": r.code}
+            )
+        for victim in decision.evict:
+            gw.evict(victim.lease_id)
+        if requested is None:  # the reservation assumed the default: make it true
+            data[max_tokens_field(path)] = decision.max_tokens
+        stream = bool(data.get("stream"))
+        if stream and path in (CHAT, COMPLETIONS):  # LiteLLM drops the usage chunk if unasked
+            data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        task = asyncio.current_task()
+        # a stream is ended by its iterator (an error event), others by cancelling their task
+        handle = AdmittedRequest(None if stream else task, decision.lease)
+        gw.admitted_requests[decision.lease.lease_id] = handle
+        call_id = data.setdefault("litellm_call_id", decision.lease.lease_id)
+        self.held[call_id] = Held(handle, prompt_tokens, stream)
+        if task is not None:
+            task.add_done_callback(lambda _: self._end(call_id, None, refund=False))
+        return data
+
+    def _end(self, call_id: str, usage: Usage | None, refund: bool = True) -> None:
+        """Settle on `usage`, or release (refund, or charge the reservation): once per call."""
+        held = self.held.pop(call_id, None)
+        if held is None:
+            return
+        gw = self.gateway
+        gw.admitted_requests.pop(held.handle.lease.lease_id, None)
+        if not held.handle.evicted:  # an evicted lease has already ended in the store
+            gw.ledger.end(held.handle.lease, usage, gw.clock(), refund=refund)
+
+    async def async_post_call_success_hook(
+        self, data: dict[str, Any], user_api_key_dict: UserAPIKeyAuth, response: Any
+    ) -> Any:
+        call_id = data.get("litellm_call_id", "")
+        held = self.held.get(call_id)
+        if held is not None and not held.stream:
+            self._end(call_id, _usage(response) or Usage(held.prompt_tokens, 0))
+        return response
+
+    async def async_post_call_failure_hook(
+        self,
+        request_data: dict[str, Any],
+        original_exception: Exception,
+        user_api_key_dict: UserAPIKeyAuth,
+        traceback_str: str | None = None,
+    ) -> None:
+        # the engine may have worked until a timeout: charge it then; refund other failures
+        timed_out = (
+            isinstance(original_exception, TimeoutError)
+            or "Timeout" in type(original_exception).__name__
+        )
+        self._end(request_data.get("litellm_call_id", ""), None, refund=not timed_out)
+
+    async def async_post_call_streaming_iterator_hook(
+        self, user_api_key_dict: UserAPIKeyAuth, response: Any, request_data: dict[str, Any]
+    ) -> Any:
+        call_id = request_data.get("litellm_call_id", "")
+        held = self.held.get(call_id)
+        if held is None:
+            async for item in response:
+                yield item
+            return
+        usage: Usage | None = None
+        streamed = 0
+        try:
+            async for item in response:
+                if held.handle.evicted:
+                    raise _error(
+                        503,
+                        "this request was preempted by higher-priority work; retry later",
+                        "server_error",
+                        "preempted",
+                        **{"Retry-After": "1"},
+                    )
+                usage = _usage(item) or usage
+                streamed += bool(getattr(item, "choices", None))
+                yield item
+        finally:  # also on the client's disconnect: charge what was streamed
+            self._end(call_id, usage or Usage(held.prompt_tokens, streamed), refund=False)
+
+
+async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:
+    """LiteLLM's custom auth: a key of the tokenpools config → its entitlement, as the team."""
+    entitlement = proxy_handler_instance.gateway.core.entitlement_for_key(api_key)
+    if entitlement is None:
+        raise _error(401, "invalid API key", "auth_error", "invalid_api_key")
+    return UserAPIKeyAuth(api_key=api_key, team_id=entitlement, team_alias=entitlement)
+
+
+proxy_handler_instance = TokenPoolsHook()
