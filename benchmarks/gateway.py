@@ -74,7 +74,7 @@ async def fixed_rate(url: str, stream: bool, rps: float, seconds: float) -> list
     return latencies
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float) -> float:
+async def closed_loop(url: str, concurrency: int, seconds: float, stream: bool = False) -> float:
     done = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         end = time.perf_counter() + seconds
@@ -82,7 +82,7 @@ async def closed_loop(url: str, concurrency: int, seconds: float) -> float:
         async def worker() -> None:
             nonlocal done
             while time.perf_counter() < end:
-                await one(session, url, False)
+                await one(session, url, stream)
                 done += 1
 
         t0 = time.perf_counter()

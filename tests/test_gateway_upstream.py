@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 from tests.gateway_setup import KEYS, MODEL, admin, config_data
 from tests.servers import ServerThread
 from tokenpools.gateway.app import Gateway, make_app
-from tokenpools.gateway.server import reload_from
+from tokenpools.gateway.config_file import reload_from
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.config import ConfigError, parse_config
 

@@ -71,7 +71,7 @@ def gateway_config(scenario: Scenario, backend: str, keys: dict[str, str]) -> di
     return data
 
 
-def _without(data: dict[str, Any], names: set[str]) -> dict[str, Any]:
+def without_entitlements(data: dict[str, Any], names: set[str]) -> dict[str, Any]:
     out = copy.deepcopy(data)
     out["entitlements"] = [e for e in out["entitlements"] if e["name"] not in names]
     return out
@@ -88,7 +88,7 @@ async def run_demo(
     data = gateway_config(scenario, url_with, keys)
     joining = {t.entitlement or t.name: t for t in scenario.tenants if t.entitlement_while_active}
     absent = set(joining)
-    gateway = Gateway(parse_config(_without(data, absent)))
+    gateway = Gateway(parse_config(without_entitlements(data, absent)))
     gw_runner, gw_url = await _serve(make_gateway(gateway))
 
     def change(ent: str, join: bool) -> Callable[[], Awaitable[None]]:
@@ -99,7 +99,7 @@ async def run_demo(
                 for e in data["entitlements"]:
                     if e["name"] == ent:
                         e["expiresAt"] = datetime.now(UTC)
-            await gateway.reload(parse_config(_without(data, absent)))
+            await gateway.reload(parse_config(without_entitlements(data, absent)))
 
         return apply
 

@@ -6,14 +6,14 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from tokenpools.gateway.app import make_app
+from tokenpools.gateway.config_file import ConfigFile, reload_from
 from tokenpools.gateway.observe import LogFormat, setup_logging
 from tokenpools.gateway.runtime import Gateway
 from tokenpools.gateway.tracing import otlp_tracing
@@ -22,34 +22,13 @@ from tokenpools.model.config import ConfigError, load_config
 log = logging.getLogger("tokenpools.gateway")
 
 
-async def reload_from(gateway: Gateway, path: Path) -> bool:
-    """Load and adopt `path`; an invalid file is logged and the running config kept."""
-    try:
-        await gateway.reload(load_config(path))
-    except ConfigError as exc:
-        log.error("config reload rejected, keeping the running config: %s", exc)
-        return False
-    log.info("config reloaded from %s", path)
-    return True
-
-
 def build(path: Path, watch_interval_s: float = 2.0, **options: Any) -> web.Application:
     """The gateway of a config file; `options` are Gateway's (access_log, tracing)."""
     gateway = Gateway(load_config(path), **options)
     app = make_app(gateway)
-    seen = [path.stat().st_mtime_ns]
+    config_file = ConfigFile(path)
 
-    def changed() -> bool:
-        try:
-            mtime = path.stat().st_mtime_ns
-        except OSError:
-            return False
-        if mtime == seen[0]:
-            return False
-        seen[0] = mtime
-        return True
-
-    async def signals(app: web.Application) -> AsyncIterator[None]:
+    async def follow(app: web.Application) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         reloads: set[asyncio.Task[bool]] = set()
 
@@ -59,16 +38,12 @@ def build(path: Path, watch_interval_s: float = 2.0, **options: Any) -> web.Appl
             task.add_done_callback(reloads.discard)
 
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
+        polling = asyncio.create_task(config_file.follow(gateway, watch_interval_s))
         yield
+        polling.cancel()
         loop.remove_signal_handler(signal.SIGHUP)
 
-    app.cleanup_ctx.append(signals)
-
-    async def poll() -> None:
-        if changed():
-            await reload_from(gateway, path)
-
-    app.cleanup_ctx.append(_following(poll, watch_interval_s))
+    app.cleanup_ctx.append(follow)
     return app
 
 
@@ -109,28 +84,6 @@ def build_kubernetes(
 
     app.cleanup_ctx.append(follow)
     return app
-
-
-def _following(
-    poll: Callable[[], Awaitable[None]], interval_s: float
-) -> Callable[[web.Application], AbstractAsyncContextManager[None]]:
-    """A cleanup context that calls `poll` every `interval_s` while the app runs."""
-
-    @asynccontextmanager
-    async def follow(app: web.Application) -> AsyncIterator[None]:
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(interval_s)
-                try:
-                    await poll()
-                except Exception:
-                    log.exception("reading the config failed; keeping the running config")
-
-        task = asyncio.create_task(loop())
-        yield
-        task.cancel()
-
-    return follow
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

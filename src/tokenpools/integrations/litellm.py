@@ -40,6 +40,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
 from tokenpools.control.decisions import Reject
+from tokenpools.gateway.config_file import ConfigFile
 from tokenpools.gateway.responses import refusal
 from tokenpools.gateway.runtime import AdmittedRequest, Gateway
 from tokenpools.gateway.usage import usage_from
@@ -71,6 +72,7 @@ CALL_PATHS = {
 }
 TICK_INTERVAL_S = 0.25
 HEALTH_INTERVAL_S = 5.0
+WATCH_INTERVAL_S = 2.0
 
 
 @dataclass
@@ -111,15 +113,20 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             path = self.config_path or os.environ.get(CONFIG_ENV)
             if not path:
                 raise RuntimeError(f"tokenpools: set {CONFIG_ENV} to the tokenpools config file")
+            self.config_file = ConfigFile(Path(path))
             self._gateway = Gateway(load_config(Path(path)), access_log=False)
         return self._gateway
 
     async def started(self) -> Gateway:
+        """The runtime, started in LiteLLM's event loop on the first request: ticks, lease
+        renewal, and the config file followed as `tokenpools serve` follows it."""
         gw = self.gateway
         if gw.session is None:
             async with self._starting:
                 if gw.session is None:
                     self._tasks = await gw.start(TICK_INTERVAL_S, HEALTH_INTERVAL_S)
+                    following = self.config_file.follow(gw, WATCH_INTERVAL_S)
+                    self._tasks.append(asyncio.create_task(following))
         return gw
 
     def entitlement_of(self, auth: UserAPIKeyAuth) -> str | None:
