@@ -11,6 +11,7 @@ Marked `litellm`: `pytest -m 'not litellm'` leaves them out where LiteLLM is not
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import threading
@@ -39,7 +40,6 @@ pytestmark = pytest.mark.litellm
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM = Path(os.environ.get("TOKENPOOLS_LITELLM", ROOT / ".venv-litellm/bin/litellm"))
-MODEL, BROKEN = "m", "m-broken"  # the second routes to a port where nothing listens
 KEYS = {"gold": "sk-gold-1", "spot": "sk-spot-1", "batch": "sk-batch-1"}
 ENTITLEMENTS = ("gold", "spot", "batch")
 UPDATE_PERIOD_S = 3600
@@ -73,27 +73,33 @@ def tokenpools_config(redis_url: str) -> dict[str, Any]:
     }
 
 
-def litellm_config(backend: str) -> dict[str, Any]:
-    def model(name: str, base: str) -> dict[str, Any]:
-        return {"model_name": name, "litellm_params": {"model": "openai/m", "api_base": base,
-                                                        "api_key": "none"}}  # fmt: skip
+def documented_config() -> dict[str, Any]:
+    """The LiteLLM config docs/litellm.md gives: its first YAML block."""
+    text = (ROOT / "docs/litellm.md").read_text()
+    return dict(yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0]))
 
-    return {
-        "model_list": [
-            model(MODEL, f"{backend}/v1"),
-            model(BROKEN, f"http://127.0.0.1:{free_port()}/v1"),
-        ],
-        "general_settings": {"custom_auth": "tokenpools.integrations.litellm.user_api_key_auth"},
-        "litellm_settings": {
-            "callbacks": "tokenpools.integrations.litellm.proxy_handler_instance",
-            "num_retries": 0,
-        },
-    }
+
+DOCUMENTED = documented_config()
+MODEL = DOCUMENTED["model_list"][0]["model_name"]
+BROKEN = f"{MODEL}-broken"  # routed to a port where nothing listens
+
+
+def litellm_config(backend: str) -> dict[str, Any]:
+    """The documented config, its model served by `backend`, and one more that fails."""
+    config = copy.deepcopy(DOCUMENTED)
+    served = config["model_list"][0]
+    served["litellm_params"]["api_base"] = f"{backend}/v1"
+    broken = copy.deepcopy(served)
+    broken["model_name"] = BROKEN
+    broken["litellm_params"]["api_base"] = f"http://127.0.0.1:{free_port()}/v1"
+    config["model_list"].append(broken)
+    return config
 
 
 class Stack:
-    def __init__(self, url: str, emulator: ServerThread, store: Store) -> None:
+    def __init__(self, url: str, emulator: ServerThread, store: Store, config: Path) -> None:
         self.url = url
+        self.config = config  # the tokenpools config file LiteLLM follows
         self.emulator = emulator
         self.store = store
 
@@ -144,7 +150,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         period = int(time.time() // UPDATE_PERIOD_S)
         for p in (period, period + 1):
             assert core.store.claim_update("p", p, time.time())
-        stack = Stack(f"http://127.0.0.1:{port}", emulator, core.store)
+        stack = Stack(f"http://127.0.0.1:{port}", emulator, core.store, work / "tokenpools.yaml")
         yield stack
     finally:
         proc.terminate()
@@ -309,3 +315,48 @@ def test_a_preempted_stream_ends_with_an_error_event(lite: Stack) -> None:
             stream.close()
     preempted = [e for e in ends if "preempted by higher-priority work" in e]
     assert len(preempted) == 1 and ends.count("running") == 7, ends
+
+
+def test_an_entitlement_added_to_the_config_file_is_adopted(lite: Stack) -> None:
+    late = openai.OpenAI(base_url=f"{lite.url}/v1", api_key="sk-late-1", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        late.chat.completions.create(**_chat())
+    config = yaml.safe_load(lite.config.read_text())
+    config["entitlements"].append(
+        {"name": "late", "tenantId": "late", "pool": "p", "serviceClass": "spot",
+         "apiKeys": [hash_key("sk-late-1")]}
+    )  # fmt: skip
+    lite.config.write_text(yaml.safe_dump(config))
+
+    def admitted() -> bool:
+        try:
+            return late.chat.completions.create(**_chat(3)).usage is not None
+        except openai.AuthenticationError:
+            return False
+
+    wait_until(admitted, timeout_s=15)  # the file is followed every 2 s
+
+
+CHECK_VIRTUAL_KEYS = """
+from litellm.proxy._types import UserAPIKeyAuth
+from tokenpools.integrations.litellm import proxy_handler_instance as hook
+named = {
+    "metadata": UserAPIKeyAuth(api_key="k", metadata={"tokenpools_entitlement": "gold"}),
+    "team metadata": UserAPIKeyAuth(api_key="k", team_metadata={"tokenpools_entitlement": "spot"}),
+    "team alias": UserAPIKeyAuth(api_key="k", team_id="a1b2", team_alias="batch"),
+    "unknown team": UserAPIKeyAuth(api_key="k", team_id="a1b2", team_alias="nobody"),
+}
+print({case: hook.entitlement_of(auth) for case, auth in named.items()})
+"""
+
+
+def test_litellm_virtual_keys_name_their_entitlement_by_metadata_or_team(stack: Stack) -> None:
+    """Without our custom auth, LiteLLM's own keys (from its database, which is not run here)
+    reach the callback as these objects."""
+    env = {**os.environ, "TOKENPOOLS_CONFIG": str(stack.config)}
+    python = LITELLM.parent / "python"
+    out = subprocess.run([python, "-c", CHECK_VIRTUAL_KEYS], env=env, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert out.strip().splitlines()[-1] == str(
+        {"metadata": "gold", "team metadata": "spot", "team alias": "batch", "unknown team": None}
+    )
