@@ -360,3 +360,28 @@ def test_litellm_virtual_keys_name_their_entitlement_by_metadata_or_team(stack: 
     assert out.strip().splitlines()[-1] == str(
         {"metadata": "gold", "team metadata": "spot", "team alias": "batch", "unknown team": None}
     )
+
+
+def test_a_preempted_whole_answer_is_cut_and_its_lease_ends(lite: Stack) -> None:
+    errors: list[openai.APIError] = []
+
+    def batch() -> None:
+        try:
+            lite.client("batch").chat.completions.create(**_chat(300))
+        except openai.APIError as exc:
+            errors.append(exc)
+
+    batches = [threading.Thread(target=batch) for _ in range(8)]
+    for t in batches:
+        t.start()
+    wait_until(lambda: lite.in_flight() == 8)
+    assert lite.client("gold").chat.completions.create(**_chat(10)).usage is not None
+    for t in batches:
+        t.join(30)
+    # LiteLLM has no way to answer a cancelled call: the client sees its 500
+    assert len(errors) == 1 and isinstance(errors[0], openai.InternalServerError), errors
+
+
+def test_calls_tokenpools_does_not_govern_are_refused(lite: Stack) -> None:
+    with pytest.raises(openai.PermissionDeniedError, match="not governed"):
+        lite.client("gold").images.generate(model=MODEL, prompt="a pool of tokens")

@@ -69,7 +69,11 @@ CALL_PATHS = {
     "aresponses": RESPONSES,
     "embeddings": EMBEDDINGS,
     "aembedding": EMBEDDINGS,
+    "anthropic_messages": CHAT,  # /v1/messages: messages and max_tokens, counted as a chat
 }
+# Calls that reach no engine's generation, let through ungoverned; any other call type is
+# refused, so no endpoint LiteLLM adds becomes a way around admission.
+UNGOVERNED = frozenset({"moderation", "amoderation", "acount_tokens", "count_tokens"})
 TICK_INTERVAL_S = 0.25
 HEALTH_INTERVAL_S = 5.0
 WATCH_INTERVAL_S = 2.0
@@ -103,7 +107,9 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         super().__init__()
         self.config_path = config_path
         self._gateway: Gateway | None = None
+        self.config_file: ConfigFile | None = None
         self._starting = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []  # the runtime's background work
         self.held: dict[str, Held] = {}  # by LiteLLM's call id
 
     @property
@@ -125,9 +131,16 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             async with self._starting:
                 if gw.session is None:
                     self._tasks = await gw.start(TICK_INTERVAL_S, HEALTH_INTERVAL_S)
+                    assert self.config_file is not None
                     following = self.config_file.follow(gw, WATCH_INTERVAL_S)
                     self._tasks.append(asyncio.create_task(following))
         return gw
+
+    async def aclose(self) -> None:
+        """Stop the background work and close the store's connections (a host shutting
+        down; LiteLLM's own exit does without: leases it held expire in the store)."""
+        if self._gateway is not None and self._gateway.session is not None:
+            await self._gateway.stop(self._tasks)
 
     def entitlement_of(self, auth: UserAPIKeyAuth) -> str | None:
         known = self.gateway.core.entitlements
@@ -142,9 +155,17 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
     async def async_pre_call_hook(
         self, user_api_key_dict: UserAPIKeyAuth, cache: Any, data: dict[str, Any], call_type: str
     ) -> dict[str, Any]:
-        path = CALL_PATHS.get(call_type)
-        if path is None:  # not a call that reaches an engine
+        if call_type in UNGOVERNED:
             return data
+        path = CALL_PATHS.get(call_type)
+        if path is None:
+            raise _error(
+                403,
+                f"tokenpools admits chat, completions, responses, messages and embeddings; "
+                f"{call_type} calls are not governed, so they are refused",
+                "permission_error",
+                "call_type_not_governed",
+            )
         gw = await self.started()
         entitlement = self.entitlement_of(user_api_key_dict)
         if entitlement is None:
