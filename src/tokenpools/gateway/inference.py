@@ -98,8 +98,8 @@ async def _answer(
     except BadRequest as exc:
         return error(400, str(exc), "invalid_request_error", None, exc.param)
     record.model, record.stream = body["model"], bool(body.get("stream"))
-    pool_name = gw.model_pool.get(body["model"])
-    if pool_name is None or pool_name != gw.core.entitlements[entitlement].ent.pool:
+    pool_name = gw.pool_for(entitlement, body["model"])
+    if pool_name is None:
         return error(
             404,
             f"model {body['model']!r} does not exist or this key has no access to it",
@@ -110,15 +110,10 @@ async def _answer(
     record.pool = pool_name
     prompt_tokens = record.counted_prompt_tokens = await gw.prompt_tokens(pool_name, body, path)
     requested = 0 if path == EMBEDDINGS else max_tokens(body)
-    now = gw.clock()
-    decision = await gw.ledger.admit(entitlement, RequestCost(prompt_tokens, requested, count), now)
-    gw.metrics.decided(entitlement, decision)
-    gw.history.decided(entitlement, decision, now)
+    decision = await gw.admit(entitlement, RequestCost(prompt_tokens, requested, count))
     record.decided(decision)
     if isinstance(decision, Reject):
         return rejection(decision)
-    for victim in decision.evict:
-        gw.evict(victim.lease_id)
     lease = decision.lease
     handle = AdmittedRequest(asyncio.current_task(), lease)
     gw.admitted_requests[lease.lease_id] = handle

@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.feedback import next_fraction
 from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import Lease, StoreUnavailable
@@ -32,6 +33,7 @@ from tokenpools.gateway.tokens import PromptCounter
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
+from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import vllm_gauges
 from tokenpools.state.memory import MemoryStore
 
@@ -249,6 +251,22 @@ class Gateway:
             }
             await asyncio.sleep(min(intervals.values(), default=5.0))
             await asyncio.gather(*(self.feedback(name) for name in intervals))
+
+    def pool_for(self, entitlement: str, model: object) -> str | None:
+        """The pool serving `model` if the entitlement may use it (its own pool), else None."""
+        pool = self.model_pool.get(model) if isinstance(model, str) else None
+        return pool if pool == self.core.entitlements[entitlement].ent.pool else None
+
+    async def admit(self, entitlement: str, cost: RequestCost) -> Decision:
+        """Decide, count the decision, and end the preemptible requests an admission evicts."""
+        now = self.clock()
+        decision = await self.ledger.admit(entitlement, cost, now)
+        self.metrics.decided(entitlement, decision)
+        self.history.decided(entitlement, decision, now)
+        if isinstance(decision, Admit):
+            for victim in decision.evict:
+                self.evict(victim.lease_id)
+        return decision
 
     def entitlement_of(self, request: web.Request) -> str | None:
         """The entitlement whose API key the request bears; None for none or an unknown one."""

@@ -173,12 +173,11 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             raise _error(
                 401, "this key maps to no tokenpools entitlement", "auth_error", "invalid_api_key"
             )
-        model = data.get("model")
-        pool = gw.model_pool.get(model) if isinstance(model, str) else None
-        if pool is None or pool != gw.core.entitlements[entitlement].ent.pool:
+        pool = gw.pool_for(entitlement, data.get("model"))
+        if pool is None:
             raise _error(
                 404,
-                f"model {model!r} does not exist or this key has no access to it",
+                f"model {data.get('model')!r} does not exist or this key has no access to it",
                 "invalid_request_error",
                 "model_not_found",
             )
@@ -188,20 +187,13 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         except BadRequest as exc:
             raise _error(400, str(exc), "invalid_request_error", "invalid_request") from None
         prompt_tokens = await gw.prompt_tokens(pool, data, path)
-        now = gw.clock()
-        decision = await gw.ledger.admit(
-            entitlement, RequestCost(prompt_tokens, requested, count), now
-        )
-        gw.metrics.decided(entitlement, decision)
-        gw.history.decided(entitlement, decision, now)
+        decision = await gw.admit(entitlement, RequestCost(prompt_tokens, requested, count))
         if isinstance(decision, Reject):
             r = refusal(decision)
             # LiteLLM writes the status as the body's `code`: the reason goes in a header too
             raise _error(
                 r.status, r.message, r.kind, r.code, **r.headers, **{"x-tokenpools-reason": r.code}
             )
-        for victim in decision.evict:
-            gw.evict(victim.lease_id)
         if requested is None:  # the reservation assumed the default: make it true
             data[max_tokens_field(path)] = decision.max_tokens
         stream = bool(data.get("stream"))
