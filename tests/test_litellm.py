@@ -195,9 +195,16 @@ def _hold(stack: Stack, who: str, count: int, max_tokens: int = 400) -> list[thr
 
 def test_whole_and_streamed_answers_settle_on_the_engines_usage(lite: Stack) -> None:
     lite.settled("gold")
-    whole = lite.client("gold").chat.completions.create(**_chat(5))
+    raw = lite.client("gold").chat.completions.with_raw_response.create(**_chat(5))
+    assert int(raw.headers["x-ratelimit-limit-requests"]) == 4  # gold's concurrency
+    assert int(raw.headers["x-ratelimit-remaining-requests"]) == 3  # this one in flight
+    whole = raw.parse()
     assert whole.usage is not None and whole.usage.completion_tokens == 5
-    chunks = list(lite.client("gold").chat.completions.create(**_chat(7), stream=True))
+    raw_stream = lite.client("gold").chat.completions.with_raw_response.create(
+        **_chat(7), stream=True
+    )
+    assert "x-ratelimit-remaining-tokens" in raw_stream.headers
+    chunks = list(raw_stream.parse())
     assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) == 7
     assert all(c.usage is None for c in chunks)  # the usage chunk asked for is kept from them
     # the engine counts "hello there" as a few tokens; the 1-char estimate as 11 and more

@@ -41,7 +41,7 @@ from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
 from tokenpools.control.decisions import Reject
 from tokenpools.gateway.config_file import ConfigFile
-from tokenpools.gateway.responses import refusal
+from tokenpools.gateway.responses import ratelimit_headers, refusal
 from tokenpools.gateway.runtime import AdmittedRequest, Gateway
 from tokenpools.gateway.usage import usage_from
 from tokenpools.model.config import load_config
@@ -111,6 +111,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self._starting = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []  # the runtime's background work
         self.held: dict[str, Held] = {}  # by LiteLLM's call id
+        self.answer_headers: dict[str, dict[str, str]] = {}  # x-ratelimit-*, by call id
 
     @property
     def gateway(self) -> Gateway:
@@ -205,9 +206,26 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         gw.admitted_requests[decision.lease.lease_id] = handle
         call_id = data.setdefault("litellm_call_id", decision.lease.lease_id)
         self.held[call_id] = Held(handle, prompt_tokens, stream)
+        self.answer_headers[call_id] = ratelimit_headers(decision.quota)
         if task is not None:
-            task.add_done_callback(lambda _: self._end(call_id, None, refund=False))
+            task.add_done_callback(lambda _: self._forget(call_id))
         return data
+
+    def _forget(self, call_id: str) -> None:
+        """The request's task has ended: nothing of it may stay held."""
+        self.answer_headers.pop(call_id, None)
+        self._end(call_id, None, refund=False)
+
+    async def async_post_call_response_headers_hook(
+        self,
+        data: dict[str, Any],
+        user_api_key_dict: UserAPIKeyAuth,
+        response: Any,
+        request_headers: dict[str, str] | None = None,
+        litellm_call_info: dict[str, object] | None = None,
+    ) -> dict[str, str] | None:
+        """The admission's x-ratelimit-* headers on the answer, as the gateway sends them."""
+        return self.answer_headers.pop(data.get("litellm_call_id", ""), None)
 
     def _end(self, call_id: str, usage: Usage | None, refund: bool = True) -> None:
         """Settle on `usage`, or release (refund, or charge the reservation): once per call."""
