@@ -12,21 +12,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 import litellm
 
-from tokenpools.integrations.litellm import TokenPoolsHook
-from tokenpools.integrations.litellm import user_api_key_auth as auth_of
-
 
 async def measure(config: Path, model: str, key: str, requests: int) -> dict[str, float]:
-    hook = TokenPoolsHook(config)
-    import tokenpools.integrations.litellm as module
+    os.environ["TOKENPOOLS_CONFIG"] = str(config)  # read on first use, as inside LiteLLM
+    from tokenpools.integrations.litellm import proxy_handler_instance as hook
+    from tokenpools.integrations.litellm import user_api_key_auth as auth_of
 
-    module.proxy_handler_instance = hook  # the custom auth reads the module's instance
     response = litellm.ModelResponse(usage=litellm.Usage(prompt_tokens=30, completion_tokens=8))
     messages = [{"role": "user", "content": "hello " * 20}]
 

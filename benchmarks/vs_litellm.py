@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from gateway import KEY, MODEL, bench_config, closed_loop, cpu_seconds, fixed_rate, pct
+from gateway import KEY, MODEL, bench_config, closed_loop, fixed_rate, measured, pct
 from tokenpools.demo import gateway_config, headline, without_entitlements
 from tokenpools.engine.profile import load_profile
 from tokenpools.loadgen import LoadRun, Target
@@ -211,14 +211,10 @@ async def overhead(args: argparse.Namespace, litellm: Path) -> dict[str, Any]:
                 mode = "streaming" if stream else "non-streaming"
                 for target, server in targets.items():
                     proc = server.proc if server else None
-                    before = cpu_seconds(proc.pid) if proc else 0.0
-                    got = await fixed_rate(urls[target], stream, args.rate, args.seconds)
-                    cpu = cpu_seconds(proc.pid) - before if proc else 0.0
-                    runs.setdefault((mode, target), []).append((got, cpu))
-                    before = cpu_seconds(proc.pid) if proc else 0.0
-                    rps = await closed_loop(urls[target], 32, args.seconds, stream)
-                    cpu = cpu_seconds(proc.pid) - before if proc else 0.0
-                    ceilings.setdefault((mode, target), []).append((rps, cpu))
+                    work = fixed_rate(urls[target], stream, args.rate, args.seconds)
+                    runs.setdefault((mode, target), []).append(await measured(proc, work))
+                    work = closed_loop(urls[target], 32, args.seconds, stream)
+                    ceilings.setdefault((mode, target), []).append(await measured(proc, work))
         rows = []
         for (mode, target), got in runs.items():
             direct = runs[(mode, "direct")]
@@ -341,9 +337,7 @@ async def experiment1(args: argparse.Namespace, litellm: Path, target: str) -> d
             label=target,
             timeline=timeline,
         )
-        before = cpu_seconds(server.proc.pid)
-        result = await run.run()
-        cpu = cpu_seconds(server.proc.pid) - before
+        result, cpu = await measured(server.proc, run.run())
         summary = summarize(result)
         head = headline(result, "overload")
         utilization = summary["utilization"]

@@ -109,9 +109,9 @@ def make_app(
     dashboard.add_routes(app)
 
     async def background(app: web.Application) -> AsyncIterator[None]:
-        tasks = await gateway.start(tick_interval_s, health_interval_s)
+        await gateway.start(tick_interval_s, health_interval_s)
         yield
-        await gateway.stop(tasks)
+        await gateway.stop()
 
     app.cleanup_ctx.append(background)
     return app

@@ -11,7 +11,7 @@ sample, growing with the entitlements); `refusals` keeps 50 entries.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,17 +95,11 @@ class History:
         self.replica = replica
         self.samples: deque[dict[str, Any]] = deque(maxlen=length)
         self.refusals: deque[dict[str, Any]] = deque(maxlen=refusals)
-        self._counts: dict[str, _Counts] = {}
+        self._counts: defaultdict[str, _Counts] = defaultdict(_Counts)
         self._sampled_at: float | None = None
 
-    def _of(self, entitlement: str) -> _Counts:
-        counts = self._counts.get(entitlement)
-        if counts is None:
-            counts = self._counts[entitlement] = _Counts()
-        return counts
-
     def decided(self, entitlement: str, decision: Decision, now: float) -> None:
-        counts = self._of(entitlement)
+        counts = self._counts[entitlement]
         if isinstance(decision, Admit):
             counts.admitted += 1
             return
@@ -122,13 +116,13 @@ class History:
         )
 
     def first_token(self, entitlement: str, ttft_s: float) -> None:
-        self._of(entitlement).ttfts.append(ttft_s)
+        self._counts[entitlement].ttfts.append(ttft_s)
 
     def sample(self, snap: Snapshot) -> None:
         """One sample of every pool and entitlement in the snapshot."""
         seconds = 0.0 if self._sampled_at is None else snap.at - self._sampled_at
         ents = {
-            name: _entitlement_sample(e, self._of(name), seconds)
+            name: _entitlement_sample(e, self._counts[name], seconds)
             for name, e in snap.entitlements.items()
         }
         used: dict[str, float] = {}  # tokens/s settled in the last update period, per pool

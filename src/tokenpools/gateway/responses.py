@@ -75,7 +75,7 @@ def refusal(decision: Reject) -> Refusal:
 
 def rejection(decision: Reject) -> web.Response:
     r = refusal(decision)
-    return error(r.status, r.message, r.kind, r.code, r.param, r.headers or None)
+    return error(r.status, r.message, r.kind, r.code, r.param, r.headers)
 
 
 def retry_after(wait: float) -> dict[str, str]:

@@ -97,6 +97,7 @@ class Gateway:
         self.metrics = GatewayMetrics(self)
         self.history = History(self.replica)
         self._next_sample = 0.0
+        self._background: list[asyncio.Task[None]] = []  # what `start` started
         self.observe = RequestObserver(self.metrics, self.history, self.access_log)
         self.model_pool = self._models(self.config)
 
@@ -206,24 +207,22 @@ class Gateway:
                 if not renewed:
                     self.evict(lease_id)
 
-    async def start(
-        self, tick_interval_s: float, health_interval_s: float
-    ) -> list[asyncio.Task[None]]:
+    async def start(self, tick_interval_s: float, health_interval_s: float) -> None:
         """Open the upstream session and the store, and start the background work: ticks,
-        backend health checks, capacity feedback. Returns the tasks `stop` ends."""
+        backend health checks, capacity feedback (until `stop`)."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector)
         await self.ledger.start()
-        return [
+        self._background = [
             asyncio.create_task(self._ticking(tick_interval_s)),
             asyncio.create_task(self._checking_health(health_interval_s)),
             asyncio.create_task(self._feeding_back()),
         ]
 
-    async def stop(self, tasks: list[asyncio.Task[None]]) -> None:
-        for task in tasks:
+    async def stop(self) -> None:
+        for task in self._background:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.ledger.aclose()
         if self.session is not None:
             await self.session.close()

@@ -109,7 +109,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self._gateway: Gateway | None = None
         self.config_file: ConfigFile | None = None
         self._starting = asyncio.Lock()
-        self._tasks: list[asyncio.Task[None]] = []  # the runtime's background work
+        self._following: asyncio.Task[None] | None = None  # the config file, followed
         self.held: dict[str, Held] = {}  # by LiteLLM's call id
         self.answer_headers: dict[str, dict[str, str]] = {}  # x-ratelimit-*, by call id
 
@@ -131,17 +131,19 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         if gw.session is None:
             async with self._starting:
                 if gw.session is None:
-                    self._tasks = await gw.start(TICK_INTERVAL_S, HEALTH_INTERVAL_S)
+                    await gw.start(TICK_INTERVAL_S, HEALTH_INTERVAL_S)
                     assert self.config_file is not None
                     following = self.config_file.follow(gw, WATCH_INTERVAL_S)
-                    self._tasks.append(asyncio.create_task(following))
+                    self._following = asyncio.create_task(following)
         return gw
 
     async def aclose(self) -> None:
         """Stop the background work and close the store's connections (a host shutting
         down; LiteLLM's own exit does without: leases it held expire in the store)."""
+        if self._following is not None:
+            self._following.cancel()
         if self._gateway is not None and self._gateway.session is not None:
-            await self._gateway.stop(self._tasks)
+            await self._gateway.stop()
 
     def entitlement_of(self, auth: UserAPIKeyAuth) -> str | None:
         known = self.gateway.core.entitlements
