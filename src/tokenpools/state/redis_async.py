@@ -16,7 +16,7 @@ import redis
 from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
 from tokenpools.state import redis_connect
 from tokenpools.state import redis_wire as wire
-from tokenpools.state.redis_link import FAILURES
+from tokenpools.state.redis_link import FAILURES, finish_args
 from tokenpools.state.redis_mux import Multiplexed
 from tokenpools.state.redis_store import RedisStore
 
@@ -36,7 +36,6 @@ class AsyncRedisLedger:
         self._queued: dict[tuple[str, str], list[tuple[float, list[str], asyncio.Future[Any]]]]
         self._queued = {}
         self._sending: dict[tuple[str, str], set[asyncio.Task[None]]] = {}  # calls on the way
-        self._orphans: set[asyncio.Task[None]] = set()  # ends of admissions nobody awaits
 
     async def warm(self) -> None:
         """Connect before the first requests, so that a burst of them does not pay for (or
@@ -55,7 +54,6 @@ class AsyncRedisLedger:
         """Wait for every call on its way (and what their replies start), then disconnect."""
         while pending := [
             *(t for tasks in self._sending.values() for t in tasks),
-            *self._orphans,
             *([self._flushing] if self._flushing else []),
         ]:
             await asyncio.gather(*pending, return_exceptions=True)
@@ -99,8 +97,16 @@ class AsyncRedisLedger:
         return await self._eval(pool, op, self.store.epoch(pool), now, args)
 
     async def admit(self, reservation: Reservation, now: float) -> Outcome:
+        """One admission, awaited. Whatever keeps its reply from this caller (a timeout, a
+        lost connection, the caller cancelled, even after the reply came), the admission is
+        given up, and Redis is owed its end (`RedisLink.given_up`)."""
         pool = reservation.lease.pool
-        decided = await self._together("admit", pool, now, wire.admit_args(reservation, now))
+        self.store.check_available()  # not sent: nothing to give up
+        try:
+            decided = await self._together("admit", pool, now, wire.admit_args(reservation, now))
+        except BaseException:
+            self.store.given_up(reservation.lease, now)
+            raise
         return self.store.admitted(reservation, decided)
 
     async def settle(self, lease: Lease, used_tokens: float, now: float) -> None:
@@ -111,12 +117,16 @@ class AsyncRedisLedger:
 
     async def _finish(self, lease: Lease, now: float, used: str, observed: float) -> None:
         store = self.store
-        args = store.finish_args(lease.lease_id, used, observed, now)
+        args = finish_args(lease.lease_id, used, observed, now)
         mine = store.forget(lease.lease_id)
         try:
             await self._together("finish", lease.pool, now, args)
         except StoreUnavailable:
             store.unsent(mine, lease.pool, now, args)  # raises again if it is not ours
+        except BaseException:  # cancelled on the way: Redis may not have heard it
+            if mine is not None:
+                store.unsent(mine, lease.pool, now, args)
+            raise
 
     async def _together(self, op: str, pool: str, now: float, args: list[str]) -> Any:
         """Group commit: the admissions (or lease ends) of one pool that come while a call of
@@ -148,11 +158,9 @@ class AsyncRedisLedger:
                     for _, _, future in batch:
                         future.cancel()
                     raise
-                for (now, group, future), reply in zip(batch, replies, strict=True):
-                    if not future.done():
+                for (_, _, future), reply in zip(batch, replies, strict=True):
+                    if not future.done():  # a cancelled caller gave its admission up
                         future.set_result(reply)
-                    elif op == "admit" and wire.admitted(reply):
-                        self._release_orphan(pool, now, group)
         finally:
             # In the same step as the loop's last look, so nothing queued goes unseen.
             senders = self._sending[kind]
@@ -161,19 +169,6 @@ class AsyncRedisLedger:
                 del self._sending[kind]
                 for _, _, future in self._queued.pop(kind, []):  # only after a cancellation
                     future.cancel()
-
-    def _release_orphan(self, pool: str, now: float, group: list[str]) -> None:
-        """An admission whose caller was cancelled while it was on its way (a client that
-        disconnected) was booked all the same: end it now, rather than at its lease's expiry."""
-        args = self.store.finish_args(wire.admitted_id(group), "0.0", 0.0, now)
-
-        async def release() -> None:
-            with contextlib.suppress(StoreUnavailable):  # then it expires with its lease
-                await self._together("finish", pool, now, args)
-
-        task = asyncio.get_running_loop().create_task(release())
-        self._orphans.add(task)
-        task.add_done_callback(self._orphans.discard)
 
     async def renew(self, lease: Lease, expires_at: float, now: float) -> bool:
         args = wire.args("renew", id=lease.lease_id, expires=wire.num(expires_at))

@@ -1,11 +1,19 @@
 """One replica's link to the Redis ledger: calls of the script, and the outage policy's memory.
 
-Every call has a timeout; after a failure the link answers `StoreUnavailable` at once, without
-trying, for `retry_interval_s`, so a stalled Redis costs a request at most one timeout. What
-cannot wait is kept: configuration (replayed when Redis comes back or has lost its data) and the
-ends of leases (sent on recovery). When Redis lost its data — the pool's epoch changed — the
-leases this replica still holds are booked again, once. `RedisStore` builds the ledger's
-operations on it; `AsyncRedisLedger` shares it for the awaited hot path.
+Every call has a timeout. A call that fails gets the outage policy for its own request; Redis
+is judged unreachable only after `FAILURES_TO_DOWN` failures in a row or a lost connection, and
+then the link answers `StoreUnavailable` at once, without trying, for `retry_interval_s`, after
+which one call tries again: a dead Redis costs a request at most one timeout, and one late reply
+does not refuse everyone else's traffic (docs/redis.md).
+
+What cannot wait is kept: configuration (replayed when Redis comes back or has lost its data) and
+the ends Redis owes us. Those are the ends of our leases that did not get through, and the
+admissions whose reply their caller never took (a timeout, a cancelled caller, a lost
+connection): Redis may have booked those, or may still, so each is ended with a tombstone that
+refuses a late booking. They are sent before the next call that reaches Redis, which every tick
+makes. When Redis lost its data (the pool's epoch changed) the leases this replica still holds
+are booked again, once. `RedisStore` builds the ledger's operations on it; `AsyncRedisLedger`
+shares it for the awaited hot path.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from tokenpools.state import redis_wire as wire
 # Any error from Redis (unreachable, timed out, out of memory, busy) makes the store unavailable
 # for a while: the core then applies the outage policy rather than failing the request.
 FAILURES = (redis.RedisError, OSError)
+# Failed calls in a row (nothing answered between them) that make Redis unreachable: one late
+# reply is a slow call, not an outage. A refused or lost connection is unreachable at once.
+FAILURES_TO_DOWN = 2
 log = logging.getLogger("tokenpools.state")
 
 
@@ -48,6 +59,7 @@ class RedisLink:
         self._retry_interval_s = retry_interval_s
         self._clock = clock
         self._down_until = -float("inf")
+        self._failures = 0  # failed calls since Redis last answered
         self._epoch: dict[str, str] = {}  # pool → the epoch this replica's view belongs to
         self._pool_args: dict[str, list[str]] = {}  # the latest configuration, for replays
         self._ent_args: dict[str, list[str]] = {}
@@ -85,15 +97,22 @@ class RedisLink:
     def went_down(self, exc: Exception) -> StoreUnavailable:
         """Any failure of a call: Redis unreachable, timed out or refusing, or the client
         itself broken (seen: redis-py's asyncio cluster client during a failover). Either way
-        the outage policy applies, never an error for the request."""
+        the outage policy applies to the call's request, never an error; to every request
+        once Redis is judged unreachable."""
         if not isinstance(exc, FAILURES):
             log.error("redis client failed: %r", exc, exc_info=exc)
-        if self._down_until == -float("inf"):
-            log.warning("redis: %s; the outage policy applies until it answers", exc)
-        self._down_until = self._clock() + self._retry_interval_s
+        self._failures += 1
+        lost = isinstance(exc, (redis.ConnectionError, OSError)) and not isinstance(
+            exc, redis.TimeoutError
+        )
+        if lost or self._failures >= FAILURES_TO_DOWN:
+            if self._down_until == -float("inf"):
+                log.warning("redis: %s; the outage policy applies until it answers", exc)
+            self._down_until = self._clock() + self._retry_interval_s
         return StoreUnavailable(f"redis: {exc}")
 
     def answered(self) -> None:
+        self._failures = 0
         if self._down_until != -float("inf"):
             self._down_until = -float("inf")
             log.warning("redis answers again")
@@ -165,3 +184,31 @@ class RedisLink:
             raise StoreUnavailable("redis is unreachable and the lease is not ours")
         self._unsent.append((pool, now, args))
         return mine
+
+    def given_up(self, lease: Lease, now: float) -> None:
+        """An admission whose reply its caller did not take: Redis may have booked it, or may
+        yet (a command still on its way). Owe Redis its end, refunded (the request never ran
+        on it), with a tombstone until the lease would have expired, so that a late booking
+        is refused; whichever comes first, nothing stays booked."""
+        self._mine.pop(lease.lease_id, None)
+        args = finish_args(lease.lease_id, "0.0", 0.0, now, keep=lease.expires_at)
+        self._unsent.append((lease.pool, now, args))
+
+    @property
+    def owed(self) -> int:
+        """Lease ends (given-up admissions included) Redis has not confirmed yet."""
+        return len(self._unsent)
+
+
+def finish_args(
+    lease_id: str, used: str, observed: float, now: float, keep: float = 0.0
+) -> list[str]:
+    """One lease end's group of the finish operation (several may go in one call)."""
+    return wire.args(
+        "finish",
+        id=lease_id,
+        used=used,
+        observed=wire.num(observed),
+        at=wire.num(now),
+        keep=wire.num(keep),
+    )

@@ -33,7 +33,7 @@ from tokenpools.control.store import (
     Window,
 )
 from tokenpools.state import redis_wire as wire
-from tokenpools.state.redis_link import RedisLink
+from tokenpools.state.redis_link import RedisLink, finish_args
 
 if TYPE_CHECKING:
     from tokenpools.state.redis_async import AsyncRedisLedger
@@ -121,15 +121,21 @@ class RedisStore(RedisLink):
 
     def admit(self, reservation: Reservation, now: float) -> Outcome:
         pool = reservation.lease.pool
-        (decided,) = self._call(pool, "admit", now, wire.admit_args(reservation, now))
+        self.check_available()  # not sent: nothing to give up
+        try:
+            (decided,) = self._call(pool, "admit", now, wire.admit_args(reservation, now))
+        except BaseException:
+            self.given_up(reservation.lease, now)
+            raise
         return self.admitted(reservation, decided)
 
     def admitted(self, reservation: Reservation, decided: Any) -> Outcome:
         """Read one admission's reply and book what it did in this replica's view."""
         if isinstance(decided, redis.ResponseError):  # this admission's own error
             message = str(decided)
-            if message.startswith("TPDUPLICATE "):  # the caller's error, not Redis's
-                raise ValueError(message.removeprefix("TPDUPLICATE "))
+            for code in ("TPDUPLICATE ", "TPGONE "):  # the caller's error, not Redis's
+                if message.startswith(code):
+                    raise ValueError(message.removeprefix(code))
             raise self.went_down(decided)
         lease = reservation.lease
         status, flags, ent, pool, rows = decided
@@ -150,20 +156,13 @@ class RedisStore(RedisLink):
         pool = self._pool_of_lease(lease_id, now)
         if pool is None:
             return None
-        args = self.finish_args(lease_id, used, observed, now)
+        args = finish_args(lease_id, used, observed, now)
         mine = self.forget(lease_id)
         try:
             (row,) = self._call(pool, "finish", now, args)
         except StoreUnavailable:
             return self.unsent(mine, pool, now, args)
         return None if row is None else wire.lease(row, pool)
-
-    @staticmethod
-    def finish_args(lease_id: str, used: str, observed: float, now: float) -> list[str]:
-        """One lease end's group of the finish operation (several may go in one call)."""
-        return wire.args(
-            "finish", id=lease_id, used=used, observed=wire.num(observed), at=wire.num(now)
-        )
 
     def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
         return self._finish(lease_id, now, wire.num(used_tokens), used_tokens)

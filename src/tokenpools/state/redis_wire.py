@@ -32,7 +32,7 @@ LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre")
 # other in one call, decided in that order.
 ADMIT_GROUP = ("size", "at", *LEASE_ARGS, "demand", "may_overcommit")
 PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
-FINISH_GROUP = ("id", "used", "observed", "at")
+FINISH_GROUP = ("id", "used", "observed", "at", "keep")
 # Each operation's own arguments, after the header.
 OPS: dict[str, tuple[str, ...]] = {
     "configure_pool": ("b_rate", "b_depth", "pb_rate", "pb_depth", "new_epoch"),
@@ -41,7 +41,8 @@ OPS: dict[str, tuple[str, ...]] = {
     "admit": ADMIT_GROUP,  # then the plan's numbers, then the victims' names; repeated
     "adopt": LEASE_ARGS,
     # One group per lease end, repeated for several in one call, in the order they happened;
-    # used: tokens, or 'all'; at: when it ended.
+    # used: tokens, or 'all'; at: when it ended; keep: a lease not found there is remembered
+    # as ended until then, so an admission of it that arrives late is refused (0: not).
     "finish": FINISH_GROUP,
     "renew": ("id", "expires"),
     "expire": (),
@@ -189,16 +190,6 @@ def lease_args(lease: Lease) -> list[str]:
         "pre": "1" if lease.preemptible else "0",
     }
     return [values[name] for name in LEASE_ARGS]
-
-
-def admitted(decided: Any) -> bool:
-    """Whether one admission's reply booked its lease."""
-    return isinstance(decided, list) and bool(decided) and decided[0] == b"ok"
-
-
-def admitted_id(group: Sequence[str]) -> str:
-    """The lease id in one admission's group of arguments."""
-    return group[ADMIT_GROUP.index("id")]
 
 
 def admit_args(reservation: Reservation, now: float) -> list[str]:

@@ -101,6 +101,7 @@ local function expire(p, now)
     ended[#ended + 1] = lease_reply(d[2], finish_loaded(d[2], d[3], p, now, true, 0.0, 0.0))
   end
   if #ended > 0 then save(P, p, POOL_FIELDS) end
+  redis.call('ZREMRANGEBYSCORE', P .. ':gone', '-inf', fmt(now))  -- past their lease's expiry
   return ended
 end
 
@@ -198,6 +199,11 @@ if op == 'finish' then
     local id, used = ARGV[at], ARGV[at + A.used - A.id]
     local l = finish_one(id, p, tonumber(ARGV[at + A.at - A.id]), used == 'all',
       tonumber(used) or 0.0, tonumber(ARGV[at + A.observed - A.id]))
+    local keep = tonumber(ARGV[at + A.keep - A.id])
+    if l == nil and keep > 0 then
+      -- an admission given up before its reply: should it still arrive, it must not book
+      redis.call('ZADD', P .. ':gone', fmt(keep), id)
+    end
     ended[#ended + 1] = l ~= nil and lease_reply(id, l)
   end
   save(P, p, POOL_FIELDS)

@@ -143,6 +143,9 @@ local function admit(p, o)
   if redis.call('EXISTS', lease_key(id)) == 1 then
     return redis.error_reply('TPDUPLICATE request id ' .. id .. ' already holds a lease')
   end
+  if redis.call('ZSCORE', P .. ':gone', id) then
+    return redis.error_reply('TPGONE request id ' .. id .. ' was given up before it was booked')
+  end
   local function new_lease()
     return { id = id, ent = name, tokens = tonumber(ARGV[o + A.tokens]),
       kv = tonumber(ARGV[o + A.kv]), started = tonumber(ARGV[o + A.started]),
