@@ -6,6 +6,7 @@ again, scripts survive SCRIPT FLUSH, AUTH and SELECT are sent, and a demoted mas
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -169,3 +170,23 @@ def test_a_demoted_master_is_left_and_the_next_call_asks_where_the_master_is() -
         assert isinstance(refused, redis.ResponseError) and str(refused).startswith("READONLY")
         assert written == b"OK"
         assert asked == [replica_port, master_port]
+
+
+def test_a_blocked_event_loop_is_not_a_late_redis(redis_url: str) -> None:
+    """The loop is blocked for 0.3 s between a call and its write (a slow callback, a long
+    garbage collection): its 50 ms timer fires late, and measures the loop, not Redis, so the
+    call gets its reply. Redis itself busy for 0.4 s still times out."""
+
+    async def go() -> tuple[Any, Any]:
+        client = async_client(redis_url, 0.05)
+        await client.call("PING")
+        loop = asyncio.get_running_loop()
+        loop.call_soon(time.sleep, 0.3)  # runs before the call's write
+        blocked = await client.call("ECHO", "through")
+        slow = await asyncio.gather(client.call("EVAL", BUSY_400_MS, 0), return_exceptions=True)
+        await client.aclose()
+        return blocked, slow[0]
+
+    blocked, slow = run(go())
+    assert blocked == b"through"
+    assert isinstance(slow, redis.TimeoutError)

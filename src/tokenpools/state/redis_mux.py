@@ -8,8 +8,11 @@ one connection per call in flight, measured ~230 µs of client CPU per script ca
 ~15 µs for this (BENCHMARKS.md); at hundreds of requests per second that was most of what
 Redis cost the gateway.
 
-A call waits at most `timeout_s`. A call that timed out keeps its place in the queue, and its
-late reply is dropped when it comes, so the connection stays usable; a lost connection fails
+A call waits at most `timeout_s` of the event loop's own time: a timer that fires late because
+the loop was blocked (a slow callback, a long garbage collection, a starved CPU) measured the
+loop, not Redis, and waits once more instead (up to `STALL_REARMS` times). A call that timed out
+keeps its place in the queue, and its late reply is dropped when it comes, so the connection
+stays usable; a lost connection fails
 every call in flight, and the next call connects again (to the address `locate` gives then,
 which is how Sentinel's failovers are followed; a server that answers READONLY has been demoted,
 and is left the same way)."""
@@ -26,12 +29,44 @@ import hiredis
 import redis
 
 Address = tuple[str, int]
+# How often one call's deadline is put off because its timer fired late by more than half the
+# timeout (the loop was blocked); bounded, so a loop that is always late still sees a dead Redis.
+STALL_REARMS = 4
+
+
+class _Call:
+    """A call waiting for its reply, and the timer that fails it."""
+
+    __slots__ = ("future", "rearms", "timer")
+
+    def __init__(self, future: asyncio.Future[Any]) -> None:
+        self.future = future
+        self.timer: asyncio.TimerHandle | None = None
+        self.rearms = 0
+
+    def arm(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.timer = loop.call_at(loop.time() + timeout_s, self._expire, loop, timeout_s)
+
+    def _expire(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        assert self.timer is not None
+        late = loop.time() - self.timer.when()
+        if late > timeout_s / 2 and self.rearms < STALL_REARMS:
+            self.rearms += 1  # the loop was blocked past the deadline: measure Redis again
+            self.arm(loop, timeout_s)
+        elif not self.future.done():
+            self.future.set_exception(
+                redis.TimeoutError(f"redis did not answer within {timeout_s} s")
+            )
+
+    def cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader(replyError=redis.ResponseError)
-        self.waiting: deque[tuple[asyncio.Future[Any], asyncio.TimerHandle]] = deque()
+        self.waiting: deque[_Call] = deque()
         self.pending: list[bytes] = []
         self.transport: asyncio.Transport | None = None
         self.lost: BaseException | None = None
@@ -42,8 +77,9 @@ class _Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
         while (reply := self.reader.gets()) is not False:
-            future, timer = self.waiting.popleft()
-            timer.cancel()
+            call = self.waiting.popleft()
+            call.cancel()
+            future = call.future
             if future.done():  # timed out: the caller has gone
                 continue
             if isinstance(reply, redis.ResponseError):
@@ -56,32 +92,27 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = redis.ConnectionError(f"connection to redis lost: {exc or 'closed'}")
         while self.waiting:
-            future, timer = self.waiting.popleft()
-            timer.cancel()
-            if not future.done():
-                future.set_exception(self.lost)
+            call = self.waiting.popleft()
+            call.cancel()
+            if not call.future.done():
+                call.future.set_exception(self.lost)
 
     def send(self, command: bytes, timeout_s: float) -> asyncio.Future[Any]:
         if self.lost is not None or self.transport is None:
             raise self.lost or redis.ConnectionError("not connected")
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        timer = loop.call_later(timeout_s, _time_out, future, timeout_s)
+        call = _Call(loop.create_future())
+        call.arm(loop, timeout_s)
         if not self.pending:
             loop.call_soon(self._flush)
         self.pending.append(command)
-        self.waiting.append((future, timer))
-        return future
+        self.waiting.append(call)
+        return call.future
 
     def _flush(self) -> None:
         if self.transport is not None and self.lost is None:
             self.transport.write(b"".join(self.pending))
         self.pending.clear()
-
-
-def _time_out(future: asyncio.Future[Any], timeout_s: float) -> None:
-    if not future.done():
-        future.set_exception(redis.TimeoutError(f"redis did not answer within {timeout_s} s"))
 
 
 def pack(args: Sequence[str | bytes | int]) -> bytes:
