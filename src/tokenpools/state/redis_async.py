@@ -16,7 +16,7 @@ import redis
 from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
 from tokenpools.state import redis_connect
 from tokenpools.state import redis_wire as wire
-from tokenpools.state.redis_link import FAILURES, finish_args
+from tokenpools.state.redis_link import FAILURES, finish_args, finish_calls
 from tokenpools.state.redis_mux import Multiplexed
 from tokenpools.state.redis_store import RedisStore
 
@@ -62,24 +62,36 @@ class AsyncRedisLedger:
     async def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
         store = self.store
         store.check_available()
-        if store.has_unsent and self._flushing is None:
-            # Sent aside, not waited for: until they arrive Redis counts those leases as
-            # still running, which errs on the safe side.
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
         try:
+            if store.has_unsent:
+                await self._unsent_sent()
             reply = await self._run(pool, op, now, args)
         except Exception as exc:
             raise store.went_down(exc) from exc
         store.answered()
         return reply
 
-    async def _flush(self) -> None:
+    async def _unsent_sent(self) -> None:
+        """The lease ends owed go before this call, on the same connection: a booking that a
+        given-up admission made there is ended before this call is decided, so it never
+        counts against the next request. Concurrent callers wait for one send."""
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._send_unsent())
+        flushing = self._flushing
         try:
-            await asyncio.to_thread(self.store.send_unsent)
-        except FAILURES as exc:
-            self.store.went_down(exc)
+            await asyncio.shield(flushing)
         finally:
-            self._flushing = None
+            if flushing.done() and self._flushing is flushing:
+                self._flushing = None
+
+    async def _send_unsent(self) -> None:
+        owed = self.store.take_unsent()
+        try:
+            for pool, now, args in finish_calls(owed):
+                await self._run(pool, "finish", now, args)
+        except BaseException:
+            self.store.unsent_again(owed)
+            raise
 
     async def _eval(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
         keys, argv = self.store.call_args(pool, op, epoch, now, args)

@@ -37,6 +37,7 @@ FAILURES = (redis.RedisError, OSError)
 # Failed calls in a row (nothing answered between them) that make Redis unreachable: one late
 # reply is a slow call, not an outage. A refused or lost connection is unreachable at once.
 FAILURES_TO_DOWN = 2
+Owed = tuple[str, float, list[str]]  # a lease end Redis has not confirmed: pool, when, arguments
 log = logging.getLogger("tokenpools.state")
 
 
@@ -65,10 +66,9 @@ class RedisLink:
         self._ent_args: dict[str, list[str]] = {}
         self._ent_pool: dict[str, str] = {}
         self._mine: dict[str, Lease] = {}  # leases booked by this replica and not seen ended
-        self._unsent: list[tuple[str, float, list[str]]] = []  # lease ends Redis has not heard
-        # The hot path and the worker thread may both rejoin, or send what was kept.
+        self._unsent: list[Owed] = []  # lease ends Redis has not confirmed, in order
+        # The hot path and the worker thread may both rejoin.
         self._rejoining = threading.Lock()
-        self._sending = threading.Lock()
 
     @property
     def available(self) -> bool:
@@ -171,12 +171,24 @@ class RedisLink:
                 if lease.pool == pool:
                     self._eval(pool, "adopt", epoch, now, wire.lease_args(lease))
 
+    def take_unsent(self) -> list[Owed]:
+        """The lease ends owed, to send now; hand them back with `unsent_again` if that
+        fails. (The hot path and the worker thread may both send: a lease ends once, so an
+        end that goes twice does no harm.)"""
+        owed, self._unsent = self._unsent, []
+        return owed
+
+    def unsent_again(self, owed: list[Owed]) -> None:
+        self._unsent[:0] = owed
+
     def send_unsent(self) -> None:
-        with self._sending:
-            while self._unsent:
-                pool, now, args = self._unsent[0]
+        owed = self.take_unsent()
+        try:
+            for pool, now, args in finish_calls(owed):
                 self._run(pool, "finish", now, args)
-                self._unsent.pop(0)
+        except BaseException:
+            self.unsent_again(owed)
+            raise
 
     def unsent(self, mine: Lease | None, pool: str, now: float, args: list[str]) -> Lease:
         """Keep the end of one of our leases for when Redis answers again."""
@@ -198,6 +210,15 @@ class RedisLink:
     def owed(self) -> int:
         """Lease ends (given-up admissions included) Redis has not confirmed yet."""
         return len(self._unsent)
+
+
+def finish_calls(owed: list[Owed]) -> list[Owed]:
+    """Lease ends as one finish call per pool (each keeps its own time in its group)."""
+    calls: dict[str, tuple[float, list[str]]] = {}
+    for pool, now, args in owed:
+        at, group = calls.get(pool, (now, []))
+        calls[pool] = (max(at, now), [*group, *args])
+    return [(pool, now, args) for pool, (now, args) in calls.items()]
 
 
 def finish_args(
