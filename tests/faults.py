@@ -43,9 +43,7 @@ class FaultProxy:
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
         self._open.set()
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._accept, "127.0.0.1", 0)
-        )
+        server = self.loop.run_until_complete(asyncio.start_server(self._accept, "127.0.0.1", 0))
         self.port = server.sockets[0].getsockname()[1]
         ready.set()
         self.loop.run_forever()

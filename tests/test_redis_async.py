@@ -139,7 +139,7 @@ def test_an_admission_whose_caller_is_cancelled_on_the_way_leaves_no_lease(
         await asyncio.sleep(0)  # queued, and its call on the way
         caller.cancel()  # a client that disconnected
         await asyncio.gather(caller, return_exceptions=True)
-        await ledger.aclose()  # waits for the reply, which finds nobody, and what it starts
+        await ledger.aclose()  # waits for the reply, and sends the end of what was given up
         return core.store.pool_counters("p", 1.0).leases, caller.cancelled()
 
     leases, cancelled = asyncio.run(go())

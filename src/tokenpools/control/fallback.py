@@ -115,6 +115,8 @@ class LocalFallback:
             leases = list(self.leases.values())
         for lease in leases:
             shared.adopt(lease, now)  # idempotent: a lease already there is not booked twice
-            self.release(lease.lease_id, now, refund=False)
+            if self.release(lease.lease_id, now, refund=False) is None:
+                # its request ended here while it was being handed over: end it there too
+                shared.release(lease.lease_id, now)
             count += 1
         return count

@@ -10,6 +10,7 @@ runs on one worker thread, one piece at a time, so it never runs alongside itsel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -79,6 +80,13 @@ class GatewayLedger:
             return await self.shared.renew(lease, now + self.core.policy.lease_ttl_s, now)
         except StoreUnavailable:  # keep running; the store is asked again next time
             return True
+
+    async def send_unsent(self) -> None:
+        """The lease ends the shared store is owed go on the request path's connection, ahead
+        of anything decided after them (a tick's work included)."""
+        if self.shared is not None:
+            with contextlib.suppress(StoreUnavailable):
+                await self.shared.send_unsent()
 
     async def background(self, fn: Callable[..., T], *args: object) -> T:
         """Run work that may call the store several times: inline on the memory store, on

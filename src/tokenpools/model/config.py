@@ -37,7 +37,7 @@ class StateSettings:
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "tokenpools"
     timeout_s: float = 0.05  # one call to Redis waits at most this long
-    retry_interval_s: float = 1.0  # after a failure, Redis is not tried again for this long
+    retry_interval_s: float = 0.25  # once Redis is judged unreachable, it is tried again after this
     fallback_fraction: float = 0.5  # of a protected baseline, per replica, while Redis is away
 
 

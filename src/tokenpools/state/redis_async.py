@@ -30,6 +30,11 @@ class AsyncRedisLedger:
         self.store = store
         self.client = redis_connect.async_client(store.url, store.timeout_s)
         self._script = self.client.register_script(wire.SCRIPT)
+        store.unsent_on_hot_path = True
+        if isinstance(self.client, Multiplexed):
+            # Replies that come after their calls timed out end an outage at once: a Redis
+            # that was paused answers them as soon as it runs again.
+            self.client.on_reply = store.answered
         self._flushing: asyncio.Task[None] | None = None
         self._calls = asyncio.Semaphore(redis_connect.CONNECTIONS)
         # by (operation, pool): what waits for the call on its way (when, arguments, caller)
@@ -51,12 +56,15 @@ class AsyncRedisLedger:
                 await self.client.script_load(wire.SCRIPT)
 
     async def aclose(self) -> None:
-        """Wait for every call on its way (and what their replies start), then disconnect."""
+        """Wait for every call on its way, send the lease ends owed (if Redis answers: what
+        it does not hear expires with its lease), then disconnect."""
         while pending := [
             *(t for tasks in self._sending.values() for t in tasks),
             *([self._flushing] if self._flushing else []),
         ]:
             await asyncio.gather(*pending, return_exceptions=True)
+        with contextlib.suppress(StoreUnavailable):
+            await self.send_unsent()
         await self.client.aclose()
 
     async def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
@@ -70,6 +78,16 @@ class AsyncRedisLedger:
             raise store.went_down(exc) from exc
         store.answered()
         return reply
+
+    async def send_unsent(self) -> None:
+        """Send the lease ends owed now, if Redis is thought reachable (each tick does)."""
+        store = self.store
+        if store.has_unsent and store.available:
+            try:
+                await self._unsent_sent()
+            except Exception as exc:
+                raise store.went_down(exc) from exc
+            store.answered()
 
     async def _unsent_sent(self) -> None:
         """The lease ends owed go before this call, on the same connection: a booking that a
@@ -112,14 +130,27 @@ class AsyncRedisLedger:
         """One admission, awaited. Whatever keeps its reply from this caller (a timeout, a
         lost connection, the caller cancelled, even after the reply came), the admission is
         given up, and Redis is owed its end (`RedisLink.given_up`)."""
-        pool = reservation.lease.pool
-        self.store.check_available()  # not sent: nothing to give up
-        try:
-            decided = await self._together("admit", pool, now, wire.admit_args(reservation, now))
-        except BaseException:
-            self.store.given_up(reservation.lease, now)
-            raise
-        return self.store.admitted(reservation, decided)
+        pool, store = reservation.lease.pool, self.store
+        store.check_available()  # not sent: nothing to give up
+        args = wire.admit_args(reservation, now)
+        for retry in (False, True):
+            try:
+                decided = await self._together("admit", pool, now, args)
+            except BaseException:
+                store.given_up(reservation.lease, now)
+                raise
+            outcome = store.admitted(reservation, decided)
+            # A refusal decided while we owed Redis lease ends may have counted a booking we
+            # had given up (an admission sent just before the one that gave up reached Redis
+            # ahead of its end): decided once more, after those ends, which go first.
+            if outcome.shortfall is None or retry or not self.owes:
+                return outcome
+        raise AssertionError("unreachable")
+
+    @property
+    def owes(self) -> bool:
+        """Whether lease ends are owed to Redis, or on their way there."""
+        return self.store.has_unsent or self._flushing is not None
 
     async def settle(self, lease: Lease, used_tokens: float, now: float) -> None:
         await self._finish(lease, now, wire.num(used_tokens), used_tokens)
@@ -158,21 +189,11 @@ class AsyncRedisLedger:
         op, pool = kind
         try:
             while batch := self._queued.pop(kind, None):
-                args = [a for _, group, _ in batch for a in group]
-                try:
-                    replies = await self._call(pool, op, max(now for now, _, _ in batch), args)
-                except StoreUnavailable as exc:
-                    for _, _, future in batch:
-                        if not future.done():  # its caller may have been cancelled
-                            future.set_exception(StoreUnavailable(str(exc)))
-                    continue
-                except BaseException:
-                    for _, _, future in batch:
-                        future.cancel()
-                    raise
-                for (_, _, future), reply in zip(batch, replies, strict=True):
-                    if not future.done():  # a cancelled caller gave its admission up
-                        future.set_result(reply)
+                # Lease ends that came before these admissions are decided before them: a
+                # client's next request never finds its last one still booked.
+                if op == "admit" and (ends := self._queued.pop(("finish", pool), None)):
+                    await self._send_batch("finish", pool, ends)
+                await self._send_batch(op, pool, batch)
         finally:
             # In the same step as the loop's last look, so nothing queued goes unseen.
             senders = self._sending[kind]
@@ -181,6 +202,25 @@ class AsyncRedisLedger:
                 del self._sending[kind]
                 for _, _, future in self._queued.pop(kind, []):  # only after a cancellation
                     future.cancel()
+
+    async def _send_batch(
+        self, op: str, pool: str, batch: list[tuple[float, list[str], asyncio.Future[Any]]]
+    ) -> None:
+        args = [a for _, group, _ in batch for a in group]
+        try:
+            replies = await self._call(pool, op, max(now for now, _, _ in batch), args)
+        except StoreUnavailable as exc:
+            for _, _, future in batch:
+                if not future.done():  # its caller may have been cancelled
+                    future.set_exception(StoreUnavailable(str(exc)))
+            return
+        except BaseException:
+            for _, _, future in batch:
+                future.cancel()
+            raise
+        for (_, _, future), reply in zip(batch, replies, strict=True):
+            if not future.done():  # a cancelled caller gave its admission up
+                future.set_result(reply)
 
     async def renew(self, lease: Lease, expires_at: float, now: float) -> bool:
         args = wire.args("renew", id=lease.lease_id, expires=wire.num(expires_at))

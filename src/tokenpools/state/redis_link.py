@@ -48,7 +48,7 @@ class RedisLink:
         self,
         url: str = "redis://127.0.0.1:6379/0",
         timeout_s: float = 0.05,
-        retry_interval_s: float = 1.0,
+        retry_interval_s: float = 0.25,
         prefix: str = "tokenpools",
         clock: Callable[[], float] = time.monotonic,
         client: Any = None,
@@ -67,6 +67,9 @@ class RedisLink:
         self._ent_pool: dict[str, str] = {}
         self._mine: dict[str, Lease] = {}  # leases booked by this replica and not seen ended
         self._unsent: list[Owed] = []  # lease ends Redis has not confirmed, in order
+        # Set by an awaited hot path: it alone sends them, ahead of its own calls on its one
+        # connection, so none of its calls is decided before an end owed.
+        self.unsent_on_hot_path = False
         # The hot path and the worker thread may both rejoin.
         self._rejoining = threading.Lock()
 
@@ -120,7 +123,7 @@ class RedisLink:
     def _call(self, pool: str, op: str, now: float, args: Sequence[str]) -> Any:
         self.check_available()
         try:
-            if self._unsent:
+            if self._unsent and not self.unsent_on_hot_path:
                 self.send_unsent()
             reply = self._run(pool, op, now, args)
         except Exception as exc:

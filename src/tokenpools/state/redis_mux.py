@@ -64,7 +64,8 @@ class _Call:
 
 
 class _Protocol(asyncio.Protocol):
-    def __init__(self) -> None:
+    def __init__(self, heard: Callable[[], None]) -> None:
+        self.heard = heard
         self.reader = hiredis.Reader(replyError=redis.ResponseError)
         self.waiting: deque[_Call] = deque()
         self.pending: list[bytes] = []
@@ -75,6 +76,7 @@ class _Protocol(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        self.heard()  # a reply, even a late one, says the server answers
         self.reader.feed(data)
         while (reply := self.reader.gets()) is not False:
             call = self.waiting.popleft()
@@ -139,6 +141,8 @@ class Multiplexed:
         if db:
             self._hello.append(["SELECT", db])
         self._protocol: _Protocol | None = None
+        # called on every reply that arrives, late ones included (the store's "it answers")
+        self.on_reply: Callable[[], None] = lambda: None
         self._connecting: asyncio.Task[_Protocol] | None = None
 
     async def connect(self) -> None:
@@ -159,7 +163,9 @@ class Multiplexed:
     async def _open(self) -> _Protocol:
         async with asyncio.timeout(self.timeout_s):
             host, port = await self._locate()
-            _, protocol = await asyncio.get_running_loop().create_connection(_Protocol, host, port)
+            _, protocol = await asyncio.get_running_loop().create_connection(
+                lambda: _Protocol(self.on_reply), host, port
+            )
         try:
             for command in self._hello:
                 await protocol.send(pack(command), self.timeout_s)

@@ -187,10 +187,16 @@ class RedisStore(RedisLink):
         return False
 
     def adopt(self, lease: Lease, now: float) -> bool:
-        if self._call(lease.pool, "adopt", now, wire.lease_args(lease)) != 1:
-            return False
-        self._mine[lease.lease_id] = lease
-        return True
+        # A booking like an admission: one whose reply is lost may have been made, so it is
+        # given up (ended, or refused should it come late) before the next try books it.
+        self.check_available()
+        try:
+            booked = self._call(lease.pool, "adopt", now, wire.lease_args(lease)) == 1
+        except BaseException:
+            self.given_up(lease, now)
+            raise
+        self._mine[lease.lease_id] = lease  # held there under our id either way: ours to end
+        return booked
 
     def expire(self, now: float) -> list[Lease]:
         ended = []
