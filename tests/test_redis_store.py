@@ -376,3 +376,27 @@ def test_a_redis_that_refuses_writes_is_an_outage_not_a_crash(redis_url: str, re
         assert core.admit("gold-a", RequestCost(10, 10), 2.0).admitted  # its local budget
     finally:
         redis_client.config_set("maxmemory", "0")
+
+
+def test_a_replica_that_stopped_ticking_has_its_leases_ended_by_the_others(
+    redis_url: str, redis_client
+) -> None:
+    """A gateway killed or restarted (under a new name) does not leave its leases to their TTL:
+    once it has not ticked for the replica timeout, the next tick of any replica ends them,
+    charged in full as expiry charges them; a replica that ticks keeps its own."""
+    cfg = config(ttl=600)
+    gone = redis_core(redis_url, cfg, "gone", owner="gone", replica_timeout_s=10)
+    live = redis_core(redis_url, cfg, "live", owner="live", replica_timeout_s=10)
+    theirs = [gone.admit("elastic-b", RequestCost(10, 10), 1.0) for _ in range(3)]
+    ours = live.admit("gold-a", RequestCost(10, 10), 1.0)
+    assert all(d.admitted for d in [*theirs, ours])
+    gone.tick(1.0)  # its last heartbeat
+    assert live.tick(10.5).expired == ()  # heard from 9.5 s ago: alive
+    ended = live.tick(11.5).expired
+    assert sorted(x.lease_id for x in ended) == sorted(d.lease.lease_id for d in theirs)
+    counters = live.store.pool_counters("p", 11.5)
+    assert (counters.leases, counters.concurrency) == (1, 1.0)  # ours stays
+    assert not gone.renew(theirs[0].lease.lease_id, 12.0)  # its requests end if it wakes
+    assert live.store.entitlement_counters("elastic-b", 11.5).leases == 0
+    assert live.tick(30.0).expired == ()  # and the live one, ticking, is never taken for gone
+    assert live.store.pool_counters("p", 30.0).leases == 1

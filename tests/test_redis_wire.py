@@ -34,7 +34,9 @@ def test_every_argument_the_script_reads_is_declared_and_every_declared_one_is_r
     used = set(re.findall(r"\bA\.([a-z_]+)", SOURCE))  # A: argument name -> ARGV index
     declared = {name for names in wire.OPS.values() for name in names}
     assert used == declared
-    assert not re.search(r"ARGV\[[4-9]\]|ARGV\[\d\d\]", SOURCE)  # nothing read by position
+    assert set(re.findall(r"\bH\.([a-z_]+)", SOURCE)) == {"owner"}  # the header's, by name
+    beyond_header = rf"ARGV\[[{len(wire.HEADER) + 1}-9]\]|ARGV\[\d\d\]"
+    assert not re.search(beyond_header, SOURCE)  # nothing read by position
 
 
 def test_every_plan_number_the_script_reads_is_a_plan_field() -> None:
@@ -48,7 +50,8 @@ def test_counters_and_lease_rows_map_every_field_to_a_stored_one() -> None:
     assert list(wire.ENTITLEMENT_COUNTERS) == [f.name for f in fields(EntitlementCounters)]
     assert set(wire.POOL_COUNTERS.values()) <= set(_lua_list("POOL_FIELDS"))
     assert set(wire.ENTITLEMENT_COUNTERS.values()) <= set(_lua_list("ENT_FIELDS"))
-    assert list(wire.LEASE_ROW.values()) == _lua_list("LEASE_FIELDS")
+    # every stored field travels back in a lease row, but its owner (Redis's own bookkeeping)
+    assert [*wire.LEASE_ROW.values(), "owner"] == _lua_list("LEASE_FIELDS")
 
 
 def test_the_generated_prelude_is_what_the_script_starts_with() -> None:

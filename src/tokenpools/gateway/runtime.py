@@ -62,6 +62,8 @@ def open_core(config: Config, now: float, replica: str) -> GatewayLedger:
         timeout_s=settings.timeout_s,
         retry_interval_s=settings.retry_interval_s,
         prefix=settings.key_prefix,
+        owner=replica,
+        replica_timeout_s=settings.replica_timeout_s,
     )
     # The private store holds what the outage policy admits while Redis is unreachable.
     core = DecisionCore(config, store, now=now, replica=replica, fallback_store=MemoryStore())

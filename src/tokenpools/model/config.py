@@ -39,6 +39,7 @@ class StateSettings:
     timeout_s: float = 0.05  # one call to Redis waits at most this long
     retry_interval_s: float = 0.25  # once Redis is judged unreachable, it is tried again after this
     fallback_fraction: float = 0.5  # of a protected baseline, per replica, while Redis is away
+    replica_timeout_s: float = 10.0  # a replica that has not ticked for this long is gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ def parse_config(data: Any) -> Config:
             timeout_s=st.timeoutMs / 1000,
             retry_interval_s=st.retryIntervalS,
             fallback_fraction=st.fallbackFraction,
+            replica_timeout_s=st.replicaTimeoutS,
         ),
     )
 

@@ -307,6 +307,7 @@ class StateSpec(_Strict):
     timeoutMs: Annotated[float, Field(gt=0, le=10000)] = 50.0
     retryIntervalS: Pos = 0.25
     fallbackFraction: Annotated[float, Field(ge=0, le=1)] = 0.5
+    replicaTimeoutS: Pos = 10.0
 
 
 class ConfigSpec(_Strict):

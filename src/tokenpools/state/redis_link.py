@@ -52,7 +52,14 @@ class RedisLink:
         prefix: str = "tokenpools",
         clock: Callable[[], float] = time.monotonic,
         client: Any = None,
+        owner: str | None = None,
+        replica_timeout_s: float = 10.0,
     ) -> None:
+        """`owner`: this replica's name, unique per process start (the leases it books are
+        its own); a replica that has not expired leases for `replica_timeout_s` is gone, and
+        the others end its leases."""
+        self.owner = owner or f"store-{secrets.token_hex(6)}"
+        self.replica_timeout_s = replica_timeout_s
         self.url, self.timeout_s = url, timeout_s
         self.client = client or redis_connect.sync_client(url, timeout_s)
         self._script = self.client.register_script(wire.SCRIPT)
@@ -133,7 +140,7 @@ class RedisLink:
 
     def call_args(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
         """KEYS and ARGV of one call of the script: ARGV is the header, then `args`."""
-        return [self.key(pool)], [op, epoch, wire.num(now), *args]
+        return [self.key(pool)], [op, epoch, wire.num(now), self.owner, *args]
 
     def _eval(self, pool: str, op: str, epoch: str, now: float, args: Sequence[str]) -> Any:
         keys, argv = self.call_args(pool, op, epoch, now, args)

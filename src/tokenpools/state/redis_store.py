@@ -201,7 +201,8 @@ class RedisStore(RedisLink):
     def expire(self, now: float) -> list[Lease]:
         ended = []
         for pool in list(self._pool_args):
-            for row in self._call(pool, "expire", now, ()):
+            stale = wire.num(now - self.replica_timeout_s)
+            for row in self._call(pool, "expire", now, wire.args("expire", stale=stale)):
                 lease = wire.lease(row, pool)
                 self._mine.pop(lease.lease_id, None)
                 ended.append(lease)

@@ -37,6 +37,8 @@ local function book(id, l, e, p, now)
       redis.call('ZADD', P .. ':low', fmt(e.priority), l.ent)
     end
   end
+  l.owner = OWNER
+  redis.call('SADD', P .. ':o:' .. OWNER, id)
   save_lease(id, l)
   redis.call('ZADD', P .. ':exp', expiry_score(l.expires), id)
 end
@@ -45,6 +47,7 @@ end
 local function finish(id, l, e, p, now, used, observed)
   redis.call('DEL', lease_key(id))
   redis.call('ZREM', P .. ':exp', id)
+  if l.owner then redis.call('SREM', P .. ':o:' .. l.owner, id) end  -- none: booked before owners
   accumulate(e, now)
   e.conc = e.conc - 1
   e.kv = e.kv - l.kv

@@ -100,6 +100,23 @@ local function expire(p, now)
   for _, d in ipairs(due) do
     ended[#ended + 1] = lease_reply(d[2], finish_loaded(d[2], d[3], p, now, true, 0.0, 0.0))
   end
+  -- A replica not heard from since `stale` is gone (a process killed or restarted under a new
+  -- name): its leases end now, charged in full as expiry charges them, not at their expiry.
+  redis.call('HSET', P .. ':alive', OWNER, fmt(now))
+  local alive = redis.call('HGETALL', P .. ':alive')
+  for i = 1, #alive, 2 do
+    local owner = alive[i]
+    if owner ~= OWNER and tonumber(alive[i + 1]) < tonumber(ARGV[A.stale]) then
+      for _, id in ipairs(redis.call('SMEMBERS', P .. ':o:' .. owner)) do
+        local l = load_lease(id)
+        if l ~= nil then
+          ended[#ended + 1] = lease_reply(id, finish_loaded(id, l, p, now, true, 0.0, 0.0))
+        end
+      end
+      redis.call('DEL', P .. ':o:' .. owner)
+      redis.call('HDEL', P .. ':alive', owner)
+    end
+  end
   if #ended > 0 then save(P, p, POOL_FIELDS) end
   redis.call('ZREMRANGEBYSCORE', P .. ':gone', '-inf', fmt(now))  -- past their lease's expiry
   return ended

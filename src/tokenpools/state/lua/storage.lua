@@ -16,13 +16,17 @@
 --   P:ref       zset   entitlement -> priority when last refused room
 --   P:reft      hash   entitlement -> when last refused room
 --   P:prot      set    entitlements holding a reserved baseline
--- ARGV[1] is the operation, ARGV[2] the epoch the caller last saw. A pool created anew (Redis
+--   P:alive     hash   replica -> when it last expired leases (its heartbeat)
+--   P:o:<name>  set    the leases a replica booked and holds
+--   P:gone      zset   lease id given up before its booking was known -> until when refused
+-- ARGV[1] is the operation, ARGV[2] the epoch the caller last saw, ARGV[4] the calling replica. A pool created anew (Redis
 -- lost its data) gets a new epoch, and a caller with the old one is told so, to book again the
 -- leases it still holds. Numbers are stored with 17 significant digits: a float survives the
 -- round trip exactly, and numbers go back to Python as strings (Lua numbers would be truncated).
 
 local P = KEYS[1]
 local op = ARGV[1]
+local OWNER = ARGV[H.owner]
 local INF = 1 / 0
 local STRINGS = { epoch = true }  -- the pool hash's one field that is not a number
 
@@ -69,7 +73,8 @@ local POOL_FIELDS = { 'conc', 'kv', 'pre_c', 'pre_k', 'hold_c', 'hold_k', 'lease
 local ENT_FIELDS = { 'conc', 'kv', 'peak_c', 'peak_k', 'leases', 'protected', 'base_c', 'base_k',
   'hold_c', 'hold_k', 'o_rate', 'o_depth', 'o_level', 'o_t', 't_acc', 'conc_s', 'kv_s', 'settled', 'demand',
   'admitted', 'window_start' }
-local LEASE_FIELDS = { 'ent', 'tokens', 'kv', 'started', 'expires', 'pre', 'reserved', 'own' }
+local LEASE_FIELDS = { 'ent', 'tokens', 'kv', 'started', 'expires', 'pre', 'reserved', 'own',
+  'owner' }
 
 local function ent_key(name) return P .. ':e:' .. name end
 local function lease_key(id) return P .. ':l:' .. id end
