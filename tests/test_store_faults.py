@@ -45,10 +45,12 @@ ENTS = ("gold", "elastic", "spot", "batch")
 GOLD_BASELINE = 4
 
 
-def fault_config(url: str | None, prefix: str, fallback: float = 0.5) -> Config:
+def fault_config(
+    url: str | None, prefix: str, fallback: float = 0.5, timeout_ms: float = TIMEOUT_MS
+) -> Config:
     state: dict[str, Any] = {"backend": "memory"}
     if url is not None:
-        state = {"backend": "redis", "url": url, "keyPrefix": prefix, "timeoutMs": TIMEOUT_MS,
+        state = {"backend": "redis", "url": url, "keyPrefix": prefix, "timeoutMs": timeout_ms,
                  "fallbackFraction": fallback}  # fmt: skip
     return parse_config(
         {

@@ -53,6 +53,9 @@ def gateway_config(backend: str, slots: int) -> dict[str, Any]:
 class Load:
     seconds: float = 15.0
     gold_gap_s: float = 1.0  # the guaranteed tenant sends one request, then waits this long
+    # ... and runs on past `seconds` until it has this many answers (a slow machine takes
+    # longer per request: the run waits for the requests, not for the clock)
+    gold_answers: int = 0
     gold_prompt: int = 100
     gold_output: int = 16
     spot_workers: int = 6  # closed loop, each retrying after a 429's Retry-After
@@ -135,6 +138,7 @@ async def protection(base_url: str, keys: dict[str, str], load: Load) -> Outcome
     """`keys` holds "gold" and, unless load.spot_workers is 0, "spot"."""
     out = Outcome()
     end = time.monotonic() + load.seconds
+    gold_done = asyncio.Event()  # the flood lasts as long as the steady tenant
     run = secrets.token_hex(4)  # no prompt repeats an earlier run's: the cache would hit
     ids = (f"{run}-{i}" for i in itertools.count())
 
@@ -143,7 +147,12 @@ async def protection(base_url: str, keys: dict[str, str], load: Load) -> Outcome
     ) -> None:
         """Steady: a pause after every request. Otherwise a flood: pause only when refused,
         for its Retry-After (at most 1 s, to keep the pressure on)."""
-        while time.monotonic() < end:
+        def running() -> bool:
+            if not steady:
+                return not gold_done.is_set()
+            return time.monotonic() < end or len(out.gold_ttft_s) < load.gold_answers
+
+        while running():
             t = await stream(session, base_url, keys[tenant], prompt, output, next(ids))
             out.statuses[tenant, t.status] += 1
             if steady and t.ttft_s is not None:
@@ -152,6 +161,8 @@ async def protection(base_url: str, keys: dict[str, str], load: Load) -> Outcome
                 await asyncio.sleep(load.gold_gap_s)
             elif t.status != 200:
                 await asyncio.sleep(min(t.retry_after_s, 1.0) or 0.2)
+        if steady:
+            gold_done.set()
 
     timeout = aiohttp.ClientTimeout(total=120)
     # llama.cpp's server closes idle keep-alive connections without notice: one per request

@@ -191,7 +191,7 @@ class RedisStore(RedisLink):
         # given up (ended, or refused should it come late) before the next try books it.
         self.check_available()
         try:
-            booked = self._call(lease.pool, "adopt", now, wire.lease_args(lease)) == 1
+            booked = bool(self._call(lease.pool, "adopt", now, wire.lease_args(lease)) == 1)
         except BaseException:
             self.given_up(lease, now)
             raise
