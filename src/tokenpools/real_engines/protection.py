@@ -147,6 +147,7 @@ async def protection(base_url: str, keys: dict[str, str], load: Load) -> Outcome
     ) -> None:
         """Steady: a pause after every request. Otherwise a flood: pause only when refused,
         for its Retry-After (at most 1 s, to keep the pressure on)."""
+
         def running() -> bool:
             if not steady:
                 return not gold_done.is_set()
