@@ -106,7 +106,16 @@ class FaultProxy:
         self._do(restore)
 
     def close(self) -> None:
-        self.restore()
+        async def shutdown() -> None:
+            self._cut = True
+            for writer in list(self._links):
+                writer.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
 

@@ -36,7 +36,7 @@ class StateSettings:
     backend: str = "memory"
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "tokenpools"
-    timeout_s: float = 0.05  # one call to Redis waits at most this long
+    timeout_s: float = 0.25  # one call to Redis waits at most this long (docs/redis.md)
     retry_interval_s: float = 0.25  # once Redis is judged unreachable, it is tried again after this
     fallback_fraction: float = 0.5  # of a protected baseline, per replica, while Redis is away
     replica_timeout_s: float = 10.0  # a replica that has not ticked for this long is gone

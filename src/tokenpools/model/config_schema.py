@@ -304,7 +304,7 @@ class StateSpec(_Strict):
     # a master behind Sentinel (redis+sentinel://host:port,host:port/service[/db])
     url: Annotated[str, Field(pattern=REDIS_URL)] = "redis://127.0.0.1:6379/0"
     keyPrefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$")] = "tokenpools"
-    timeoutMs: Annotated[float, Field(gt=0, le=10000)] = 50.0
+    timeoutMs: Annotated[float, Field(gt=0, le=10000)] = 250.0
     retryIntervalS: Pos = 0.25
     fallbackFraction: Annotated[float, Field(ge=0, le=1)] = 0.5
     replicaTimeoutS: Pos = 10.0

@@ -47,7 +47,7 @@ class RedisLink:
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",
-        timeout_s: float = 0.05,
+        timeout_s: float = 0.25,
         retry_interval_s: float = 0.25,
         prefix: str = "tokenpools",
         clock: Callable[[], float] = time.monotonic,
