@@ -226,8 +226,9 @@ def finish_calls(owed: list[Owed]) -> list[Owed]:
     """Lease ends as one finish call per pool (each keeps its own time in its group)."""
     calls: dict[str, tuple[float, list[str]]] = {}
     for pool, now, args in owed:
-        at, group = calls.get(pool, (now, []))
-        calls[pool] = (max(at, now), [*group, *args])
+        at, group = calls.setdefault(pool, (now, []))
+        group.extend(args)
+        calls[pool] = (max(at, now), group)
     return [(pool, now, args) for pool, (now, args) in calls.items()]
 
 
