@@ -65,12 +65,12 @@ def fault_config(
                     "perReplica": {"tokensPerSecond": 1e6, "kvTokens": 65536, "concurrency": 16},
                 }
             ],
-            "entitlements": _with_tenants(),
+            "entitlements": entitlements(),
         }
     )
 
 
-def _with_tenants() -> list[dict[str, Any]]:
+def entitlements() -> list[dict[str, Any]]:
     specs: list[dict[str, Any]] = [
         {"name": "gold", "serviceClass": "guaranteed", "sloTargetMs": 1000,
          "concurrency": GOLD_BASELINE},
