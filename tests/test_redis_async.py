@@ -10,7 +10,7 @@ import redis
 
 from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.decisions import Admit
+from tokenpools.control.decisions import Admit, Reject
 from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.state.memory import MemoryStore
@@ -145,3 +145,36 @@ def test_an_admission_whose_caller_is_cancelled_on_the_way_leaves_no_lease(
     leases, cancelled = asyncio.run(go())
     assert cancelled
     assert leases == 0
+
+
+def test_a_lease_that_ends_while_it_is_handed_over_leaves_nothing_booked(redis_url: str) -> None:
+    """A lease admitted on the local budget is handed over to Redis on the event loop; its
+    request ends while the booking is on its way. The end is owed to Redis and sent ahead of
+    the next call: nothing stays booked, and the local budget is free."""
+    config = make_config(
+        [{"name": "gold", "serviceClass": "guaranteed", "concurrency": 2, "sloTargetMs": 1000}]
+    )
+    store = RedisStore(redis_url, timeout_s=1.0, prefix="handover")
+    core = DecisionCore(config, store, now=0.0, fallback_store=MemoryStore())
+
+    async def go() -> tuple[int, float, int]:
+        ledger = GatewayLedger(core, AsyncRedisLedger(store))
+        await ledger.start()
+        step = core.prepare("gold", RequestCost(10, 10), 1.0)
+        assert not isinstance(step, Reject)
+        local = core.decide(step, None, 1.0)  # decided as while Redis was away
+        assert isinstance(local, Admit) and local.lease.lease_id in core.fallback.leases
+        handing = asyncio.ensure_future(ledger.hand_over(1.5))
+        await asyncio.sleep(0)  # one loop turn: the booking is written, its reply awaited
+        booked_meanwhile = core.store.owed
+        ledger.end(local.lease, Usage(10, 5), 1.6)  # the request ends meanwhile
+        await handing
+        await ledger.send_unsent()
+        counters = store.pool_counters("p", 2.0)
+        await ledger.aclose()
+        return counters.leases, counters.concurrency, booked_meanwhile
+
+    leases, concurrency, owed_before = asyncio.run(go())
+    assert owed_before == 0
+    assert (leases, concurrency) == (0, 0.0)
+    assert not core.fallback.leases

@@ -284,7 +284,7 @@ class DecisionCore(Catalog):
         if now >= self._next_expiry:
             states = self._rebind(now)
         try:
-            if self.fallback.leases:
+            if self.fallback.leases and self.fallback.hand_over_on_tick:
                 self.fallback.hand_over(self.store, now)
             expired += tuple(self.store.expire(now))
             updated = self._update_pools(now)

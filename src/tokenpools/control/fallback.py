@@ -41,6 +41,9 @@ class LocalFallback:
         self._lock = threading.Lock()
         self._limits: dict[str, tuple[BucketSpec, ReservePlan]] = {}
         self._pools: set[str] = set()
+        # False where the host hands the leases over itself, on the path its requests' ends
+        # take (the gateway on Redis: the event loop), so that an end never races a hand-over
+        self.hand_over_on_tick = True
 
     def admit(
         self, ent: Entitlement, own: BucketSpec, priority: float, lease: Lease, now: float

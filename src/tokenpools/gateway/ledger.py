@@ -34,6 +34,8 @@ class GatewayLedger:
             None if shared is None else ThreadPoolExecutor(1, thread_name_prefix="tokenpools")
         )
         self._ending: set[asyncio.Task[None]] = set()
+        if shared is not None:
+            core.fallback.hand_over_on_tick = False  # `hand_over` does it, on the loop
 
     async def admit(self, entitlement: str, cost: RequestCost, now: float) -> Decision:
         if self.shared is None:
@@ -87,6 +89,23 @@ class GatewayLedger:
         if self.shared is not None:
             with contextlib.suppress(StoreUnavailable):
                 await self.shared.send_unsent()
+
+    async def hand_over(self, now: float) -> None:
+        """Book in the shared store the leases admitted on the local budget while it was away,
+        on the event loop, where their requests end: a request that ended while its lease was
+        on its way there has its end owed to the store, sent ahead of the next decision."""
+        fallback = self.core.fallback
+        if self.shared is None or not fallback.leases:
+            return
+        for lease in list(fallback.leases.values()):
+            if lease.lease_id not in fallback.leases:
+                continue  # it ended meanwhile
+            try:
+                await self.shared.adopt(lease, now)
+            except StoreUnavailable:
+                return  # the next tick tries again
+            if fallback.release(lease.lease_id, now, refund=False) is None:
+                self.shared.store.given_up(lease, now)
 
     async def background(self, fn: Callable[..., T], *args: object) -> T:
         """Run work that may call the store several times: inline on the memory store, on

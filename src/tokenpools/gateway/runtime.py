@@ -195,6 +195,7 @@ class Gateway:
     async def tick(self) -> None:
         now = self.clock()
         await self.ledger.send_unsent()
+        await self.ledger.hand_over(now)
         result = await self.ledger.background(self.core.tick, now)
         for lease in result.expired:
             self.evict(lease.lease_id)

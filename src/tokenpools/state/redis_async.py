@@ -152,6 +152,18 @@ class AsyncRedisLedger:
         """Whether lease ends are owed to Redis, or on their way there."""
         return self.store.has_unsent or self._flushing is not None
 
+    async def adopt(self, lease: Lease, now: float) -> bool:
+        """Book a lease the local budget admitted, as `RedisStore.adopt` does, on this path:
+        ordered with the admissions and ends that follow it."""
+        store = self.store
+        store.check_available()
+        try:
+            reply = await self._call(lease.pool, "adopt", now, wire.lease_args(lease))
+        except BaseException:
+            store.given_up(lease, now)
+            raise
+        return store.adopted(lease, reply)
+
     async def settle(self, lease: Lease, used_tokens: float, now: float) -> None:
         await self._finish(lease, now, wire.num(used_tokens), used_tokens)
 

@@ -191,12 +191,15 @@ class RedisStore(RedisLink):
         # given up (ended, or refused should it come late) before the next try books it.
         self.check_available()
         try:
-            booked = bool(self._call(lease.pool, "adopt", now, wire.lease_args(lease)) == 1)
+            reply = self._call(lease.pool, "adopt", now, wire.lease_args(lease))
         except BaseException:
             self.given_up(lease, now)
             raise
+        return self.adopted(lease, reply)
+
+    def adopted(self, lease: Lease, reply: Any) -> bool:
         self._mine[lease.lease_id] = lease  # held there under our id either way: ours to end
-        return booked
+        return bool(reply == 1)
 
     def expire(self, now: float) -> list[Lease]:
         ended = []
