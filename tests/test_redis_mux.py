@@ -71,7 +71,9 @@ def test_a_timed_out_call_leaves_later_replies_in_place(redis_url: str) -> None:
         client = async_client(redis_url, 0.2)
         await client.call("PING")
         slow = await asyncio.gather(client.call("EVAL", BUSY_400_MS, 0), return_exceptions=True)
-        # The sleep's reply is still on its way; the next calls must not receive it.
+        # The sleep's reply is still on its way; the next calls must not receive it. They wait
+        # behind the busy server for the rest of its 0.4 s: give them the time to.
+        client.timeout_s = 5.0
         after = await asyncio.gather(client.call("ECHO", "x"), client.call("ECHO", "y"))
         await client.aclose()
         return slow[0], after[0], after[1]
