@@ -31,10 +31,9 @@ from typing import Any
 
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' fault scenario
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' fault load
 
-from tests.faults import fault_proxy, sigcont, sigstop
-from tests.test_store_faults import (
+from tests.fault_load import (
     ENTS,
     GOLD_BASELINE,
     Fault,
@@ -44,6 +43,7 @@ from tests.test_store_faults import (
     paused,
     reader,
 )
+from tests.faults import fault_proxy, sigcont, sigstop
 
 from tokenpools.control.decisions import Admit
 from tokenpools.gateway.runtime import Gateway

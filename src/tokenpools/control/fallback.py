@@ -118,8 +118,12 @@ class LocalFallback:
             leases = list(self.leases.values())
         for lease in leases:
             shared.adopt(lease, now)  # idempotent: a lease already there is not booked twice
-            if self.release(lease.lease_id, now, refund=False) is None:
-                # its request ended here while it was being handed over: end it there too
+            if not self.handed_over(lease, now):
                 shared.release(lease.lease_id, now)
             count += 1
         return count
+
+    def handed_over(self, lease: Lease, now: float) -> bool:
+        """`lease` is booked in the shared store now: forget it here. False if its request
+        ended here while it was on its way, and the shared store must end it too."""
+        return self.release(lease.lease_id, now, refund=False) is not None

@@ -104,8 +104,8 @@ class GatewayLedger:
                 await self.shared.adopt(lease, now)
             except StoreUnavailable:
                 return  # the next tick tries again
-            if fallback.release(lease.lease_id, now, refund=False) is None:
-                self.shared.store.given_up(lease, now)
+            if not fallback.handed_over(lease, now):
+                self.shared.store.given_up(lease, now)  # owed, ahead of the next decision
 
     async def background(self, fn: Callable[..., T], *args: object) -> T:
         """Run work that may call the store several times: inline on the memory store, on

@@ -8,28 +8,21 @@ Kubernetes CRDs are generated from these same classes.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.keys import is_key_hash
-from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Backend, CapacityFeedback, Pool
 from tokenpools.model.profile import BUILTIN_PROFILES, ModelProfile
 from tokenpools.model.resources import Resources
+from tokenpools.model.schema_base import NonNeg, Pos, Strict
 from tokenpools.model.service_class import ServiceClass
-
-NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Fraction = Annotated[float, Field(ge=0, lt=1)]
+from tokenpools.model.settings_schema import GatewaySpec, PolicySpec, StateSpec
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=False, frozen=True)
-
-
-class _Quantity(_Strict):
+class _Quantity(Strict):
     """Resources as written in a file; KV may be given in GiB or in tokens, not both."""
 
     tokensPerSecond: NonNeg | None = None
@@ -57,7 +50,7 @@ class _Quantity(_Strict):
         )
 
 
-class ProfileSpec(_Strict):
+class ProfileSpec(Strict):
     name: str
     layers: Annotated[int, Field(gt=0)]
     kvHeads: Annotated[int, Field(gt=0)]
@@ -65,7 +58,7 @@ class ProfileSpec(_Strict):
     bytesPerElement: Pos = 2.0
 
 
-class BackendSpec(_Strict):
+class BackendSpec(Strict):
     url: Annotated[str, Field(pattern=r"^https?://[^/\s]+(/.*)?$")]
     timeoutS: Pos = 600.0
     model: Annotated[str, Field(min_length=1)] | None = None  # the name the backend serves
@@ -84,7 +77,7 @@ class BackendSpec(_Strict):
         )
 
 
-class FeedbackSpec(_Strict):
+class FeedbackSpec(Strict):
     waitingThreshold: NonNeg = 1.0
     kvThreshold: Annotated[float, Field(gt=0, le=1)] = 0.95
     decrease: Annotated[float, Field(gt=0, lt=1)] = 0.1
@@ -103,12 +96,12 @@ class FeedbackSpec(_Strict):
         )
 
 
-class TokenWeights(_Strict):
+class TokenWeights(Strict):
     input: NonNeg = 1.0
     output: NonNeg = 1.0
 
 
-class PoolSpec(_Strict):
+class PoolSpec(Strict):
     name: Annotated[str, Field(min_length=1)]
     model: str | ProfileSpec
     replicas: Annotated[int, Field(ge=0)] = 1
@@ -169,7 +162,7 @@ class PoolSpec(_Strict):
         )
 
 
-class EntitlementSpec(_Strict):
+class EntitlementSpec(Strict):
     name: Annotated[str, Field(min_length=1)]
     tenantId: Annotated[str, Field(min_length=1)]
     pool: str
@@ -226,91 +219,7 @@ class EntitlementSpec(_Strict):
 _UNBOUNDED = Resources(float("inf"), float("inf"), float("inf"))
 
 
-class PolicySpec(_Strict):
-    classWeights: dict[ServiceClass, NonNeg] = {}
-    alphaSlo: NonNeg = 2.0
-    alphaBurst: NonNeg = 1.0
-    alphaDebt: NonNeg = 4.0
-    gammaDebt: Fraction = 0.7
-    gammaBurst: Fraction = 0.7
-    updatePeriodS: Pos = 5.0
-    burstWindowS: Pos = 60.0
-    headroom: Fraction = 0.25
-    contentionWindowS: Pos = 0.5
-    priorityMargin: NonNeg = 0.2
-    overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
-    backfillWindowS: NonNeg = 20.0
-    elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
-    defaultMaxTokens: Annotated[int, Field(ge=1)] = 256
-    leaseTtlS: Pos = 600.0
-    retryAfterMinS: Pos = 1.0
-    retryAfterMaxS: Pos = 60.0
-    retryAfterJitter: Fraction = 0.2
-
-    @model_validator(mode="after")
-    def _check(self) -> PolicySpec:
-        if self.retryAfterMinS > self.retryAfterMaxS:
-            raise ValueError("retryAfterMinS must be <= retryAfterMaxS")
-        return self
-
-    def to_policy(self) -> Policy:
-        weights = Policy().class_weights | dict(self.classWeights)
-        return Policy(
-            class_weights=weights,
-            alpha_slo=self.alphaSlo,
-            alpha_burst=self.alphaBurst,
-            alpha_debt=self.alphaDebt,
-            gamma_debt=self.gammaDebt,
-            gamma_burst=self.gammaBurst,
-            update_period_s=self.updatePeriodS,
-            burst_window_s=self.burstWindowS,
-            headroom=self.headroom,
-            contention_window_s=self.contentionWindowS,
-            priority_margin=self.priorityMargin,
-            overcommit=self.overcommit,
-            backfill_window_s=self.backfillWindowS,
-            elastic_oversubscription=self.elasticOversubscription,
-            default_max_tokens=self.defaultMaxTokens,
-            lease_ttl_s=self.leaseTtlS,
-            retry_after_min_s=self.retryAfterMinS,
-            retry_after_max_s=self.retryAfterMaxS,
-            retry_after_jitter=self.retryAfterJitter,
-        )
-
-
-class GatewaySpec(_Strict):
-    adminKeys: list[str] = []  # sha256 hashes, as apiKeys
-    maxBodyBytes: Annotated[int, Field(gt=0)] = 1 << 20
-    charsPerToken: Pos = 4.0  # prompt-token estimate without a tokenizer
-    maxSequences: Annotated[int, Field(ge=1, le=128)] = 8  # the most `n` / `best_of` asks for
-    tokenizeTimeoutMs: Annotated[float, Field(gt=0, le=10000)] = 500.0  # `tokenizer: backend`
-
-    @model_validator(mode="after")
-    def _check(self) -> GatewaySpec:
-        for key in self.adminKeys:
-            if not is_key_hash(key):
-                raise ValueError("adminKeys holds sha256 hashes only (`tokenpools hash-key`)")
-        return self
-
-
-REDIS_URL = r"^(rediss?(\+cluster)?://\S+|redis\+sentinel://[^/\s]+/[^/\s]+(/\d+)?)$"
-
-
-class StateSpec(_Strict):
-    """Where the ledger lives: this process (memory) or a Redis shared by gateway replicas."""
-
-    backend: Literal["memory", "redis"] = "memory"
-    # one server (redis://, rediss://), a Redis Cluster (redis+cluster://host:port,host:port) or
-    # a master behind Sentinel (redis+sentinel://host:port,host:port/service[/db])
-    url: Annotated[str, Field(pattern=REDIS_URL)] = "redis://127.0.0.1:6379/0"
-    keyPrefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]+$")] = "tokenpools"
-    timeoutMs: Annotated[float, Field(gt=0, le=10000)] = 250.0
-    retryIntervalS: Pos = 0.25
-    fallbackFraction: Annotated[float, Field(ge=0, le=1)] = 0.5
-    replicaTimeoutS: Pos = 10.0
-
-
-class ConfigSpec(_Strict):
+class ConfigSpec(Strict):
     policy: PolicySpec = PolicySpec()
     gateway: GatewaySpec = GatewaySpec()
     state: StateSpec = StateSpec()

@@ -131,14 +131,10 @@ class AsyncRedisLedger:
         lost connection, the caller cancelled, even after the reply came), the admission is
         given up, and Redis is owed its end (`RedisLink.given_up`)."""
         pool, store = reservation.lease.pool, self.store
-        store.check_available()  # not sent: nothing to give up
         args = wire.admit_args(reservation, now)
         for retry in (False, True):
-            try:
+            with store.booking(reservation.lease, now):
                 decided = await self._together("admit", pool, now, args)
-            except BaseException:
-                store.given_up(reservation.lease, now)
-                raise
             outcome = store.admitted(reservation, decided)
             # A refusal decided while we owed Redis lease ends may have counted a booking we
             # had given up (an admission sent just before the one that gave up reached Redis
@@ -155,14 +151,9 @@ class AsyncRedisLedger:
     async def adopt(self, lease: Lease, now: float) -> bool:
         """Book a lease the local budget admitted, as `RedisStore.adopt` does, on this path:
         ordered with the admissions and ends that follow it."""
-        store = self.store
-        store.check_available()
-        try:
+        with self.store.booking(lease, now):
             reply = await self._call(lease.pool, "adopt", now, wire.lease_args(lease))
-        except BaseException:
-            store.given_up(lease, now)
-            raise
-        return store.adopted(lease, reply)
+        return self.store.adopted(lease, reply)
 
     async def settle(self, lease: Lease, used_tokens: float, now: float) -> None:
         await self._finish(lease, now, wire.num(used_tokens), used_tokens)

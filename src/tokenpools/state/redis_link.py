@@ -18,11 +18,12 @@ shares it for the awaited hot path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -206,6 +207,19 @@ class RedisLink:
             raise StoreUnavailable("redis is unreachable and the lease is not ours")
         self._unsent.append((pool, now, args))
         return mine
+
+    @contextlib.contextmanager
+    def booking(self, lease: Lease, now: float) -> Iterator[None]:
+        """Around a call that books `lease` (admit, adopt), sync or awaited: whatever keeps
+        its reply from the caller (a timeout, a lost connection, the caller cancelled, even
+        after the reply came) gives the booking up. Nothing is sent while Redis is judged
+        unreachable, so nothing is given up then."""
+        self.check_available()
+        try:
+            yield
+        except BaseException:
+            self.given_up(lease, now)
+            raise
 
     def given_up(self, lease: Lease, now: float) -> None:
         """An admission whose reply its caller did not take: Redis may have booked it, or may

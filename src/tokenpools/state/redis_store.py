@@ -121,12 +121,8 @@ class RedisStore(RedisLink):
 
     def admit(self, reservation: Reservation, now: float) -> Outcome:
         pool = reservation.lease.pool
-        self.check_available()  # not sent: nothing to give up
-        try:
+        with self.booking(reservation.lease, now):
             (decided,) = self._call(pool, "admit", now, wire.admit_args(reservation, now))
-        except BaseException:
-            self.given_up(reservation.lease, now)
-            raise
         return self.admitted(reservation, decided)
 
     def admitted(self, reservation: Reservation, decided: Any) -> Outcome:
@@ -189,12 +185,8 @@ class RedisStore(RedisLink):
     def adopt(self, lease: Lease, now: float) -> bool:
         # A booking like an admission: one whose reply is lost may have been made, so it is
         # given up (ended, or refused should it come late) before the next try books it.
-        self.check_available()
-        try:
+        with self.booking(lease, now):
             reply = self._call(lease.pool, "adopt", now, wire.lease_args(lease))
-        except BaseException:
-            self.given_up(lease, now)
-            raise
         return self.adopted(lease, reply)
 
     def adopted(self, lease: Lease, reply: Any) -> bool:
