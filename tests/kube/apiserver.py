@@ -4,7 +4,12 @@ docs/kubernetes.md): uid / resourceVersion / generation / creationTimestamp stam
 namespaced and cluster objects, PUT with resourceVersion preconditions (409), JSON merge
 patches, `/status` and `/scale` subresources that touch only their part, `pods/NAME/binding`,
 graceful deletion of bound pods and finalizers, label and field selectors, and watches that
-resume from a resourceVersion and end after timeoutSeconds.
+resume from a resourceVersion and end after timeoutSeconds, lists paged by `limit` and
+`continue`, and writes that change nothing keep the object's resourceVersion (no event).
+
+To make the operator's failure handling testable it also injects faults (`Fault`: a status
+code and latency by verb, resource and namespace, at a rate, from a seeded generator) and
+answers a watch from a compacted resourceVersion with 410 Gone (`compact()`).
 
 No admission, defaulting or garbage collection: the tests do those steps explicitly.
 """
@@ -16,14 +21,30 @@ import contextlib
 import copy
 import itertools
 import json
+import random
 import threading
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp.web
 import kmock
-from kmock._internal import rendering  # pinned kmock==0.8: private module
+from kmock._internal import parsing, rendering  # pinned kmock==0.8: private modules
+
+_parse_path = parsing.parse_path
+
+
+def _lenient_parse_path(path: str) -> parsing.ParsedPath:
+    """kmock 0.8 fails on the Namespace collection itself (`/api/v1/namespaces`): it wants a
+    name after "namespaces". Its parse only feeds kmock's request log; we route by the URL."""
+    try:
+        return _parse_path(path)
+    except ValueError:
+        return _parse_path(path.rstrip("/") + "/-")
+
+
+parsing.parse_path = _lenient_parse_path
 
 # group/version, plural → (kind, namespaced, subresources)
 RESOURCES: dict[tuple[str, str], tuple[str, bool, tuple[str, ...]]] = {
@@ -35,9 +56,34 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool, tuple[str, ...]]] = {
     ("apps/v1", "deployments"): ("Deployment", True, ("status", "scale")),
     ("coordination.k8s.io/v1", "leases"): ("Lease", True, ()),
     ("scheduling.k8s.io/v1", "priorityclasses"): ("PriorityClass", False, ()),
-    ("tokenpools.io/v1alpha1", "tokenpools"): ("TokenPool", True, ("status",)),
+    ("tokenpools.io/v1alpha1", "tokenpools"): ("TokenPool", False, ("status", "scale")),
     ("tokenpools.io/v1alpha1", "tokenentitlements"): ("TokenEntitlement", True, ("status",)),
 }
+
+
+@dataclass
+class Fault:
+    """Fail (or slow down) the requests that match: verb (e.g. "create", "patch"; "*" any),
+    plural ("pods"; "*" any), namespace (None: any), at `rate` (0..1)."""
+
+    verb: str = "*"
+    plural: str = "*"
+    namespace: str | None = None
+    status: int = 500
+    rate: float = 1.0
+    latency_s: float = 0.0
+
+    def matches(self, verb: str, plural: str, namespace: str | None) -> bool:
+        return (
+            self.verb in ("*", verb)
+            and self.plural in ("*", plural)
+            and self.namespace in (None, namespace)
+        )
+
+
+_VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+_REASONS = {403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
+            500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}  # fmt: skip
 
 
 def now_iso() -> str:
@@ -105,6 +151,20 @@ class KubeAPI(kmock.KubernetesScaffold):
         self.rv = itertools.count(1)
         self.sequence: dict[tuple[str | None, str], int] = {}  # pod → when created / bound
         self.changed = asyncio.Event()  # replaced by a fresh one after each change
+        self.faults: list[Fault] = []
+        self.random = random.Random(0)
+        self.compacted = 0  # a watch from a resourceVersion below this gets 410 Gone
+        self.writes: list[tuple[str, str, str | None, int]] = []  # verb, plural, ns, status
+
+    def compact(self) -> None:
+        """As etcd compaction: every resourceVersion seen so far is too old to watch from."""
+        self.compacted = max((h[-1][0] for h in self.history.values() if h), default=0) + 1
+
+    def _fault(self, verb: str, plural: str, ns: str | None) -> Fault | None:
+        for fault in self.faults:
+            if fault.matches(verb, plural, ns) and self.random.random() < fault.rate:
+                return fault
+        return None
 
     # -- the object store ------------------------------------------------------------------
 
@@ -148,6 +208,18 @@ class KubeAPI(kmock.KubernetesScaffold):
         assert request._raw_request is not None
         method = request._raw_request.method.upper()
         body = request.data
+        verb = _VERBS.get(method, "watch" if query.get("watch") in ("true", "1") else "get")
+        fault = self._fault(verb, rest[0], ns)
+        if fault is not None:
+            if fault.latency_s:
+                await asyncio.sleep(fault.latency_s)
+            if fault.status >= 400:
+                if method in _VERBS:
+                    self.writes.append((verb, rest[0], ns, fault.status))
+                reason = _REASONS.get(fault.status, "InternalError")
+                return _error(fault.status, reason, f"injected fault on {verb} {rest[0]}")
+        if method in _VERBS:
+            self.writes.append((verb, rest[0], ns, 200))
         if name is None and method == "GET" and query.get("watch") in ("true", "1"):
             assert request._raw_request is not None
             return await self._watch(request._raw_request, key, ns, query)
@@ -158,14 +230,14 @@ class KubeAPI(kmock.KubernetesScaffold):
                 if (ns is None or o["metadata"].get("namespace") == ns) and _matches(o, query)
             ]
             rv = str(self.history[key][-1][0]) if self.history[key] else "0"
+            start = int(query.get("continue") or 0)
+            limit = int(query.get("limit") or 0) or len(items) or 1
+            page, more = items[start : start + limit], start + limit < len(items)
+            meta = {"resourceVersion": rv, **({"continue": str(start + limit)} if more else {})}
             return aiohttp.web.json_response(
-                {
-                    "kind": f"{RESOURCES[key][0]}List",
-                    "apiVersion": gv,
-                    "metadata": {"resourceVersion": rv},
-                    "items": items,
-                }
-            )
+                {"kind": f"{RESOURCES[key][0]}List", "apiVersion": gv, "metadata": meta,
+                 "items": page}
+            )  # fmt: skip
         if name is None and method == "POST":
             return await self._create(key, ns, body)
         assert name is not None
@@ -193,6 +265,8 @@ class KubeAPI(kmock.KubernetesScaffold):
             new = self._apply(key, current, patch, sub, replace=False)
         else:
             return _error(405, "MethodNotAllowed", method)
+        if new == current:  # nothing changed: no new resourceVersion, no watch event
+            return aiohttp.web.json_response(self._scale(new) if sub == "scale" else new)
         await self._store(key, new, "MODIFIED")
         return aiohttp.web.json_response(self._scale(new) if sub == "scale" else new)
 
@@ -307,6 +381,12 @@ class KubeAPI(kmock.KubernetesScaffold):
         resp = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(raw)
         since = int(query.get("resourceVersion") or 0)
+        if since and since < self.compacted:
+            gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
+                    "reason": "Expired", "message": f"too old resource version: {since}"}  # fmt: skip
+            await resp.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+            await resp.write_eof()
+            return resp
         if not since:  # a fresh watch: every object as ADDED, then the changes
             for obj in list(self.store[key].values()):
                 if (ns is None or obj["metadata"].get("namespace") == ns) and _matches(obj, query):

@@ -9,7 +9,9 @@
   in order of importance (higher priority, then older); equal priority is never preempted;
   `preemptionPolicy: Never` waits. The node with the fewest, least important victims wins.
 
-Pure functions over small dataclasses; tests/kube/cluster.py drives it over HTTP.
+Pure functions over small dataclasses; tests/kube/cluster.py drives it over HTTP. It imports
+nothing from tokenpools: it is an independent statement of the Kubernetes rules, so comparing
+it with the core's `bind()` can find a disagreement.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tokenpools.control.placement import add, fits
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,17 @@ def _eligible(pod: SPod, node: SNode) -> bool:
 
 
 def _fits(pod: SPod, node: SNode, on_node: Sequence[SPod]) -> bool:
-    used: dict[str, int] = {}
-    for other in on_node:
-        used = add(used, other.requests)
-    return len(on_node) < node.allocatable.get("pods", 0) and fits(
-        pod.requests, used, node.allocatable
-    )
+    """NodeResourcesFit: for each resource the pod requests, what the node's pods request
+    plus this pod's is at most the allocatable (a resource the node lacks has 0)."""
+    if len(on_node) >= node.allocatable.get("pods", 0):
+        return False
+    for name, want in pod.requests.items():
+        if want <= 0:
+            continue
+        used = sum(other.requests.get(name, 0) for other in on_node)
+        if used + want > node.allocatable.get(name, 0):
+            return False
+    return True
 
 
 def schedule_one(pod: SPod, nodes: Sequence[SNode], pods: Sequence[SPod]) -> Bind | Preempt | None:

@@ -44,10 +44,12 @@ class PriorityClassSpec:
 
 
 # Higher binds first and is reclaimed last, as CLASS_SEMANTICS' bind_rank says. Equal values
-# never preempt each other, which is the core's "a Bound entitlement keeps its place".
+# never preempt each other, which is the core's "a Bound entitlement keeps its place": so
+# dedicated and guaranteed share one value, and a new dedicated lease pod waits (FIFO within
+# the priority) rather than preempt a bound guaranteed one.
 PRIORITY_CLASSES: dict[ServiceClass, PriorityClassSpec] = {
     ServiceClass.DEDICATED: PriorityClassSpec(
-        "tokenpools-dedicated", 1_000_000, True, "tokenpools lease pods: dedicated baselines"
+        "tokenpools-dedicated", 900_000, True, "tokenpools lease pods: dedicated baselines"
     ),
     ServiceClass.GUARANTEED: PriorityClassSpec(
         "tokenpools-guaranteed", 900_000, True, "tokenpools lease pods: guaranteed baselines"

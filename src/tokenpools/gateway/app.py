@@ -21,7 +21,7 @@ from tokenpools.gateway import dashboard
 from tokenpools.gateway.admin import admin_entitlements, admin_pools
 from tokenpools.gateway.inference import inference
 from tokenpools.gateway.responses import error, invalid_key, openai_errors
-from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
+from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, READY_CHECKS, Gateway
 from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
@@ -78,6 +78,8 @@ async def readyz(request: web.Request) -> web.Response:
     ]
     if not await gw.ledger.store_answers(gw.clock()):
         problems.append("the shared state store does not answer")
+    for check in request.app.get(READY_CHECKS, []):
+        problems += check()
     if problems:
         return web.Response(status=503, text="; ".join(problems))
     return web.Response(text="ready")

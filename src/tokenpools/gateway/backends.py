@@ -30,6 +30,8 @@ class BackendState:
 def api_key(spec: Backend) -> str | None:
     """The backend's API key from where the config says it is; a ConfigError names what is
     missing, so a start or reload without the key fails before any request is sent."""
+    if spec.api_key is not None:
+        return spec.api_key
     if spec.api_key_env is not None:
         key = os.environ.get(spec.api_key_env, "").strip()
         if not key:

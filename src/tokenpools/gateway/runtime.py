@@ -285,3 +285,5 @@ class Gateway:
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 HEALTH_INTERVAL = web.AppKey("health_interval_s", float)
+# more /readyz checks a host adds (each returns its problems; none: ready)
+READY_CHECKS: web.AppKey[list[Any]] = web.AppKey("ready_checks", list)

@@ -15,7 +15,7 @@ from aiohttp import web
 from tokenpools.gateway.app import make_app
 from tokenpools.gateway.config_file import ConfigFile, reload_from
 from tokenpools.gateway.observe import LogFormat, setup_logging
-from tokenpools.gateway.runtime import Gateway
+from tokenpools.gateway.runtime import READY_CHECKS, Gateway
 from tokenpools.gateway.tracing import otlp_tracing
 from tokenpools.model.config import ConfigError, load_config
 
@@ -50,13 +50,15 @@ def build(path: Path, watch_interval_s: float = 2.0, **options: Any) -> web.Appl
 def build_kubernetes(
     kube: Any, namespace: str, base: dict[str, Any], **options: Any
 ) -> web.Application:
-    """The gateway fed from the cluster: pools, entitlements and Secrets watched, each change
-    adopted as a file reload is (an invalid set is logged and the running config kept)."""
+    """The gateway fed from the cluster: pools, entitlements and the platform namespace's
+    Secrets watched, each change adopted as a file reload is (an invalid set is logged and the
+    running config kept); /readyz fails while a watch gets no answers."""
     from tokenpools.k8s.source import ClusterSource
 
     source = ClusterSource(kube, namespace, base).start()
     gateway = Gateway(source.config(), **options)
     app = make_app(gateway)
+    app[READY_CHECKS] = [source.stale]
 
     async def follow(app: web.Application) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()

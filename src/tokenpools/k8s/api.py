@@ -33,11 +33,12 @@ class Kind:
         return f"{root}{ns}/{self.plural}{tail}{'/' + sub if sub else ''}"
 
 
-POOLS = Kind(API_VERSION, POOL_PLURAL)
+POOLS = Kind(API_VERSION, POOL_PLURAL, namespaced=False)
 ENTITLEMENTS = Kind(API_VERSION, ENTITLEMENT_PLURAL)
 PODS = Kind("v1", "pods")
 NODES = Kind("v1", "nodes", namespaced=False)
 SECRETS = Kind("v1", "secrets")
+NAMESPACES = Kind("v1", "namespaces", namespaced=False)
 EVENTS = Kind("v1", "events")
 LEASES = Kind("coordination.k8s.io/v1", "leases")
 PRIORITY_CLASSES = Kind("scheduling.k8s.io/v1", "priorityclasses", namespaced=False)
@@ -136,13 +137,40 @@ class Kube:
             raise
 
     def list(
-        self, kind: Kind, namespace: str | None = None, labels: Mapping[str, str] | None = None
+        self,
+        kind: Kind,
+        namespace: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        fields: Mapping[str, str] | None = None,
     ) -> list[Any]:
-        query = {"labelSelector": ",".join(f"{k}={v}" for k, v in labels.items())} if labels else {}
-        items = self.request("GET", kind.path(namespace), query=query)["items"]
+        return self.list_with_version(kind, namespace, labels, fields)[0]
+
+    def list_with_version(
+        self,
+        kind: Kind,
+        namespace: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        fields: Mapping[str, str] | None = None,
+        page: int = 500,
+    ) -> tuple[list[Any], str]:
+        """Every matching object, read in pages of `page` (the API server's `limit` and
+        `continue`), and the list's resourceVersion to watch from."""
+        query: dict[str, Any] = {"limit": page}
+        if labels:
+            query["labelSelector"] = ",".join(f"{k}={v}" for k, v in labels.items())
+        if fields:
+            query["fieldSelector"] = ",".join(f"{k}={v}" for k, v in fields.items())
+        items: list[Any] = []
+        while True:
+            listing = self.request("GET", kind.path(namespace), query=query)
+            items += listing["items"]
+            token = (listing.get("metadata") or {}).get("continue")
+            if not token:
+                break
+            query["continue"] = token
         if labels:  # a server that ignores selectors must not widen what we act on
             items = [i for i in items if _has_labels(i, labels)]
-        return list(items)
+        return items, str((listing.get("metadata") or {}).get("resourceVersion") or "")
 
     def create(self, kind: Kind, namespace: str | None, obj: Any) -> Any:
         return self.request("POST", kind.path(namespace), obj)

@@ -11,12 +11,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tokenpools.k8s import cel_rules
 from tokenpools.k8s.schema import (
-    ENTITLEMENT_FROM_METADATA,
     ENTITLEMENT_PLURAL,
+    ENTITLEMENT_REPLACED,
     GROUP,
-    POOL_FROM_METADATA,
     POOL_PLURAL,
+    POOL_REPLACED,
     VERSION,
     EntitlementExtras,
     PoolExtras,
@@ -68,7 +69,8 @@ def _rest(node: dict[str, Any], *skip: str) -> dict[str, Any]:
 def spec_schema(base: type[BaseModel], extras: type[BaseModel], drop: tuple[str, ...]) -> Any:
     schemas = [m.model_json_schema() for m in (base, extras)]
     defs = {k: v for s in schemas for k, v in s.get("$defs", {}).items()}
-    props = {k: v for s in schemas for k, v in s["properties"].items() if k not in drop}
+    own, extra = schemas  # the extras replace what `drop` names
+    props = {k: v for k, v in own["properties"].items() if k not in drop} | extra["properties"]
     required = [r for s in schemas for r in s.get("required", []) if r not in drop]
     spec = {"type": "object", "properties": props, **({"required": required} if required else {})}
     return structural(spec, defs)
@@ -106,13 +108,19 @@ def _status(extra: dict[str, Any]) -> dict[str, Any]:
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
+_TIME = {"type": "string", "format": "date-time"}
+# the spec the operator applied (checked by pydantic when it was applied)
+_APPLIED = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 POOL_STATUS = _status(
     {
         "nodeName": _STR,
-        "replicas": _INT,  # ready replicas the node's capacity follows
+        "replicas": _INT,  # the replicas the node advertises (ready, held through a short dip)
+        "readyReplicas": _INT,
+        "shrinkPendingSince": _TIME,
         "desiredReplicas": _INT,
         "capacity": {"type": "object", "additionalProperties": _INT},
-        "lastScaleTime": {"type": "string", "format": "date-time"},
+        "lastScaleTime": _TIME,
+        "appliedSpec": _APPLIED,
         "message": _STR,
     }
 )
@@ -122,19 +130,29 @@ ENTITLEMENT_STATUS = _status(
         "podName": _STR,
         "nodeName": _STR,
         "requests": {"type": "object", "additionalProperties": _INT},
+        "appliedSpec": _APPLIED,
         "message": _STR,
     }
 )
 
 
-def _crd(kind: str, plural: str, short: str, spec: Any, status: Any, columns: list[Any]) -> Any:
+def _crd(
+    kind: str,
+    plural: str,
+    short: str,
+    spec: Any,
+    status: Any,
+    columns: list[Any],
+    scope: str = "Namespaced",
+    subresources: dict[str, Any] | None = None,
+) -> Any:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {"name": f"{plural}.{GROUP}"},
         "spec": {
             "group": GROUP,
-            "scope": "Namespaced",
+            "scope": scope,
             "names": {
                 "kind": kind,
                 "listKind": f"{kind}List",
@@ -148,7 +166,7 @@ def _crd(kind: str, plural: str, short: str, spec: Any, status: Any, columns: li
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": subresources or {"status": {}},
                     "additionalPrinterColumns": columns,
                     "schema": {
                         "openAPIV3Schema": {
@@ -174,13 +192,19 @@ def _col(name: str, path: str, kind: str = "string") -> dict[str, str]:
 
 
 def crds() -> list[Any]:
-    """The two CRDs, TokenPool and TokenEntitlement, from the config schema."""
+    """The two CRDs from the config schema: TokenPool (cluster-scoped, the platform's, with a
+    scale subresource for HPA or KEDA) and TokenEntitlement (namespaced, the tenant's)."""
     ready = '.status.conditions[?(@.type=="Ready")].status'
+    pool_spec = spec_schema(PoolSpec, PoolExtras, POOL_REPLACED)
+    cel_rules.attach(pool_spec, cel_rules.POOL_SPEC, cel_rules.POOL_FIELDS)
+    ent_spec = spec_schema(EntitlementSpec, EntitlementExtras, ENTITLEMENT_REPLACED)
+    cel_rules.attach(ent_spec, cel_rules.ENTITLEMENT_SPEC, cel_rules.ENTITLEMENT_FIELDS)
+    scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas"}
     pool = _crd(
         "TokenPool",
         POOL_PLURAL,
         "tpool",
-        spec_schema(PoolSpec, PoolExtras, POOL_FROM_METADATA),
+        pool_spec,
         POOL_STATUS,
         [
             _col("Node", ".status.nodeName"),
@@ -189,18 +213,19 @@ def crds() -> list[Any]:
             _col("Ready", ready),
             _col("Age", ".metadata.creationTimestamp", "date"),
         ],
+        scope="Cluster",
+        subresources={"status": {}, "scale": scale},
     )
     ent = _crd(
         "TokenEntitlement",
         ENTITLEMENT_PLURAL,
         "tent",
-        spec_schema(EntitlementSpec, EntitlementExtras, ENTITLEMENT_FROM_METADATA),
+        ent_spec,
         ENTITLEMENT_STATUS,
         [
             _col("Pool", ".spec.pool"),
             _col("Class", ".spec.serviceClass"),
             _col("State", ".status.state"),
-            _col("Tenant", ".spec.tenantId", "string"),
             _col("Age", ".metadata.creationTimestamp", "date"),
         ],
     )

@@ -1,18 +1,30 @@
-"""A list-then-watch cache of one kind of object in one namespace (client-go's informer
-pattern, on the official client): list once, then watch from the list's resourceVersion,
-resuming from the last event seen; list again when the server says the version is gone.
-Runs in a thread; `on_change` is called after each change to the cache."""
+"""A list-then-watch cache of one kind of object (client-go's informer pattern, on the
+official client): list once (paged), then watch from the list's resourceVersion, resuming from
+the last event or bookmark seen; list again when the server says that version is gone (410,
+as a status or as an ERROR event). Runs in a thread; `on_change` is called after each change.
+
+`failing_since` is when the informer last stopped getting answers (None while it gets them),
+so a host can report a cache that has gone stale instead of acting on it silently."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+from kubernetes.client.exceptions import ApiException
 
 from tokenpools.k8s.api import Kind, Kube
 
 log = logging.getLogger("tokenpools.k8s")
+Key = tuple[str, str]  # namespace ("" when cluster-scoped), name
+
+
+def key_of(obj: Any) -> Key:
+    meta = obj["metadata"]
+    return meta.get("namespace") or "", meta["name"]
 
 
 class Informer:
@@ -20,14 +32,18 @@ class Informer:
         self,
         kube: Kube,
         kind: Kind,
-        namespace: str,
+        namespace: str | None,
         on_change: Callable[[], None],
         watch_timeout_s: int = 60,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube, self.kind, self.namespace = kube, kind, namespace
         self.on_change = on_change
         self.watch_timeout_s = watch_timeout_s
-        self._objects: dict[str, Any] = {}
+        self.clock = clock
+        self.failing_since: float | None = None
+        self.lists = 0  # how many times it listed (a resumed watch does not list)
+        self._objects: dict[Key, Any] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"watch-{kind.plural}")
@@ -50,34 +66,45 @@ class Informer:
                 version: str | None = self._list()
                 while not self._stopped.is_set() and version is not None:
                     version = self._watch(version)
+            except ApiException as exc:
+                if exc.status != 410:  # 410: list again at once
+                    self._failed()
             except Exception:  # the API server is away: try again shortly, keep the cache
-                log.warning("watching %s failed; retrying", self.kind.plural, exc_info=True)
-                self._stopped.wait(1.0)
+                self._failed()
+
+    def _failed(self) -> None:
+        log.warning("watching %s failed; retrying", self.kind.plural, exc_info=True)
+        if self.failing_since is None:
+            self.failing_since = self.clock()
+        self._stopped.wait(1.0)
 
     def _list(self) -> str:
-        listing = self.kube.request("GET", self.kind.path(self.namespace))
+        items, version = self.kube.list_with_version(self.kind, self.namespace)
         with self._lock:
-            self._objects = {o["metadata"]["name"]: o for o in listing["items"]}
+            self._objects = {key_of(o): o for o in items}
+        self.lists += 1
+        self.failing_since = None
         self.synced.set()
         self.on_change()
-        return str(listing["metadata"].get("resourceVersion") or "")
+        return version
 
     def _watch(self, version: str) -> str | None:
         """Follow one watch stream; the version to resume from, or None to list again."""
         for event in self.kube.watch(self.kind, self.namespace, version, self.watch_timeout_s):
+            self.failing_since = None
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":  # 410 Gone: the version is too old
                 return None
             version = str(obj.get("metadata", {}).get("resourceVersion") or version)
             if kind == "BOOKMARK":
                 continue
-            name = obj["metadata"]["name"]
             with self._lock:
                 if kind == "DELETED":
-                    self._objects.pop(name, None)
+                    self._objects.pop(key_of(obj), None)
                 else:
-                    self._objects[name] = obj
+                    self._objects[key_of(obj)] = obj
             self.on_change()
             if self._stopped.is_set():
                 return None
+        self.failing_since = None
         return version

@@ -1,10 +1,11 @@
-"""`tokenpools operator`: kopf watches TokenPools, TokenEntitlements and lease pods; every
-event only wakes one loop, which — while this replica holds the leader Lease — runs the
-level-triggered Reconciler and, every 10 s, the virtual nodes' heartbeats.
+"""`tokenpools operator`: kopf watches TokenPools, TokenEntitlements, lease pods and namespaces;
+every event only wakes the reconciliation task. Two tasks drive the OperatorLoop: the
+heartbeat (leader Lease and node heartbeats, every 10 s) and reconciliation (on a wake, or
+every 30 s). An aiohttp server gives the probes and `/metrics` on :8080 and, when a
+certificate is mounted, the validating admission webhook over HTTPS on :9443.
 
 Why handlers only wake a loop: reconciliation must see the whole pool at once (binding,
-eviction and autoscaling are decisions over all its entitlements), and a single loop makes
-the leader check and the idempotence trivial to reason about. kopf gives the watching, the
+eviction and autoscaling are decisions over all its entitlements). kopf gives the watching, the
 reconnects, the login from kubeconfig or the service account, and graceful stop."""
 
 from __future__ import annotations
@@ -21,31 +22,33 @@ import kopf
 
 from tokenpools.k8s.api import Kube, load_client
 from tokenpools.k8s.leader import LeaderElection
-from tokenpools.k8s.objects import ENTITLEMENT_LABEL
+from tokenpools.k8s.objects import LEASE_LABEL
+from tokenpools.k8s.operator_http import serve_http
+from tokenpools.k8s.operator_loop import HEARTBEAT_S, RESYNC_S, OperatorLoop
 from tokenpools.k8s.reconciler import Reconciler
 from tokenpools.k8s.schema import ENTITLEMENT_PLURAL, GROUP, POOL_PLURAL, VERSION
 
 log = logging.getLogger("tokenpools.operator")
-HEARTBEAT_S = 10.0
-RESYNC_S = 30.0
 
 
-class _Loop:
-    wake: asyncio.Event | None = None
-    task: asyncio.Task[None] | None = None
+class _State:
+    def __init__(self) -> None:
+        self.wake: asyncio.Event | None = None
+        self.tasks: list[asyncio.Task[Any]] = []
 
 
-_loop = _Loop()
+_state = _State()
 
 
 def _poke(**_: Any) -> None:
-    if _loop.wake is not None:
-        _loop.wake.set()
+    if _state.wake is not None:
+        _state.wake.set()
 
 
 kopf.on.event(GROUP, VERSION, POOL_PLURAL)(_poke)
 kopf.on.event(GROUP, VERSION, ENTITLEMENT_PLURAL)(_poke)
-kopf.on.event("", "v1", "pods", labels={ENTITLEMENT_LABEL: kopf.PRESENT})(_poke)
+kopf.on.event("", "v1", "pods", labels={LEASE_LABEL: "true"})(_poke)
+kopf.on.event("", "v1", "namespaces")(_poke)  # a label change may open or close a pool
 
 
 @kopf.on.login()
@@ -62,29 +65,35 @@ async def _start(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube = Kube(load_client(os.environ.get("KUBECONFIG")))
     namespace = os.environ.get("TOKENPOOLS_NAMESPACE", "tokenpools-system")
     identity = os.environ.get("POD_NAME", socket.gethostname())
-    leader = LeaderElection(kube, namespace, identity, time.time)
-    _loop.wake = asyncio.Event()
-    _loop.task = asyncio.create_task(run(Reconciler(kube, time.time), leader, _loop.wake))
+    rec = Reconciler(kube, time.time, namespace)
+    loop = OperatorLoop(rec, LeaderElection(kube, namespace, identity, time.time), time.time)
+    _state.wake = asyncio.Event()
+    _state.tasks = [
+        asyncio.create_task(_heartbeats(loop)),
+        asyncio.create_task(_reconciles(loop, _state.wake)),
+        asyncio.create_task(serve_http(loop, kube, os.environ)),
+    ]
 
 
 @kopf.on.cleanup()
 async def _stop(**_: Any) -> None:
-    if _loop.task is not None:
-        _loop.task.cancel()
+    for task in _state.tasks:
+        task.cancel()
 
 
-async def run(rec: Reconciler, leader: LeaderElection, wake: asyncio.Event) -> None:
-    last_full = 0.0
+async def _heartbeats(loop: OperatorLoop) -> None:
     while True:
-        try:
-            if await asyncio.to_thread(leader.try_acquire):
-                if wake.is_set() or time.monotonic() - last_full >= RESYNC_S:
-                    wake.clear()
-                    await asyncio.to_thread(rec.reconcile)
-                    last_full = time.monotonic()
-                else:
-                    await asyncio.to_thread(rec.heartbeat)
-        except Exception:  # one failed round must not stop the node's heartbeat
-            log.exception("reconciliation failed; retrying")
+        await asyncio.to_thread(loop.heartbeat)
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+async def _reconciles(loop: OperatorLoop, wake: asyncio.Event) -> None:
+    while True:
+        if loop.reconcile_due(wake.is_set()):
+            wake.clear()
+            await asyncio.to_thread(loop.reconcile)
+        elif not loop.leading:  # a follower: the wake waits for leadership
+            await asyncio.sleep(1.0)
+            continue
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), timeout=HEARTBEAT_S)
+            await asyncio.wait_for(wake.wait(), timeout=min(HEARTBEAT_S, RESYNC_S))

@@ -2,23 +2,29 @@
 
 A lease pod does no work: one `pause` container whose requests (= limits) are the
 entitlement's integer baseline (control/placement.py), the service class's PriorityClass,
-the toleration and node selector of its pool's virtual node, an owner reference to the
-entitlement (so the garbage collector removes it with the entitlement), no service account
-token, no service links, and a zero grace period.
+the toleration and node selector of its pool's virtual node, tolerations of an unreachable or
+not-ready node without a time limit (a heartbeat gap must never evict a lease), an owner
+reference to the entitlement (so the garbage collector removes it with the entitlement), the
+Pod Security `restricted` settings, no service account token, no service links, and a zero
+grace period. Its name carries a digest of what it requests, so a resize is a new pod that
+binds before the old one goes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from tokenpools.control.placement import PRIORITY_CLASSES
+from tokenpools.k8s.names import label_value, node_name, pod_name
 from tokenpools.k8s.schema import API_VERSION
 from tokenpools.model.service_class import ServiceClass
 
 POOL_LABEL = "tokenpools.io/pool"
-NAMESPACE_LABEL = "tokenpools.io/namespace"
+LEASE_LABEL = "tokenpools.io/lease"  # "true" on every lease pod; how the operator lists them
 ENTITLEMENT_LABEL = "tokenpools.io/entitlement"
 TAINT = {"key": "virtual-kubelet.io/provider", "value": "tokenpools", "effect": "NoSchedule"}
 FINALIZER = "tokenpools.io/cleanup"
@@ -41,27 +47,18 @@ def parse_time(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def node_name(namespace: str, pool: str) -> str:
-    return f"tokenpools-{namespace}-{pool}"
-
-
-def pod_name(entitlement: str) -> str:
-    return f"lease-{entitlement}"
-
-
-def node(namespace: str, pool: str) -> dict[str, Any]:
-    name = node_name(namespace, pool)
+def node(pool: str) -> dict[str, Any]:
+    name = node_name(pool)
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": name,
             "labels": {
-                POOL_LABEL: pool,
-                NAMESPACE_LABEL: namespace,
+                POOL_LABEL: label_value(pool),
                 "type": "virtual-kubelet",
                 "kubernetes.io/role": "agent",
-                "kubernetes.io/hostname": name,
+                "kubernetes.io/hostname": label_value(name),
             },
         },
         "spec": {"taints": [TAINT]},
@@ -119,6 +116,30 @@ def node_lease(name: str, now: float) -> dict[str, Any]:
     }
 
 
+def lease_pod_name(
+    entitlement: str, service_class: ServiceClass, requests: Mapping[str, int]
+) -> str:
+    """Requests and priority are immutable in a pod: a different lease is a different name."""
+    what = json.dumps([PRIORITY_CLASSES[service_class].name, sorted(requests.items())])
+    return f"{pod_name(entitlement)[:243]}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"
+
+
+_UNTIL_BACK = [  # no tolerationSeconds: tolerate for as long as it lasts
+    {"key": f"node.kubernetes.io/{why}", "operator": "Exists", "effect": "NoExecute"}
+    for why in ("unreachable", "not-ready")
+]
+_RESTRICTED_POD = {
+    "runAsNonRoot": True,
+    "runAsUser": 65535,  # the pause image's own user
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+_RESTRICTED_CONTAINER = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
 def lease_pod(
     ent: Mapping[str, Any], service_class: ServiceClass, requests: Mapping[str, int]
 ) -> dict[str, Any]:
@@ -129,9 +150,13 @@ def lease_pod(
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": pod_name(name),
+            "name": lease_pod_name(name, service_class, requests),
             "namespace": ns,
-            "labels": {ENTITLEMENT_LABEL: name, POOL_LABEL: pool},
+            "labels": {
+                LEASE_LABEL: "true",
+                ENTITLEMENT_LABEL: label_value(name),
+                POOL_LABEL: label_value(pool),
+            },
             "ownerReferences": [
                 {
                     "apiVersion": API_VERSION,
@@ -145,13 +170,18 @@ def lease_pod(
         },
         "spec": {
             "priorityClassName": PRIORITY_CLASSES[service_class].name,
-            "nodeSelector": {POOL_LABEL: pool, NAMESPACE_LABEL: ns},
-            "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}],
+            "nodeSelector": {POOL_LABEL: label_value(pool)},
+            "tolerations": [
+                {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"},
+                *_UNTIL_BACK,
+            ],
+            "securityContext": _RESTRICTED_POD,
             "containers": [
                 {
                     "name": "lease",
                     "image": PAUSE_IMAGE,
                     "resources": {"requests": quantities, "limits": quantities},
+                    "securityContext": _RESTRICTED_CONTAINER,
                 }
             ],
             "automountServiceAccountToken": False,
@@ -159,6 +189,18 @@ def lease_pod(
             "terminationGracePeriodSeconds": 0,
         },
     }
+
+
+def owner_uid(pod: Mapping[str, Any]) -> str | None:
+    """The uid of the TokenEntitlement that controls the pod, if one does."""
+    for ref in pod["metadata"].get("ownerReferences") or []:
+        if ref.get("kind") == "TokenEntitlement" and ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
+def failed_status(reason: str, message: str) -> dict[str, Any]:
+    return {"status": {"phase": "Failed", "reason": reason, "message": message}}
 
 
 def running_status(now: float) -> dict[str, Any]:

@@ -1,336 +1,247 @@
-"""The operator's level-triggered reconciliation: read every TokenPool, TokenEntitlement and
-lease pod, then make the cluster match — virtual nodes, their kubelet duties, lease pods,
-statuses and the scale of each pool's workload. Idempotent: running it twice, or after a
-restart, changes nothing more. The clock is injected; all I/O goes through `Kube`."""
+"""The operator's level-triggered reconciliation, one object at a time.
+
+Each pass reads the TokenPools, TokenEntitlements, lease pods and namespaces (label-scoped,
+paged), builds the config from them once (k8s/resources.py keeps each problem with its
+object), then reconciles every pool (its virtual node, the node's kubelet duties, autoscaling)
+and every entitlement (its lease pods and state) on its own. A failed API call fails only that
+object: it gets a `Reconciled=False` condition and an Event naming the API error, and is tried
+again after an exponential backoff, while every other object and the nodes' heartbeats (a
+separate schedule, k8s/virtual_node.py) go on. Writes happen only when something changed, so
+the loop settles. The clock is injected; all I/O goes through `Kube`."""
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from tokenpools.control.autoscale import baseline_need, desired_replicas
-from tokenpools.control.placement import Placed, lease_requests, pool_allocatable, survivors
+from tokenpools.control.node_capacity import Advertised, advertise
+from tokenpools.control.placement import pool_allocatable
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import (
     ENTITLEMENTS,
     EVENTS,
-    LEASES,
+    NAMESPACES,
     NODES,
     PODS,
     POOLS,
-    Conflict,
     Kube,
     workload_kind,
 )
-from tokenpools.k8s.resources import config_data
-from tokenpools.model.config import Config, ConfigError, parse_config
-from tokenpools.model.entitlement import BindingState
-from tokenpools.model.pool import Pool
+from tokenpools.k8s.errors import describe
+from tokenpools.k8s.leases import Leases
+from tokenpools.k8s.names import label_value
+from tokenpools.k8s.operator_metrics import OperatorMetrics
+from tokenpools.k8s.resources import ClusterConfig, config_data
+from tokenpools.k8s.status import conditions, write_status
+from tokenpools.k8s.virtual_node import VirtualNodes
+from tokenpools.model.config import Config, parse_config
 
 log = logging.getLogger("tokenpools.operator")
+BACKOFF_S, BACKOFF_MAX_S = 1.0, 300.0
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, clock: Callable[[], float]) -> None:
-        self.kube = kube
-        self.clock = clock
+    def __init__(
+        self,
+        kube: Kube,
+        clock: Callable[[], float],
+        namespace: str = "tokenpools-system",
+        metrics: OperatorMetrics | None = None,
+    ) -> None:
+        self.kube, self.clock, self.namespace = kube, clock, namespace  # the platform's
+        self.metrics = metrics or OperatorMetrics(clock)
+        self.nodes = VirtualNodes(kube, clock, self.metrics)
+        self.leases = Leases(kube, clock)
+        self._retry: dict[tuple[str, str, str], tuple[int, float]] = {}  # failures, not before
 
-    # -- the whole cluster -------------------------------------------------------------
+    def heartbeat(self) -> int:
+        return self.nodes.heartbeat()
 
     def reconcile(self) -> None:
-        now = self.clock()
-        pools: dict[str, list[Any]] = defaultdict(list)
-        ents: dict[str, list[Any]] = defaultdict(list)
-        for obj in self.kube.list(POOLS):
-            pools[obj["metadata"]["namespace"]].append(obj)
-        for obj in self.kube.list(ENTITLEMENTS):
-            ents[obj["metadata"]["namespace"]].append(obj)
-        pods = self.kube.list(PODS)
-        on_node: dict[str, list[Any]] = defaultdict(list)
-        for pod in pods:
-            on_node[pod["spec"].get("nodeName") or ""].append(pod)
-        leases = {
-            (p["metadata"]["namespace"], p["metadata"]["name"]): p
-            for p in pods
-            if o.ENTITLEMENT_LABEL in (p["metadata"].get("labels") or {})
-        }
-        for ns in sorted(set(pools) | set(ents)):
-            self._namespace(ns, pools[ns], ents[ns], leases, on_node, now)
-        self._forget_orphan_nodes({(ns, p["metadata"]["name"]) for ns in pools for p in pools[ns]})
-
-    def _namespace(
-        self,
-        ns: str,
-        pools: list[Any],
-        ents: list[Any],
-        leases: Mapping[tuple[str, str], Any],
-        on_node: Mapping[str, list[Any]],
-        now: float,
-    ) -> None:
-        cluster = config_data(pools, ents, None)
-        try:
-            config = parse_config(cluster.data)
-        except ConfigError as exc:  # a cross-object problem; each object is valid alone
-            log.error("namespace %s: %s", ns, exc)
-            return
+        pools = self.kube.list(POOLS)
+        ents = self.kube.list(ENTITLEMENTS)
+        labels = {n["metadata"]["name"]: n["metadata"].get("labels") or {}
+                  for n in self.kube.list(NAMESPACES)}  # fmt: skip
+        owned: dict[str, list[Any]] = defaultdict(list)
+        for pod in self.kube.list(PODS, labels={o.LEASE_LABEL: "true"}):
+            owned[o.owner_uid(pod) or ""].append(pod)
+        cluster = config_data(pools, ents, labels)
+        config = parse_config(cluster.data)  # each object's problems are already set aside
+        live = {e["metadata"]["uid"] for e in ents if not e["metadata"].get("deletionTimestamp")}
         for obj in pools:
-            name = obj["metadata"]["name"]
-            if obj["metadata"].get("deletionTimestamp"):
-                self._delete_pool(obj)
-            elif ("TokenPool", ns, name) in cluster.invalid:
-                why = cluster.invalid[("TokenPool", ns, name)]
-                gen = obj["metadata"].get("generation", 1)
-                ready = o.condition("Ready", False, "Invalid", why, now, gen)
-                self._status(POOLS, obj, {"conditions": [ready]})
-            else:
-                node = o.node_name(ns, name)
-                self._pool(obj, config, cluster.pool_extras[name], on_node.get(node, []), now)
+            self._guarded("TokenPool", obj, lambda p=obj: self._pool(p, cluster, config, live))
+        states: Counter[str] = Counter()
         for obj in ents:
-            key = (ns, o.pod_name(obj["metadata"]["name"]))
-            self._entitlement(obj, config, cluster.invalid, leases.get(key), now)
+            mine = owned.get(obj["metadata"]["uid"], [])
+            self._guarded(
+                "TokenEntitlement",
+                obj,
+                lambda e=obj, m=mine: states.update([self._entitlement(e, cluster, config, m)]),
+            )
+        for state in ("Bound", "Pending", "Degraded", "Expired", "Invalid"):
+            self.metrics.lease_pods.labels(state).set(states[state])
+        self._forget_orphan_nodes({p["metadata"]["name"] for p in pools})
+
+    def _guarded(self, kind: str, obj: Any, step: Callable[[], Any]) -> None:
+        meta = obj["metadata"]
+        key = (kind, meta.get("namespace") or "", meta["name"])
+        failures, not_before = self._retry.get(key, (0, 0.0))
+        if self.clock() < not_before:
+            return
+        try:
+            step()
+        except Exception as exc:
+            reason, message = describe(exc)
+            delay = min(BACKOFF_MAX_S, BACKOFF_S * 2**failures)
+            self._retry[key] = (failures + 1, self.clock() + delay)
+            self.metrics.reconciles.labels(kind, "error").inc()
+            self.metrics.errors.labels(kind, reason).inc()
+            log.warning("%s %s: %s (again in %.0f s)", kind, "/".join(key[1:]), message, delay)
+            self._report(kind, obj, reason, message)
+            return
+        self._retry.pop(key, None)
+        self.metrics.reconciles.labels(kind, "ok").inc()
+        if failures:
+            self._report(kind, obj, None, "reconciled")
+
+    def _report(self, kind: str, obj: Any, reason: str | None, message: str) -> None:
+        """The Reconciled condition and, on a failure, an Event; itself best-effort."""
+        which = POOLS if kind == "TokenPool" else ENTITLEMENTS
+        gen = obj["metadata"].get("generation", 1)
+        old = (obj.get("status") or {}).get("conditions") or []
+        cond = ("Reconciled", reason is None, reason or "Reconciled", message)
+        rest = [c for c in old if c.get("type") != "Reconciled"]
+        try:
+            merged = conditions(old, [cond], self.clock(), gen)
+            write_status(self.kube, which, obj, {"conditions": [*rest, *merged]})
+            if reason is not None:
+                ns = obj["metadata"].get("namespace") or self.namespace
+                event = o.event(obj, "ReconcileError", message, self.clock(), "Warning")
+                self.kube.create(EVENTS, ns, event)
+        except Exception:
+            log.debug("could not report on %s", obj["metadata"]["name"], exc_info=True)
 
     # -- pools: the virtual node, its kubelet duties, autoscaling ---------------------
 
-    def _pool(self, obj: Any, config: Config, extras: Any, bound: list[Any], now: float) -> None:
-        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    def _pool(self, obj: Any, cluster: ClusterConfig, config: Config, live: set[str]) -> None:
+        name = obj["metadata"]["name"]
+        if obj["metadata"].get("deletionTimestamp"):
+            self.nodes.remove(name)
+            self._drop_finalizer(POOLS, obj)
+            log.info("pool %s deleted: its node removed", name)
+            return
         self._finalizer(POOLS, obj)
-        pool = config.pools[name]
-        ready, current = self._replicas(ns, pool, extras)
-        live = pool.with_replicas(ready)
-        alloc = pool_allocatable(live, config.policy.elastic_oversubscription)
-        node = o.node_name(ns, name)
-        if self.kube.find(NODES, None, node) is None:
-            self.kube.create(NODES, None, o.node(ns, name))
-            log.info("node %s created", node)
-        message = f"{ready} ready replicas of {pool.per_replica}"
-        self.kube.patch(NODES, None, node, o.node_status(alloc, now, message), sub="status")
-        self._renew_node_lease(node, now)
-        self._kubelet(node, bound, alloc, now)
+        where = ("TokenPool", "", name)
+        gen, old = obj["metadata"].get("generation", 1), obj.get("status") or {}
+        if not cluster.in_force(where):
+            why = cluster.problems[where]
+            conds = [("Ready", False, "Invalid", why), ("SpecAccepted", False, "Invalid", why)]
+            merged = conditions(old.get("conditions"), conds, self.clock(), gen)
+            status = {"observedGeneration": gen, "conditions": merged}
+            write_status(self.kube, POOLS, obj, status)
+            return
+        pool, extras = config.pools[name], cluster.pool_extras[name]
+        ready, asked = self._replicas(pool.replicas, extras)
+        since = old.get("shrinkPendingSince")
+        before = (
+            None
+            if "replicas" not in old
+            else Advertised(int(old["replicas"]), None if since is None else o.parse_time(since))
+        )
+        shown = advertise(before, ready, self.clock(), extras.capacityShrinkAfterS)
+        alloc = pool_allocatable(
+            pool.with_replicas(shown.replicas), config.policy.elastic_oversubscription
+        )
+        message = f"{shown.replicas} replicas of {pool.per_replica}"
+        node = self.nodes.ensure(name, alloc, message)
+        self.nodes.kubelet(node, alloc, live)
         members = [e for e in config.entitlements.values() if e.pool == name]
         desired = desired_replicas(pool, baseline_need(members))
+        self.metrics.desired.labels(name).set(desired)
+        stale = cluster.stale(where)
+        spec = ("SpecAccepted", not stale, "Invalid" if stale else "Accepted",
+                cluster.problems[where] if stale else "spec applied")  # fmt: skip
         status: dict[str, Any] = {
             "nodeName": node,
-            "replicas": ready,
+            "replicas": shown.replicas,
+            "readyReplicas": ready,
+            "shrinkPendingSince": None if shown.dip_since is None else o.iso(shown.dip_since),
             "desiredReplicas": desired,
             "capacity": alloc,
+            "observedGeneration": gen,
+            "appliedSpec": cluster.applied[where],
         }
-        if extras.scaleTargetRef is not None and desired != current:
-            status |= self._scale(obj, extras, current, desired, now)
-        gen = obj["metadata"].get("generation", 1)
-        status["observedGeneration"] = gen
-        status["conditions"] = [o.condition("Ready", True, "NodeReady", message, now, gen)]
-        self._status(POOLS, obj, status)
+        writes = extras.autoscaling.mode == "write" and extras.scaleTargetRef is not None
+        if writes and desired != asked:
+            status |= self._scale(obj, extras, asked, desired)
+        conds = [("Ready", True, "NodeReady", message), spec]
+        status["conditions"] = conditions(old.get("conditions"), conds, self.clock(), gen)
+        write_status(self.kube, POOLS, obj, status)
 
-    def _replicas(self, ns: str, pool: Pool, extras: Any) -> tuple[int, int]:
-        """(ready replicas, replicas asked for): the workload's, else the spec's."""
+    def _replicas(self, replicas: int, extras: Any) -> tuple[int, int]:
+        """(ready replicas, replicas asked for): the workload's, else the spec's. A workload
+        whose status has no `readyReplicas` has none ready (the API server omits zeros)."""
         ref = extras.scaleTargetRef
         if ref is None:
-            return pool.replicas, pool.replicas
-        workload = self.kube.find(workload_kind(ref.apiVersion, ref.kind), ns, ref.name)
+            return replicas, replicas
+        workload = self.kube.find(workload_kind(ref.apiVersion, ref.kind), self.namespace, ref.name)
         if workload is None:
             return 0, 0
         asked = int(workload.get("spec", {}).get("replicas", 0))
-        status = workload.get("status") or {}
-        ready = status.get("readyReplicas", status.get("replicas", 0))
-        return int(ready or 0), asked
+        return int((workload.get("status") or {}).get("readyReplicas") or 0), asked
 
-    def _scale(
-        self, obj: Any, extras: Any, current: int, desired: int, now: float
-    ) -> dict[str, Any]:
+    def _scale(self, obj: Any, extras: Any, current: int, desired: int) -> dict[str, Any]:
+        now = self.clock()
         last = (obj.get("status") or {}).get("lastScaleTime")
         if last is not None and now - o.parse_time(last) < extras.autoscaling.cooldownS:
             return {"lastScaleTime": last}
-        ref, ns = extras.scaleTargetRef, obj["metadata"]["namespace"]
+        ref = extras.scaleTargetRef
         kind = workload_kind(ref.apiVersion, ref.kind)
-        self.kube.patch(kind, ns, ref.name, {"spec": {"replicas": desired}}, sub="scale")
+        self.kube.patch(
+            kind, self.namespace, ref.name, {"spec": {"replicas": desired}}, sub="scale"
+        )
+        self.metrics.scale_writes.labels(obj["metadata"]["name"]).inc()
         why = (
             f"scaled {ref.kind}/{ref.name} from {current} to {desired} replicas: the reserved "
             f"and elastic baselines of the pool's entitlements need {desired}"
         )
-        self.kube.create(EVENTS, ns, o.event(obj, "Scaled", why, now))
-        log.info("pool %s/%s: %s", ns, obj["metadata"]["name"], why)
+        self.kube.create(EVENTS, self.namespace, o.event(obj, "Scaled", why, now))
+        log.info("pool %s: %s", obj["metadata"]["name"], why)
         return {"lastScaleTime": o.iso(now)}
 
-    def _renew_node_lease(self, node: str, now: float) -> None:
-        lease = o.node_lease(node, now)
-        if self.kube.find(LEASES, o.NODE_LEASE_NAMESPACE, node) is None:
-            self.kube.create(LEASES, o.NODE_LEASE_NAMESPACE, lease)
-        else:
-            self.kube.patch(LEASES, o.NODE_LEASE_NAMESPACE, node, {"spec": lease["spec"]})
-
-    def heartbeat(self) -> None:
-        """Between reconciliations: keep every virtual node Ready and its Lease fresh."""
-        now = self.clock()
-        for node in self.kube.list(NODES, labels={"type": "virtual-kubelet"}):
-            name = node["metadata"]["name"]
-            if o.POOL_LABEL not in (node["metadata"].get("labels") or {}):
-                continue
-            conditions = (node.get("status") or {}).get("conditions") or []
-            for cond in conditions:
-                cond["lastHeartbeatTime"] = o.iso(now)
-            self.kube.patch(NODES, None, name, {"status": {"conditions": conditions}}, sub="status")
-            self._renew_node_lease(name, now)
-
-    def _kubelet(self, node: str, bound: list[Any], alloc: Mapping[str, int], now: float) -> None:
-        """As the node's kubelet: finalize terminating pods at once (so preemption frees
-        their resources), run bound ones, and evict what no longer fits a shrunk node."""
-        live = []
-        for pod in bound:
-            if pod["metadata"].get("deletionTimestamp"):
-                self.kube.delete(PODS, pod["metadata"]["namespace"], pod["metadata"]["name"], 0)
-            else:
-                live.append(pod)
-        placed = [
-            Placed(_key(p), int(p["spec"].get("priority") or 0), _requests(p), _started(p))
-            for p in live
-        ]
-        kept = survivors(placed, alloc)
-        for pod in live:
-            ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
-            if _key(pod) not in kept:
-                log.info("node %s: evicting %s/%s, it no longer fits", node, ns, name)
-                self.kube.delete(PODS, ns, name, grace_s=0)
-            elif (pod.get("status") or {}).get("phase") != "Running":
-                self.kube.patch(PODS, ns, name, o.running_status(now), sub="status")
-
-    def _delete_pool(self, obj: Any) -> None:
-        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        node = o.node_name(ns, name)
-        self.kube.delete(NODES, None, node)
-        self.kube.delete(LEASES, o.NODE_LEASE_NAMESPACE, node)
-        self._drop_finalizer(POOLS, obj)
-        log.info("pool %s/%s deleted: node %s removed", ns, name, node)
-
-    def _forget_orphan_nodes(self, pools: set[tuple[str, str]]) -> None:
-        for node in self.kube.list(NODES, labels={"type": "virtual-kubelet"}):
-            labels = node["metadata"].get("labels") or {}
-            key = (labels.get(o.NAMESPACE_LABEL), labels.get(o.POOL_LABEL))
-            if o.POOL_LABEL in labels and key not in pools:
+    def _forget_orphan_nodes(self, pools: set[str]) -> None:
+        wanted = {label_value(p) for p in pools}
+        for node in self.nodes.nodes():
+            if node["metadata"]["labels"][o.POOL_LABEL] not in wanted:
                 self.kube.delete(NODES, None, node["metadata"]["name"])
 
-    # -- entitlements: lease pods and their state ---------------------------------------
+    # -- entitlements -------------------------------------------------------------------
 
     def _entitlement(
-        self, obj: Any, config: Config, invalid: Mapping[Any, str], pod: Any, now: float
-    ) -> None:
-        meta = obj["metadata"]
-        ns, name, gen = meta["namespace"], meta["name"], meta.get("generation", 1)
-        if meta.get("deletionTimestamp"):
-            self.kube.delete(PODS, ns, o.pod_name(name), grace_s=0)
+        self, obj: Any, cluster: ClusterConfig, config: Config, pods: list[Any]
+    ) -> str:
+        if obj["metadata"].get("deletionTimestamp"):
+            self.leases.finalize(pods)
             self._drop_finalizer(ENTITLEMENTS, obj)
-            return
+            return "Deleted"
         self._finalizer(ENTITLEMENTS, obj)
-        previous = (obj.get("status") or {}).get("state")
-        if ("TokenEntitlement", ns, name) in invalid:
-            self.kube.delete(PODS, ns, o.pod_name(name), grace_s=0)
-            why = invalid[("TokenEntitlement", ns, name)]
-            self._set_state(obj, "Invalid", why, gen, now, {})
-            return
-        ent = config.entitlements[name]
-        if ent.expires_at is not None and now >= ent.expires_at:
-            self.kube.delete(PODS, ns, o.pod_name(name), grace_s=0)
-            self._set_state(obj, BindingState.EXPIRED.value, "past expiresAt", gen, now, {})
-            return
-        requests = lease_requests(ent)
-        if pod is not None and _requests(pod) != requests:  # resources of a pod are immutable
-            self.kube.delete(PODS, ns, pod["metadata"]["name"], grace_s=0)
-            pod = None
-        if pod is None:
-            try:
-                pod = self.kube.create(PODS, ns, o.lease_pod(obj, ent.service_class, requests))
-            except Conflict:  # a terminating pod of the same name: next round
-                pod = self.kube.find(PODS, ns, o.pod_name(name))
-        node = (pod or {}).get("spec", {}).get("nodeName")
-        terminating = bool((pod or {}).get("metadata", {}).get("deletionTimestamp"))
-        if node and not terminating:
-            state, why = BindingState.BOUND.value, f"lease pod bound to {node}"
-        else:
-            waiting = previous in (BindingState.BOUND.value, BindingState.DEGRADED.value)
-            state = BindingState.DEGRADED.value if waiting else BindingState.PENDING.value
-            why = _unschedulable(pod) or "lease pod waiting for the scheduler"
-        self._set_state(
-            obj, state, why, gen, now, requests, pod, node if state == "Bound" else None
-        )
+        return self.leases.reconcile(obj, cluster, config, pods)
 
-    def _set_state(
-        self,
-        obj: Any,
-        state: str,
-        why: str,
-        gen: int,
-        now: float,
-        requests: Mapping[str, int],
-        pod: Any = None,
-        node: str | None = None,
-    ) -> None:
-        old = obj.get("status") or {}
-        if (old.get("state"), old.get("message"), old.get("observedGeneration")) == (
-            state,
-            why,
-            gen,
-        ):
-            return  # unchanged: no write, so an idle reconciliation is free
-        conds = [
-            o.condition(kind, state == kind, state, why, now, gen)
-            for kind in ("Bound", "Degraded", "Pending", "Expired")
-        ]
-        status = {
-            "state": state,
-            "message": why,
-            "observedGeneration": gen,
-            "conditions": conds,
-            "requests": dict(requests),
-            "podName": (pod or {}).get("metadata", {}).get("name"),
-            "nodeName": node,
-        }
-        self._status(ENTITLEMENTS, obj, status)
-        if old.get("state") != state:
-            kind = "Warning" if state in ("Degraded", "Invalid") else "Normal"
-            self.kube.create(
-                EVENTS, obj["metadata"]["namespace"], o.event(obj, state, why, now, kind)
-            )
-
-    # -- helpers ------------------------------------------------------------------------
-
-    def _status(self, kind: Any, obj: Any, status: dict[str, Any]) -> None:
-        meta = obj["metadata"]
-        self.kube.patch(kind, meta["namespace"], meta["name"], {"status": status}, sub="status")
+    # -- finalizers -----------------------------------------------------------------------
 
     def _finalizer(self, kind: Any, obj: Any) -> None:
         finalizers = obj["metadata"].get("finalizers") or []
         if o.FINALIZER not in finalizers:
             meta = obj["metadata"]
             patch = {"metadata": {"finalizers": [*finalizers, o.FINALIZER]}}
-            self.kube.patch(kind, meta["namespace"], meta["name"], patch)
+            self.kube.patch(kind, meta.get("namespace"), meta["name"], patch)
 
     def _drop_finalizer(self, kind: Any, obj: Any) -> None:
         meta = obj["metadata"]
         rest = [f for f in meta.get("finalizers") or [] if f != o.FINALIZER]
-        self.kube.patch(kind, meta["namespace"], meta["name"], {"metadata": {"finalizers": rest}})
-
-
-def _requests(pod: Mapping[str, Any]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in pod["spec"].get("containers", []):
-        for k, v in ((c.get("resources") or {}).get("requests") or {}).items():
-            if k.startswith("tokenpools.io/"):
-                out[k] = out.get(k, 0) + int(v)
-    return out
-
-
-def _key(pod: Mapping[str, Any]) -> str:
-    return f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
-
-
-def _started(pod: Mapping[str, Any]) -> int:
-    start = (pod.get("status") or {}).get("startTime")
-    return int(o.parse_time(start)) if start else 0
-
-
-def _unschedulable(pod: Any) -> str | None:
-    for cond in ((pod or {}).get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            return str(cond.get("message") or cond.get("reason"))
-    return None
+        self.kube.patch(
+            kind, meta.get("namespace"), meta["name"], {"metadata": {"finalizers": rest}}
+        )

@@ -1,150 +1,239 @@
 """Custom resources ↔ the config file: one schema, two places.
 
-`config_data` assembles the config document from the cluster's TokenPools, TokenEntitlements
-and the Secrets they name, so the gateway and the operator validate it with the very code a
-file goes through. `render` goes the other way: the CRs and Secrets of an existing file.
+`config_data` assembles the config document from the cluster's TokenPools (cluster-scoped) and
+TokenEntitlements (one namespace per tenant), so the gateway and the operator validate it with
+the very code a file goes through. A problem stays with the object that has it: an invalid
+spec, an entitlement whose pool is unknown or not open to its namespace, a key hash or a
+model name another object already has (the older object keeps it) — the others go on. An
+object whose current spec is invalid keeps the last spec the operator applied
+(`status.appliedSpec`), so a typo never takes away what was working.
+
+`render` goes the other way: the CRs of an existing file.
 """
 
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
+from tokenpools.k8s.names import entitlement_key
 from tokenpools.k8s.schema import (
     API_VERSION,
     EntitlementExtras,
     PoolExtras,
-    SecretKeyRef,
     split,
 )
 from tokenpools.model.config import format_errors
 from tokenpools.model.config_schema import EntitlementSpec, PoolSpec
 from tokenpools.model.keys import hash_key, is_key_hash
 
-ExtrasT = TypeVar("ExtrasT", bound=BaseModel)
+Where = tuple[str, str, str]  # kind, namespace ("" for a pool), name
 
 
 @dataclass
 class ClusterConfig:
-    """The config document built from the cluster, and each object it had to leave out."""
+    """The config document built from the cluster, and what it says about each object."""
 
     data: dict[str, Any]
-    invalid: dict[tuple[str, str, str], str] = field(default_factory=dict)  # kind, ns, name
+    problems: dict[Where, str] = field(default_factory=dict)  # why a spec is not (fully) used
+    applied: dict[Where, dict[str, Any]] = field(default_factory=dict)  # the CR spec in force
     pool_extras: dict[str, PoolExtras] = field(default_factory=dict)
+
+    def in_force(self, where: Where) -> bool:
+        return where in self.applied
+
+    def stale(self, where: Where) -> bool:
+        """Running on its last applied spec because the current one is refused."""
+        return where in self.applied and where in self.problems
 
 
 def _meta(obj: Mapping[str, Any]) -> tuple[str, str]:
     meta = obj.get("metadata", {})
-    return meta.get("namespace") or "default", meta["name"]
+    return meta.get("namespace") or "", meta["name"]
 
 
-def secret_keys(data: Mapping[str, str] | None, key: str) -> list[str] | None:
-    """The key hashes in a Secret's `data[key]` (base64, one key or hash per line)."""
-    if data is None or key not in data:
-        return None
-    text = base64.b64decode(data[key]).decode()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return [line if is_key_hash(line) else hash_key(line) for line in lines]
+def _age(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    meta = obj["metadata"]
+    return (meta.get("creationTimestamp") or "", meta.get("namespace") or "", meta["name"])
 
 
 def config_data(
     pools: list[Mapping[str, Any]],
     entitlements: list[Mapping[str, Any]],
-    secrets: Mapping[tuple[str, str], Mapping[str, str]] | None,
+    namespaces: Mapping[str, Mapping[str, str]] | None = None,
     base: Mapping[str, Any] | None = None,
+    applied_only: bool = False,
 ) -> ClusterConfig:
-    """Pools and entitlements of one namespace (pool names are the CRs' names) → config.
-    With `secrets` None (the operator, which needs no keys) Secrets are not read."""
+    """`namespaces` (name → labels) checks each pool's namespaceSelector (the operator); the
+    gateway passes None and `applied_only`, taking each object as the operator applied it."""
     out = ClusterConfig({**(base or {}), "pools": [], "entitlements": []})
-    for obj in _live(pools):
-        pool = _checked(obj, "TokenPool", PoolSpec, PoolExtras, out)
-        if pool is not None:
-            out.pool_extras[pool[0]["name"]] = pool[1]
-            out.data["pools"].append(pool[0])
-    known = {p["name"] for p in out.data["pools"]}
-    for obj in _live(entitlements):
-        ent = _checked(obj, "TokenEntitlement", EntitlementSpec, EntitlementExtras, out)
-        if ent is None:
+    served: dict[str, str] = {}
+    for obj in sorted(_live(pools), key=_age):
+        where = ("TokenPool", "", obj["metadata"]["name"])
+        got = _in_force(obj, where, _pool, applied_only, out)
+        if got is None:
             continue
-        spec, extras = ent
-        where = ("TokenEntitlement", *_meta(obj))
-        if spec.get("pool") not in known:
-            out.invalid[where] = f"pool: unknown pool {spec.get('pool')!r}"
+        spec, extras = got
+        taken = [m for m in spec.get("servedModels") or [spec["name"]] if m in served]
+        if taken:
+            out.problems[where] = (
+                f"servedModels: model {taken[0]!r} is already served by TokenPool "
+                f"{served[taken[0]]!r}; a model name maps to one pool"
+            )
+            del out.applied[where]
             continue
-        keys = [] if secrets is None else _keys(extras.apiKeySecretRefs, secrets, where[1])
-        if isinstance(keys, str):
-            out.invalid[where] = keys
-        else:
-            out.data["entitlements"].append({**spec, "apiKeys": keys})
+        served.update((m, spec["name"]) for m in spec.get("servedModels") or [spec["name"]])
+        out.pool_extras[spec["name"]] = extras
+        out.data["pools"].append(spec)
+    keys: dict[str, str] = {}
+    for obj in sorted(_live(entitlements), key=_age):
+        ns, name = _meta(obj)
+        where = ("TokenEntitlement", ns, name)
+        got = _in_force(obj, where, _entitlement, applied_only, out)
+        if got is None:
+            continue
+        spec, _ = got
+        why = _refused(spec, ns, out.pool_extras, namespaces, keys)
+        if why is not None:
+            out.problems[where] = why
+            del out.applied[where]
+            continue
+        keys.update((k, spec["name"]) for k in spec["apiKeys"])
+        out.data["entitlements"].append(spec)
     return out
 
 
-def _keys(
-    refs: list[SecretKeyRef], secrets: Mapping[tuple[str, str], Mapping[str, str]], ns: str
-) -> list[str] | str:
-    """The key hashes the refs name, or what is missing."""
-    keys: list[str] = []
-    for ref in refs:
-        found = secret_keys(secrets.get((ns, ref.name)), ref.key)
-        if found is None:
-            return f"apiKeySecretRefs: Secret {ref.name!r} has no key {ref.key!r}"
-        keys += found
-    return keys
+def _refused(
+    spec: Mapping[str, Any],
+    ns: str,
+    pools: Mapping[str, PoolExtras],
+    namespaces: Mapping[str, Mapping[str, str]] | None,
+    keys: Mapping[str, str],
+) -> str | None:
+    pool = pools.get(spec["pool"])
+    if pool is None:
+        return f"pool: no valid TokenPool {spec['pool']!r}"
+    if namespaces is not None:
+        selector = pool.namespaceSelector
+        if selector is None or not selector.matches(namespaces.get(ns, {})):
+            return f"pool: TokenPool {spec['pool']!r} is not open to namespace {ns!r}"
+    for key in spec["apiKeys"]:
+        if key in keys:
+            return (
+                f"apiKeyHashes: {key[:15]}... is already used by entitlement {keys[key]!r}; "
+                "a key maps to one entitlement"
+            )
+    return None
+
+
+def _in_force(
+    obj: Mapping[str, Any], where: Where, check: Any, applied_only: bool, out: ClusterConfig
+) -> tuple[dict[str, Any], Any] | None:
+    """(file-schema spec, cluster extras) of the spec in force: the current spec when valid,
+    else the last applied one; None (with the problem recorded) when there is neither."""
+    last = (obj.get("status") or {}).get("appliedSpec")
+    candidates = [last] if applied_only else [obj.get("spec"), last]
+    for i, spec in enumerate(candidates):
+        if not isinstance(spec, Mapping):
+            continue
+        try:
+            got = check(spec, where)
+        except ValidationError as exc:
+            if i == 0:
+                out.problems[where] = format_errors(exc)
+            continue
+        out.applied[where] = dict(spec)
+        return got
+    if applied_only and where not in out.problems:
+        out.problems[where] = "not yet applied by the operator"
+    return None
+
+
+def _pool(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], PoolExtras]:
+    own, extra = split(spec, PoolExtras)
+    extras = PoolExtras.model_validate(extra)
+    backends = [
+        b.model_dump(exclude={"apiKeySecretRef"}, exclude_none=True) for b in extras.backends
+    ]
+    out = {**own, "name": where[2], "backends": backends, "tokenizer": extras.tokenizer}
+    PoolSpec.model_validate(out)
+    return out, extras
+
+
+def _entitlement(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], None]:
+    own, extra = split(spec, EntitlementExtras)
+    extras = EntitlementExtras.model_validate(extra)
+    ns, name = where[1], where[2]
+    out = {**own, "name": entitlement_key(ns, name), "tenantId": ns,
+           "apiKeys": list(extras.apiKeyHashes)}  # fmt: skip
+    EntitlementSpec.model_validate(out)
+    return out, None
 
 
 def _live(objects: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [o for o in objects if not o["metadata"].get("deletionTimestamp")]
 
 
-def _checked(
-    obj: Mapping[str, Any],
-    kind: str,
-    model: type[BaseModel],
-    extras_model: type[ExtrasT],
-    out: ClusterConfig,
-) -> tuple[dict[str, Any], ExtrasT] | None:
-    """(the file-schema spec with its name, the cluster-only fields), or None with the
-    problem recorded in `out.invalid`."""
-    ns, name = _meta(obj)
-    own, extra = split(dict(obj.get("spec") or {}), extras_model)
-    spec = {**own, "name": name}
+def check_spec(kind: str, spec: Mapping[str, Any], namespace: str, name: str) -> str | None:
+    """What is wrong with one CR spec alone (the webhook's check), or None."""
+    check = _pool if kind == "TokenPool" else _entitlement
     try:
-        model.model_validate(spec)
-        return spec, extras_model.model_validate(extra)
+        check(spec, (kind, namespace, name))
     except ValidationError as exc:
-        out.invalid[(kind, ns, name)] = format_errors(exc)
-        return None
+        return format_errors(exc)
+    return None
 
 
-def render(document: Mapping[str, Any], namespace: str) -> list[dict[str, Any]]:
-    """The TokenPools, TokenEntitlements and Secrets for a config file's document."""
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def render(document: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The TokenPools and TokenEntitlements for a config file's document. Each entitlement goes
+    to the namespace named by its tenantId (in a cluster the namespace is the tenant); each
+    pool is opened to the namespaces of its entitlements. Backend credentials and tokenizer
+    files do not carry over: they become Secrets in the platform's namespace (docs)."""
     objects: list[dict[str, Any]] = []
-    for pool in document.get("pools", []):
-        spec = {k: v for k, v in pool.items() if k != "name"}
-        objects.append(_cr("TokenPool", pool["name"], namespace, spec))
-    for ent in document.get("entitlements", []):
-        spec = {k: v for k, v in ent.items() if k not in ("name", "apiKeys")}
-        if ent.get("apiKeys"):
-            secret = f"{ent['name']}-api-keys"
-            text = "\n".join(ent["apiKeys"]) + "\n"
-            objects.append(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {"name": secret, "namespace": namespace},
-                    "type": "Opaque",
-                    "data": {"apiKeys": base64.b64encode(text.encode()).decode()},
-                }
+    ents = document.get("entitlements", [])
+    for ent in ents:
+        if not _DNS_LABEL.match(ent["tenantId"]):
+            raise ValueError(
+                f"entitlement {ent['name']!r}: tenantId {ent['tenantId']!r} is not a valid "
+                "namespace name (lower-case letters, digits and '-', at most 63)"
             )
-            spec["apiKeySecretRefs"] = [{"name": secret, "key": "apiKeys"}]
-        objects.append(_cr("TokenEntitlement", ent["name"], namespace, spec))
+    for pool in document.get("pools", []):
+        spec = {k: v for k, v in pool.items() if k not in ("name", "backends", "tokenizer")}
+        tenants = sorted({e["tenantId"] for e in ents if e["pool"] == pool["name"]})
+        spec["namespaceSelector"] = {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": tenants}
+        ]}  # fmt: skip
+        spec["backends"] = [
+            {k: v for k, v in b.items() if k in ("url", "timeoutS", "model")}
+            for b in pool.get("backends", [])
+        ]
+        if pool.get("tokenizer") in ("estimate", "backend"):
+            spec["tokenizer"] = pool["tokenizer"]
+        objects.append(_cr("TokenPool", pool["name"], None, spec))
+    for ent in ents:
+        spec = {k: v for k, v in ent.items() if k not in ("name", "apiKeys", "tenantId")}
+        keys = [k if is_key_hash(k) else hash_key(k) for k in ent.get("apiKeys", [])]
+        if keys:
+            spec["apiKeyHashes"] = keys
+        objects.append(_cr("TokenEntitlement", ent["name"], ent["tenantId"], spec))
     return objects
 
 
-def _cr(kind: str, name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
-    meta = {"name": name, "namespace": namespace}
+def secret_value(data: Mapping[str, str] | None, key: str) -> str | None:
+    """A Secret's `data[key]`, decoded and stripped, or None when absent or empty."""
+    if data is None or key not in data:
+        return None
+    return base64.b64decode(data[key]).decode().strip() or None
+
+
+def _cr(kind: str, name: str, namespace: str | None, spec: dict[str, Any]) -> dict[str, Any]:
+    meta = {"name": name, **({"namespace": namespace} if namespace else {})}
     return {"apiVersion": API_VERSION, "kind": kind, "metadata": meta, "spec": spec}

@@ -1,60 +1,119 @@
 """The custom resources' specs: the config file's pydantic schema plus what only a cluster has.
 
-TokenPool.spec is a `pools[]` entry without `name` (metadata.name) and with the workload to
-scale; TokenEntitlement.spec is an `entitlements[]` entry without `name` and with API keys
-taken from Secrets instead of `apiKeys`. Both are validated by the same pydantic models.
+TokenPool is cluster-scoped and belongs to the platform: its spec is a `pools[]` entry without
+`name` (metadata.name), with the workload to scale, the namespaces whose entitlements may use
+it, and backends whose credentials come from Secrets in the platform's namespace. A cluster
+pool names no file: no `apiKeyFile`, no `apiKeyEnv`, no tokenizer path.
+
+TokenEntitlement is namespaced and belongs to its tenant, which *is* its namespace: its spec
+is an `entitlements[]` entry without `name` and `tenantId`, with the SHA-256 hashes of its API
+keys in the spec (`apiKeyHashes`), so nothing a tenant writes makes a component read a Secret.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from tokenpools.model.keys import KEY_HASH_PATTERN
 
 GROUP = "tokenpools.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 POOL_PLURAL, ENTITLEMENT_PLURAL = "tokenpools", "tokenentitlements"
+KeyHash = Annotated[str, Field(pattern=KEY_HASH_PATTERN, max_length=71)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SelectorRequirement(_Strict):
+    key: Annotated[str, Field(min_length=1)]
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = []
+
+
+class LabelSelector(_Strict):
+    """A Kubernetes label selector; `{}` selects every namespace."""
+
+    matchLabels: dict[str, str] = {}
+    matchExpressions: list[SelectorRequirement] = []
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if any(labels.get(k) != v for k, v in self.matchLabels.items()):
+            return False
+        for req in self.matchExpressions:
+            has, value = req.key in labels, labels.get(req.key)
+            ok = {
+                "In": has and value in req.values,
+                "NotIn": not has or value not in req.values,
+                "Exists": has,
+                "DoesNotExist": not has,
+            }[req.operator]
+            if not ok:
+                return False
+        return True
+
+
 class ScaleTargetRef(_Strict):
-    """The serving workload; any resource with a scale subresource (a Deployment usually)."""
+    """The serving workload, in the platform's namespace; any resource with a scale
+    subresource (a Deployment usually)."""
 
     apiVersion: str = "apps/v1"
-    kind: str = "Deployment"
-    name: Annotated[str, Field(min_length=1)]
+    kind: Literal["Deployment", "StatefulSet"] = "Deployment"
+    name: Annotated[str, Field(min_length=1, max_length=253)]
 
 
 class Autoscaling(_Strict):
-    cooldownS: Annotated[float, Field(ge=0)] = 60.0  # between two changes of the same pool
-
-
-class PoolExtras(_Strict):
-    scaleTargetRef: ScaleTargetRef | None = None
-    autoscaling: Autoscaling = Autoscaling()
+    # publish: desired replicas in status and /metrics, for HPA or KEDA to act on (the
+    # workload has one owner); write: the operator writes the workload's /scale itself
+    mode: Literal["publish", "write"] = "publish"
+    cooldownS: Annotated[float, Field(ge=0)] = 60.0  # between two writes of the same pool
 
 
 class SecretKeyRef(_Strict):
-    """A Secret's key holding API keys, one per line: plain keys or `sha256:` hashes."""
+    """A key of a Secret in the platform's namespace (the gateway's own)."""
 
-    name: Annotated[str, Field(min_length=1)]
-    key: Annotated[str, Field(min_length=1)] = "apiKeys"
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    key: Annotated[str, Field(min_length=1)] = "apiKey"
+
+
+class ClusterBackend(_Strict):
+    url: Annotated[str, Field(pattern=r"^https?://[^/\s]+(/.*)?$")]
+    timeoutS: Annotated[float, Field(gt=0)] = 600.0
+    model: Annotated[str, Field(min_length=1)] | None = None
+    apiKeySecretRef: SecretKeyRef | None = None
+
+
+class PoolExtras(_Strict):
+    # which namespaces' entitlements may use the pool: none when absent (as Kueue's
+    # ClusterQueue), every namespace for {}
+    namespaceSelector: LabelSelector | None = None
+    scaleTargetRef: ScaleTargetRef | None = None
+    autoscaling: Autoscaling = Autoscaling()
+    # the node shrinks only after ready replicas stay lower this long (a rolling update's dip
+    # must not evict guaranteed leases); it grows at once
+    capacityShrinkAfterS: Annotated[float, Field(ge=0)] = 60.0
+    backends: list[ClusterBackend] = []
+    tokenizer: Literal["estimate", "backend"] = "estimate"
 
 
 class EntitlementExtras(_Strict):
-    apiKeySecretRefs: list[SecretKeyRef] = []
+    # bounded, so the API server can bound the cost of the CEL rule over it
+    apiKeyHashes: Annotated[list[KeyHash], Field(max_length=64)] = []
 
 
-# Fields of the file schema that metadata or Secrets give in a cluster.
-POOL_FROM_METADATA = ("name",)
-ENTITLEMENT_FROM_METADATA = ("name", "apiKeys")
+# Fields of the file schema a cluster gives otherwise (metadata, namespace, the extras above).
+POOL_REPLACED = ("name", "backends", "tokenizer")
+ENTITLEMENT_REPLACED = ("name", "apiKeys", "tenantId")
 
 
-def split(spec: dict[str, Any], extras: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split(
+    spec: Mapping[str, Any], extras: type[BaseModel]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """A CR spec → (the file-schema part, the cluster-only part)."""
     own = set(extras.model_fields)
     return {k: v for k, v in spec.items() if k not in own}, {

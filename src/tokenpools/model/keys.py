@@ -7,7 +7,8 @@ import hmac
 import re
 
 PREFIX = "sha256:"
-_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+KEY_HASH_PATTERN = r"^sha256:[0-9a-f]{64}$"  # also the CRD's pattern and CEL rule
+_HASH_RE = re.compile(KEY_HASH_PATTERN)
 
 
 def hash_key(key: str) -> str:

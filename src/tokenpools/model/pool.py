@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tokenpools.model.profile import ModelProfile
 from tokenpools.model.resources import Resources
@@ -18,6 +18,8 @@ class Backend:
     model: str | None = None  # the name this backend serves; None: the name the client sent
     api_key_env: str | None = None  # where its API key is: an environment variable
     api_key_file: str | None = None  # or a file (a mounted Secret); read at start and reload
+    # or the key itself, as a cluster gives it (a Secret in the platform's namespace)
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

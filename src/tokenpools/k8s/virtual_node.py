@@ -1,0 +1,141 @@
+"""Acting as each pool's virtual node and its kubelet: the Node object and its Lease, the
+heartbeat, and the kubelet's duties towards the pods bound to it.
+
+The heartbeat is separate from reconciliation and renews each node on its own: a failing
+write for one pool, or a reconciliation that keeps failing, never lets another node's
+heartbeat lapse (the node lifecycle controller would mark it Unknown and, after its
+toleration, evict every pod on it)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from tokenpools.control.placement import Placed, survivors
+from tokenpools.k8s import objects as o
+from tokenpools.k8s.api import LEASES, NODES, PODS, Kube
+from tokenpools.k8s.errors import describe
+from tokenpools.k8s.names import node_name
+from tokenpools.k8s.operator_metrics import OperatorMetrics
+
+log = logging.getLogger("tokenpools.operator")
+VIRTUAL = {"type": "virtual-kubelet"}
+NOT_OURS = "only the lease pods the tokenpools operator creates run on a tokenpools virtual node"
+
+
+class VirtualNodes:
+    def __init__(self, kube: Kube, clock: Callable[[], float], metrics: OperatorMetrics) -> None:
+        self.kube, self.clock, self.metrics = kube, clock, metrics
+
+    def ensure(self, pool: str, alloc: Mapping[str, int], message: str) -> str:
+        """The pool's node exists and advertises `alloc`; written only when that changed."""
+        name = node_name(pool)
+        node = self.kube.find(NODES, None, name)
+        if node is None:
+            node = self.kube.create(NODES, None, o.node(pool))
+            log.info("node %s created", name)
+        status = node.get("status") or {}
+        want = o.node_status(alloc, self.clock(), message)["status"]
+        ready = {c.get("type"): c for c in status.get("conditions") or []}.get("Ready") or {}
+        if status.get("allocatable") != want["allocatable"] or ready.get("message") != message:
+            self.kube.patch(NODES, None, name, {"status": want}, sub="status")
+            self._renew_lease(name)
+            self.metrics.beat(name)
+        return name
+
+    def remove(self, pool: str) -> None:
+        name = node_name(pool)
+        self.kube.delete(NODES, None, name)
+        self.kube.delete(LEASES, o.NODE_LEASE_NAMESPACE, name)
+        self.metrics.forget(name)
+
+    def nodes(self) -> list[Any]:
+        return [
+            n
+            for n in self.kube.list(NODES, labels=VIRTUAL)
+            if o.POOL_LABEL in (n["metadata"].get("labels") or {})
+        ]
+
+    def heartbeat(self) -> int:
+        """Renew every virtual node's Ready condition and Lease; the number that failed."""
+        failed = 0
+        for node in self.nodes():
+            name = node["metadata"]["name"]
+            try:
+                now = o.iso(self.clock())
+                conditions = (node.get("status") or {}).get("conditions") or []
+                for cond in conditions:
+                    cond["lastHeartbeatTime"] = now
+                patch = {"status": {"conditions": conditions}}
+                self.kube.patch(NODES, None, name, patch, sub="status")
+                self._renew_lease(name)
+                self.metrics.beat(name)
+            except Exception as exc:  # this node's heartbeat only; the others go on
+                failed += 1
+                self.metrics.errors.labels("Node", describe(exc)[0]).inc()
+                log.warning("node %s: heartbeat failed: %s", name, describe(exc)[1])
+        return failed
+
+    def _renew_lease(self, node: str) -> None:
+        lease = o.node_lease(node, self.clock())
+        try:
+            self.kube.patch(LEASES, o.NODE_LEASE_NAMESPACE, node, {"spec": lease["spec"]})
+        except Exception as exc:
+            if describe(exc)[0] != "NotFound":
+                raise
+            self.kube.create(LEASES, o.NODE_LEASE_NAMESPACE, lease)
+
+    def kubelet(self, node: str, alloc: Mapping[str, int], ours: Collection[str]) -> None:
+        """As the node's kubelet: finalize terminating pods at once (so preemption frees their
+        resources), fail pods that are not lease pods of a live entitlement (`ours`: owner
+        uids), run the others, and evict what no longer fits a shrunk node."""
+        now = self.clock()
+        live = []
+        for pod in self.kube.list(PODS, fields={"spec.nodeName": node}):
+            ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+            phase = (pod.get("status") or {}).get("phase")
+            if pod["metadata"].get("deletionTimestamp"):
+                self.kube.delete(PODS, ns, name, grace_s=0)
+            elif not _is_lease(pod, ours):
+                if phase != "Failed":
+                    log.warning("node %s: pod %s/%s is not a lease pod: Failed", node, ns, name)
+                    patch = o.failed_status("NotALeasePod", NOT_OURS)
+                    self.kube.patch(PODS, ns, name, patch, sub="status")
+            else:
+                live.append(pod)
+        placed = [
+            Placed(_key(p), int(p["spec"].get("priority") or 0), requests(p), _started(p))
+            for p in live
+        ]
+        kept = survivors(placed, alloc)
+        for pod in live:
+            ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+            if _key(pod) not in kept:
+                log.info("node %s: evicting %s/%s, it no longer fits", node, ns, name)
+                self.kube.delete(PODS, ns, name, grace_s=0)
+            elif (pod.get("status") or {}).get("phase") != "Running":
+                self.kube.patch(PODS, ns, name, o.running_status(now), sub="status")
+
+
+def _is_lease(pod: Mapping[str, Any], ours: Collection[str]) -> bool:
+    labels = pod["metadata"].get("labels") or {}
+    return labels.get(o.LEASE_LABEL) == "true" and o.owner_uid(pod) in ours
+
+
+def requests(pod: Mapping[str, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in pod["spec"].get("containers", []):
+        for k, v in ((c.get("resources") or {}).get("requests") or {}).items():
+            if k.startswith("tokenpools.io/"):
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def _key(pod: Mapping[str, Any]) -> str:
+    return f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+
+
+def _started(pod: Mapping[str, Any]) -> int:
+    start = (pod.get("status") or {}).get("startTime")
+    return int(o.parse_time(start)) if start else 0
