@@ -63,8 +63,9 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool, tuple[str, ...]]] = {
 
 @dataclass
 class Fault:
-    """Fail (or slow down) the requests that match: verb (e.g. "create", "patch"; "*" any),
-    plural ("pods"; "*" any), namespace (None: any), at `rate` (0..1)."""
+    """Fail (or slow down) the requests that match: verb (e.g. "create", "patch"; "write" any
+    of create/update/patch/delete; "*" any), plural ("pods"; "*" any), namespace (None: any),
+    at `rate` (0..1)."""
 
     verb: str = "*"
     plural: str = "*"
@@ -75,7 +76,7 @@ class Fault:
 
     def matches(self, verb: str, plural: str, namespace: str | None) -> bool:
         return (
-            self.verb in ("*", verb)
+            (self.verb in ("*", verb) or (self.verb == "write" and verb in _VERBS.values()))
             and self.plural in ("*", plural)
             and self.namespace in (None, namespace)
         )

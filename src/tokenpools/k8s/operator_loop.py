@@ -14,6 +14,7 @@ from collections.abc import Callable
 from tokenpools.k8s.errors import describe
 from tokenpools.k8s.leader import LeaderElection
 from tokenpools.k8s.reconciler import Reconciler
+from tokenpools.k8s.virtual_node import retried
 
 log = logging.getLogger("tokenpools.operator")
 HEARTBEAT_S = 10.0
@@ -30,7 +31,7 @@ class OperatorLoop:
 
     def heartbeat(self) -> None:
         try:
-            self.leading = self.leader.try_acquire()
+            self.leading = retried(self.leader.try_acquire)
         except Exception as exc:
             log.warning("leader election failed: %s", describe(exc)[1])
             self.leading = False

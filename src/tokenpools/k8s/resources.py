@@ -57,9 +57,12 @@ def _meta(obj: Mapping[str, Any]) -> tuple[str, str]:
     return meta.get("namespace") or "", meta["name"]
 
 
-def _age(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+def _age(obj: Mapping[str, Any]) -> tuple[bool, str, str, str]:
+    """Who keeps a name or key two objects claim: the one already in force, then the older
+    (creationTimestamp has one-second resolution), then by name."""
     meta = obj["metadata"]
-    return (meta.get("creationTimestamp") or "", meta.get("namespace") or "", meta["name"])
+    fresh = not (obj.get("status") or {}).get("appliedSpec")
+    return (fresh, meta.get("creationTimestamp") or "", meta.get("namespace") or "", meta["name"])
 
 
 def config_data(

@@ -63,19 +63,21 @@ class VirtualNodes:
         for node in self.nodes():
             name = node["metadata"]["name"]
             try:
-                now = o.iso(self.clock())
-                conditions = (node.get("status") or {}).get("conditions") or []
-                for cond in conditions:
-                    cond["lastHeartbeatTime"] = now
-                patch = {"status": {"conditions": conditions}}
-                self.kube.patch(NODES, None, name, patch, sub="status")
-                self._renew_lease(name)
-                self.metrics.beat(name)
+                retried(lambda n=node: self._beat(n))
             except Exception as exc:  # this node's heartbeat only; the others go on
                 failed += 1
                 self.metrics.errors.labels("Node", describe(exc)[0]).inc()
                 log.warning("node %s: heartbeat failed: %s", name, describe(exc)[1])
         return failed
+
+    def _beat(self, node: Any) -> None:
+        name, now = node["metadata"]["name"], o.iso(self.clock())
+        conditions = (node.get("status") or {}).get("conditions") or []
+        for cond in conditions:
+            cond["lastHeartbeatTime"] = now
+        self.kube.patch(NODES, None, name, {"status": {"conditions": conditions}}, sub="status")
+        self._renew_lease(name)
+        self.metrics.beat(name)
 
     def _renew_lease(self, node: str) -> None:
         lease = o.node_lease(node, self.clock())
@@ -116,6 +118,18 @@ class VirtualNodes:
                 self.kube.delete(PODS, ns, name, grace_s=0)
             elif (pod.get("status") or {}).get("phase") != "Running":
                 self.kube.patch(PODS, ns, name, o.running_status(now), sub="status")
+
+
+def retried(step: Callable[[], Any], tries: int = 3) -> Any:
+    """A heartbeat write retried at once, as the kubelet retries its node status: one lost
+    write must not cost a whole heartbeat period."""
+    for attempt in range(tries):
+        try:
+            return step()
+        except Exception:
+            if attempt == tries - 1:
+                raise
+    return None
 
 
 def _is_lease(pod: Mapping[str, Any], ours: Collection[str]) -> bool:
