@@ -155,11 +155,12 @@ class KubeAPI(kmock.KubernetesScaffold):
         self.faults: list[Fault] = []
         self.random = random.Random(0)
         self.compacted = 0  # a watch from a resourceVersion below this gets 410 Gone
+        self.last_rv = 0  # the newest resourceVersion issued (etcd's revision)
         self.writes: list[tuple[str, str, str | None, int]] = []  # verb, plural, ns, status
 
     def compact(self) -> None:
         """As etcd compaction: every resourceVersion seen so far is too old to watch from."""
-        self.compacted = max((h[-1][0] for h in self.history.values() if h), default=0) + 1
+        self.compacted = self.last_rv
 
     def _fault(self, verb: str, plural: str, ns: str | None) -> Fault | None:
         for fault in self.faults:
@@ -170,7 +171,7 @@ class KubeAPI(kmock.KubernetesScaffold):
     # -- the object store ------------------------------------------------------------------
 
     async def _emit(self, key: tuple[str, str], kind: str, obj: dict[str, Any]) -> None:
-        rv = next(self.rv)
+        rv = self.last_rv = next(self.rv)
         obj["metadata"]["resourceVersion"] = str(rv)
         self.history[key].append((rv, kind, copy.deepcopy(obj)))
         self.changed.set()  # wakes every watch waiting on this one
@@ -230,7 +231,7 @@ class KubeAPI(kmock.KubernetesScaffold):
                 for o in self.store[key].values()
                 if (ns is None or o["metadata"].get("namespace") == ns) and _matches(o, query)
             ]
-            rv = str(self.history[key][-1][0]) if self.history[key] else "0"
+            rv = str(self.last_rv)  # as etcd's revision: never below a compaction
             start = int(query.get("continue") or 0)
             limit = int(query.get("limit") or 0) or len(items) or 1
             page, more = items[start : start + limit], start + limit < len(items)

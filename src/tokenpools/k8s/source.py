@@ -35,13 +35,13 @@ class ClusterSource:
         namespace: str,
         base: Mapping[str, Any],
         clock: Callable[[], float] = time.monotonic,
+        watch_timeout_s: int = 60,
     ) -> None:
         self.namespace, self.base, self.clock = namespace, base, clock
         self.on_change: Callable[[], None] = lambda: None
         self._informers = [
-            Informer(kube, POOLS, None, self._changed, clock=clock),
-            Informer(kube, ENTITLEMENTS, None, self._changed, clock=clock),
-            Informer(kube, SECRETS, namespace, self._changed, clock=clock),
+            Informer(kube, kind, ns, self._changed, watch_timeout_s, clock)
+            for kind, ns in ((POOLS, None), (ENTITLEMENTS, None), (SECRETS, namespace))
         ]
 
     def _changed(self) -> None:

@@ -1,0 +1,165 @@
+"""`serve --kubernetes`: the gateway takes each object as the operator applied it, with the
+binding the operator wrote, backend credentials only from the platform namespace's Secrets,
+and watches that list again on 410 Gone and report themselves stale on /readyz."""
+
+from __future__ import annotations
+
+import base64
+import threading
+
+import httpx
+
+from tests.kube.harness import NS, PLATFORM, Bench, bench, ent, pool
+from tests.servers import wait_until
+from tokenpools.k8s.api import ENTITLEMENTS, POOLS, SECRETS
+from tokenpools.k8s.informer import Informer
+from tokenpools.k8s.source import ClusterSource, cluster_config
+from tokenpools.model.keys import hash_key
+
+__all__ = ["bench"]
+
+
+def _keyed(name: str, cls: str, slots: float, **extra: object) -> dict[str, object]:
+    return ent(name, cls, slots, apiKeyHashes=[hash_key(f"sk-{name}")], **extra)
+
+
+def test_the_gateway_takes_the_binding_the_operator_wrote(bench: Bench) -> None:
+    from tokenpools.control.core import DecisionCore
+    from tokenpools.control.decisions import Admit, Reject
+    from tokenpools.model.request import RequestCost
+    from tokenpools.state.memory import MemoryStore
+
+    kube = bench.kube
+    kube.create(POOLS, None, pool(replicas=2))
+    kube.create(ENTITLEMENTS, NS, _keyed("gold", "guaranteed", 6))
+    kube.create(ENTITLEMENTS, NS, _keyed("chat", "elastic", 14))
+    bench.settle()
+    kube.create(ENTITLEMENTS, NS, ent("gold2", "guaranteed", 6))
+    bench.settle()  # 6 + 6 + 14 shared > 24: chat is preempted
+    assert bench.states() == {"gold": "Bound", "chat": "Degraded", "gold2": "Bound"}
+
+    # chat edits itself to a class that would preempt: the operator has not looked yet
+    kube.patch(ENTITLEMENTS, NS, "chat", {"spec": {"serviceClass": "dedicated"}})
+    source = ClusterSource(kube, PLATFORM, {}).start()
+    core = DecisionCore(source.config(), MemoryStore(), now=0.0)
+    source.stop()
+    assert core.entitlement_for_key("sk-gold") == f"{NS}/gold"
+    cost = RequestCost(input_tokens=64, max_output_tokens=64)
+    assert isinstance(core.admit(f"{NS}/gold", cost, now=0.0), Admit)
+    refused = core.admit(f"{NS}/chat", cost, now=0.0)
+    assert isinstance(refused, Reject) and refused.reason == "entitlement_degraded"
+    assert core.config.entitlements[f"{NS}/chat"].service_class.value == "elastic"
+
+
+def test_backend_keys_come_only_from_the_platform_namespace(bench: Bench) -> None:
+    kube = bench.kube
+    ref = {"url": "http://127.0.0.1:9", "apiKeySecretRef": {"name": "vllm-key"}}
+    kube.create(POOLS, None, pool(backends=[ref]))
+    bench.settle()
+    secret = {"metadata": {"name": "vllm-key"},
+              "data": {"apiKey": base64.b64encode(b"backend-secret\n").decode()}}  # fmt: skip
+    kube.create(SECRETS, NS, secret)  # a tenant's Secret of that name is never read
+    pools = kube.list(POOLS)
+    secrets = {s["metadata"]["name"]: s["data"] for s in kube.list(SECRETS, PLATFORM)}
+    try:
+        cluster_config(pools, [], secrets)
+        raise AssertionError("a missing platform Secret must be refused")
+    except ValueError as exc:
+        assert "vllm-key" in str(exc)
+    kube.create(SECRETS, PLATFORM, secret)
+    secrets = {s["metadata"]["name"]: s["data"] for s in kube.list(SECRETS, PLATFORM)}
+    [backend] = cluster_config(pools, [], secrets).pools["qwen"].backends
+    assert backend.api_key == "backend-secret" and backend.api_key_file is None
+
+
+def test_serve_kubernetes_follows_the_cluster_over_http(bench: Bench) -> None:
+    from tests.gateway_setup import FAST
+    from tests.servers import ServerThread as HttpServer
+    from tokenpools.emulator.server import make_app as make_emulator
+    from tokenpools.gateway.server import build_kubernetes
+
+    kube = bench.kube
+    emulator = HttpServer(make_emulator(FAST, speed=1.0))
+    backends = {"backends": [{"url": emulator.url}], "servedModels": ["qwen3-8b"]}
+    kube.create(POOLS, None, pool(replicas=2, **backends))
+    kube.create(ENTITLEMENTS, NS, _keyed("gold", "guaranteed", 6))
+    kube.create(ENTITLEMENTS, NS, _keyed("chat", "elastic", 14))
+    bench.settle()
+    kube.create(ENTITLEMENTS, NS, ent("gold2", "guaranteed", 6))
+    bench.settle()
+    assert bench.states()["chat"] == "Degraded"
+
+    gateway = HttpServer(build_kubernetes(kube, PLATFORM, {}))
+    body = {"model": "qwen3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+    def ask(who: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer sk-{who}"}
+        return httpx.post(f"{gateway.url}/v1/chat/completions", json=body, headers=headers)
+
+    try:
+        assert ask("gold").status_code == 200
+        refused = ask("chat")
+        assert refused.status_code == 429 and "Retry-After" in refused.headers
+        assert refused.json()["error"]["code"] == "entitlement_degraded"
+        assert httpx.get(f"{gateway.url}/readyz").status_code == 200
+        # The scheduler's decision changes (gold2 leaves, chat binds): the gateway follows.
+        kube.delete(ENTITLEMENTS, NS, "gold2")
+        bench.settle()
+        assert bench.states()["chat"] == "Bound"
+        wait_until(lambda: ask("chat").status_code == 200)
+    finally:
+        gateway.stop()
+        emulator.stop()
+
+
+def test_an_informer_resumes_its_watch_and_lists_again_on_410(bench: Bench) -> None:
+    kube = bench.kube
+    kube.create(POOLS, None, pool("before"))
+    changes = threading.Semaphore(0)
+    informer = Informer(kube, POOLS, None, changes.release, watch_timeout_s=1).start()
+    try:
+        assert informer.synced.wait(10)
+        assert [p["metadata"]["name"] for p in informer.items()] == ["before"]
+        kube.create(POOLS, None, pool("after", servedModels=["after"]))
+        kube.patch(POOLS, None, "before", {"spec": {"replicas": 3}})
+        wait_until(lambda: {p["metadata"]["name"]: p["spec"]["replicas"] for p in informer.items()}
+                   == {"before": 3, "after": 2})  # fmt: skip
+        kube.delete(POOLS, None, "after")
+        wait_until(lambda: [p["metadata"]["name"] for p in informer.items()] == ["before"])
+        # the watch stream ends every second; the informer resumes it without listing again
+        wait_until(lambda: _watches(bench) >= 3)
+        assert informer.lists == 1
+        # etcd compacts past the informer's version: 410 Gone, and it lists again
+        bench.namespace("elsewhere")  # history moves on past what the informer has seen
+        bench.server.call(_compact(bench))  # its next resume is refused
+        wait_until(lambda: informer.lists == 2)
+        kube.patch(POOLS, None, "before", {"spec": {"replicas": 1}})
+        wait_until(lambda: informer.items()[0]["spec"]["replicas"] == 1)
+    finally:
+        informer.stop()
+
+
+async def _compact(bench: Bench) -> None:
+    bench.server.api.compact()
+
+
+def _watches(bench: Bench) -> int:
+    gets = [r for r in list(bench.server.api) if r.url.path.endswith("/tokenpools")]
+    return sum(1 for r in gets if r.params.get("watch") == "true")
+
+
+def test_a_watch_without_answers_makes_the_source_unready(bench: Bench) -> None:
+    from tests.kube.apiserver import Fault
+
+    now = [0.0]
+    source = ClusterSource(bench.kube, PLATFORM, {}, lambda: now[0], watch_timeout_s=1).start()
+    try:
+        assert source.stale() == []
+        bench.server.api.faults.append(Fault("*", "tokenentitlements", status=503))
+        bench.namespace("elsewhere")
+        bench.server.call(_compact(bench))  # every informer must list again, and cannot
+        wait_until(lambda: any(i.failing_since is not None for i in source._informers))
+        now[0] += 31
+        assert any("tokenentitlements" in s for s in source.stale())
+    finally:
+        source.stop()
