@@ -76,3 +76,12 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.01)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (for a server that takes its port as a number)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

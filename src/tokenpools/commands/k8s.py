@@ -26,9 +26,10 @@ def k8s_crds() -> None:
 @k8s_app.command("render")
 def k8s_render(
     config: Annotated[Path, typer.Argument(help="a tokenpools YAML config")],
-    namespace: Annotated[str, typer.Option(help="namespace of the custom resources")] = "default",
 ) -> None:
-    """Print the TokenPools, TokenEntitlements and key Secrets for an existing config file."""
+    """Print the TokenPools and TokenEntitlements for an existing config file: each
+    entitlement in the namespace named by its tenantId, each pool open to those namespaces,
+    key hashes in the entitlements."""
     from tokenpools.k8s.manifests import dump_all
     from tokenpools.k8s.resources import render
 
@@ -36,7 +37,11 @@ def k8s_render(
         load_config(config)  # the same validation as `check-config`
     except ConfigError as exc:
         fail(str(exc))
-    typer.echo(dump_all(render(yaml.safe_load(config.read_text()), namespace)), nl=False)
+    try:
+        objects = render(yaml.safe_load(config.read_text()))
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(dump_all(objects), nl=False)
 
 
 def operator(

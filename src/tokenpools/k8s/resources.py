@@ -24,6 +24,8 @@ from pydantic import ValidationError
 from tokenpools.k8s.names import entitlement_key
 from tokenpools.k8s.schema import (
     API_VERSION,
+    ENTITLEMENT_REPLACED,
+    POOL_REPLACED,
     EntitlementExtras,
     PoolExtras,
     split,
@@ -157,7 +159,16 @@ def _in_force(
     return None
 
 
+def _no_replaced(spec: Mapping[str, Any], replaced: tuple[str, ...], extras: Any) -> None:
+    """A field the cluster gives otherwise (the tenant is the namespace, keys are hashes, no
+    file paths) is refused, not silently overridden: the extras model forbids it by name."""
+    given = {k: spec[k] for k in replaced if k in spec and k not in extras.model_fields}
+    if given:
+        extras.model_validate(given)
+
+
 def _pool(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], PoolExtras]:
+    _no_replaced(spec, POOL_REPLACED, PoolExtras)
     own, extra = split(spec, PoolExtras)
     extras = PoolExtras.model_validate(extra)
     backends = [
@@ -169,6 +180,7 @@ def _pool(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], PoolEx
 
 
 def _entitlement(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], None]:
+    _no_replaced(spec, ENTITLEMENT_REPLACED, EntitlementExtras)
     own, extra = split(spec, EntitlementExtras)
     extras = EntitlementExtras.model_validate(extra)
     ns, name = where[1], where[2]

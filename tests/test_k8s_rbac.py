@@ -1,0 +1,131 @@
+"""RBAC as shipped, read from deploy/ and evaluated by the rules Kubernetes' RBAC authorizer
+applies (a RoleBinding grants in its namespace only, and grants nothing cluster-scoped; a
+subresource is its own resource; verbs, groups and resources match exactly or by "*"): a
+tenant cannot create a pool, write a status, or read another tenant's anything, and no
+component can be made to read a file or a Secret by what a tenant writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tokenpools.k8s.crds import crds
+from tokenpools.k8s.resources import check_spec
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+CLUSTER_RESOURCES = {"tokenpools", "nodes", "namespaces", "priorityclasses"}
+
+
+@dataclass(frozen=True)
+class Who:
+    kind: str  # ServiceAccount, Group, User
+    name: str
+    namespace: str | None = None
+
+
+TENANT = Who("Group", "team-a")
+OPERATOR = Who("ServiceAccount", "tokenpools-operator", "tokenpools-system")
+GATEWAY = Who("ServiceAccount", "tokenpools-gateway", "tokenpools-system")
+
+
+def _objects() -> list[dict[str, Any]]:
+    docs = []
+    for path in (DEPLOY / "base" / "rbac.yaml", DEPLOY / "tenant" / "rolebinding.yaml"):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def can(who: Who, verb: str, group: str, resource: str, namespace: str | None) -> bool:
+    """namespace None: a cluster-wide request (cluster-scoped resource, or all namespaces)."""
+    docs = _objects()
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+             for d in docs if d["kind"] in ("Role", "ClusterRole")}  # fmt: skip
+    for binding in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        if not any(_is(who, s) for s in binding["subjects"]):
+            continue
+        where = binding["metadata"].get("namespace")
+        if binding["kind"] == "RoleBinding":
+            if namespace is None or namespace != where or resource.split("/")[0] in CLUSTER_RESOURCES:
+                continue
+        ref = binding["roleRef"]
+        role = roles.get((ref["kind"], where if ref["kind"] == "Role" else None, ref["name"]))
+        for rule in (role or {}).get("rules", []):
+            if (_any(rule["verbs"], verb) and _any(rule["apiGroups"], group)
+                    and _any(rule["resources"], resource)):  # fmt: skip
+                return True
+    return False
+
+
+def _is(who: Who, subject: dict[str, Any]) -> bool:
+    return (subject["kind"], subject["name"], subject.get("namespace")) == (
+        who.kind, who.name, who.namespace if who.kind == "ServiceAccount" else None
+    )  # fmt: skip
+
+
+def _any(allowed: list[str], value: str) -> bool:
+    return "*" in allowed or value in allowed
+
+
+TP = "tokenpools.io"
+
+
+def test_a_tenant_manages_its_entitlements_in_its_own_namespace_only() -> None:
+    for verb in ("create", "get", "update", "patch", "delete", "list"):
+        assert can(TENANT, verb, TP, "tokenentitlements", "team-a")
+        assert not can(TENANT, verb, TP, "tokenentitlements", "team-b")
+    assert not can(TENANT, "list", TP, "tokenentitlements", None)
+
+
+def test_a_tenant_cannot_touch_pools_status_keys_or_leases() -> None:
+    for verb in ("create", "update", "patch", "delete"):
+        assert not can(TENANT, verb, TP, "tokenpools", None)
+    for sub in ("tokenentitlements/status", "tokenpools/status"):
+        assert not can(TENANT, "patch", TP, sub, "team-a")
+    for ns in ("team-a", "team-b", "tokenpools-system", None):
+        assert not can(TENANT, "get", "", "secrets", ns)
+        assert not can(TENANT, "delete", "", "pods", ns if ns != "team-a" else "team-b")
+        assert not can(TENANT, "create", "", "pods/binding", ns)
+
+
+def test_components_hold_least_privilege() -> None:
+    # the gateway reads Secrets in the platform's namespace only, and writes nothing
+    assert can(GATEWAY, "get", "", "secrets", "tokenpools-system")
+    assert not can(GATEWAY, "get", "", "secrets", "team-a")
+    assert not can(GATEWAY, "list", "", "secrets", None)
+    for verb in ("create", "update", "patch", "delete"):
+        assert not can(GATEWAY, verb, TP, "tokenentitlements", "team-a")
+    # the operator reads no Secrets, scales only the platform's workloads, and makes no
+    # workload (its pods are lease pods: the admission policy; tests/test_k8s_cel.py)
+    for ns in ("team-a", "tokenpools-system", None):
+        assert not can(OPERATOR, "get", "", "secrets", ns)
+    assert can(OPERATOR, "patch", "apps", "deployments/scale", "tokenpools-system")
+    assert not can(OPERATOR, "patch", "apps", "deployments/scale", "team-a")
+    assert not can(OPERATOR, "create", "apps", "deployments", "tokenpools-system")
+    assert can(OPERATOR, "patch", "coordination.k8s.io", "leases", "kube-node-lease")
+    assert not can(OPERATOR, "patch", "coordination.k8s.io", "leases", "team-a")
+    assert can(OPERATOR, "create", "", "pods", "team-a")  # lease pods live with tenants
+
+
+def _property_names(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        names = set(node.get("properties", {}))
+        return names | {n for v in node.values() for n in _property_names(v)}
+    if isinstance(node, list):
+        return {n for v in node for n in _property_names(v)}
+    return set()
+
+
+def test_nothing_a_custom_resource_says_is_read_as_a_file() -> None:
+    names = set().union(*(_property_names(c["spec"]["versions"][0]["schema"]) for c in crds()))
+    assert not {n for n in names if "file" in n.lower() or "path" in n.lower()}
+    assert {"apiKeySecretRef", "apiKeyHashes", "namespaceSelector"} <= names
+    pool = {"model": "Qwen3-8B", "perReplica": {"tokensPerSecond": 1, "concurrency": 1,
+                                                "kvTokens": 1}}  # fmt: skip
+    assert check_spec("TokenPool", pool, "", "p") is None
+    for sneaky in ({"tokenizer": "/var/run/secrets/kubernetes.io/serviceaccount/token"},
+                   {"backends": [{"url": "http://evil", "apiKeyFile": "/etc/token"}]},
+                   {"backends": [{"url": "http://evil", "apiKeyEnv": "AWS_SECRET"}]}):  # fmt: skip
+        assert check_spec("TokenPool", {**pool, **sneaky}, "", "p") is not None, sneaky
