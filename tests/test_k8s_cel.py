@@ -50,8 +50,12 @@ def _pool_specs() -> st.SearchStrategy[dict[str, Any]]:
     counts = st.integers(0, 5)
     per = st.fixed_dictionaries(
         {},
-        optional={"tokensPerSecond": st.just(240), "concurrency": st.just(8),
-                  "kvTokens": st.just(16384), "kvCacheGiB": st.just(2.0)},  # fmt: skip
+        optional={
+            "tokensPerSecond": st.just(240),
+            "concurrency": st.just(8),
+            "kvTokens": st.just(16384),
+            "kvCacheGiB": st.just(2.0),
+        },
     )
     return st.fixed_dictionaries(
         {"model": models, "perReplica": per},
@@ -70,8 +74,18 @@ def test_pool_rules_agree_with_the_config_schema(spec: dict[str, Any]) -> None:
 @settings(max_examples=200, deadline=None)
 @given(
     kv=st.fixed_dictionaries({}, optional={"kvTokens": st.just(100), "kvCacheGiB": st.just(1.0)}),
-    keys=st.lists(st.sampled_from(["sha256:" + "a" * 64, "sha256:" + "A" * 64, "sha256:00",
-                                   "sk-plain", "sha256:" + "0" * 64]), max_size=3),  # fmt: skip
+    keys=st.lists(
+        st.sampled_from(
+            [
+                "sha256:" + "a" * 64,
+                "sha256:" + "A" * 64,
+                "sha256:00",
+                "sk-plain",
+                "sha256:" + "0" * 64,
+            ]
+        ),
+        max_size=3,
+    ),
 )
 def test_entitlement_rules_agree_with_the_config_schema(
     kv: dict[str, Any], keys: list[str]

@@ -15,11 +15,11 @@ from kopf.testing import KopfRunner
 from kubernetes import client
 
 from tests.kube.apiserver import ServerThread
-from tokenpools.k8s import objects as o
 from tests.servers import free_port
+from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, LEASES, NAMESPACES, NODES, PODS, POOLS, Kube
-from tokenpools.k8s.names import node_name
 from tokenpools.k8s.leader import LeaderElection
+from tokenpools.k8s.names import node_name
 
 NS = "tenants"
 POOL = {
@@ -102,8 +102,13 @@ def test_kopf_runs_the_operator_against_the_api_server(
         assert httpx.get(f"{probes}/healthz").status_code == 200
         assert httpx.get(f"{probes}/readyz").text == "leader"
         metrics = httpx.get(f"{probes}/metrics").text
-        assert 'tokenpools_operator_reconciles_total{kind="TokenEntitlement",result="ok"}' in metrics
-        assert f'tokenpools_operator_node_heartbeat_age_seconds{{node="{node_name("qwen")}"}}' in metrics
+        assert (
+            'tokenpools_operator_reconciles_total{kind="TokenEntitlement",result="ok"}' in metrics
+        )
+        assert (
+            f'tokenpools_operator_node_heartbeat_age_seconds{{node="{node_name("qwen")}"}}'
+            in metrics
+        )
     assert runner.exit_code == 0 and runner.exception is None
 
 

@@ -40,7 +40,9 @@ def test_pool_entitlements_preemption_shrink_and_cleanup(bench: Bench) -> None:
     assert ("node.kubernetes.io/not-ready", "NoExecute") in keys
     assert not any("tolerationSeconds" in t for t in gold["spec"]["tolerations"])
     [batch] = bench.leases("batch")
-    assert "tokenpools.io/concurrency" not in batch["spec"]["containers"][0]["resources"]["requests"]
+    assert (
+        "tokenpools.io/concurrency" not in batch["spec"]["containers"][0]["resources"]["requests"]
+    )
 
     # A second guaranteed tenant: 16 reserved slots fit, but 8 + 8 + 12 shared > 24, so the
     # scheduler preempts the elastic lease pod, which turns Degraded.
@@ -96,7 +98,9 @@ def test_heartbeat_renews_the_node_condition_and_lease(bench: Bench) -> None:
 
 
 def _autoscaled(bench: Bench, mode: str) -> None:
-    bench.kube.create(DEPLOYMENTS, PLATFORM, {"metadata": {"name": "vllm"}, "spec": {"replicas": 1}})
+    bench.kube.create(
+        DEPLOYMENTS, PLATFORM, {"metadata": {"name": "vllm"}, "spec": {"replicas": 1}}
+    )
     bench.kube.patch(DEPLOYMENTS, PLATFORM, "vllm", deployment_status(1, 1), sub="status")
     target = {"scaleTargetRef": {"name": "vllm"}, "minReplicas": 1,
               "autoscaling": {"cooldownS": 60, "mode": mode}}  # fmt: skip
@@ -162,4 +166,6 @@ def test_expired_and_invalid_entitlements(bench: Bench) -> None:
     got = {e["metadata"]["name"]: e["status"] for e in kube.list(ENTITLEMENTS, NS)}
     assert got["old"]["state"] == "Expired" and bench.leases("old") == []
     assert got["bad"]["state"] == "Invalid" and "concurrency" in got["bad"]["message"]
-    assert got["lost"]["state"] == "Invalid" and "no valid TokenPool 'nope'" in got["lost"]["message"]
+    assert (
+        got["lost"]["state"] == "Invalid" and "no valid TokenPool 'nope'" in got["lost"]["message"]
+    )

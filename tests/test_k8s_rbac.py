@@ -47,9 +47,9 @@ def can(who: Who, verb: str, group: str, resource: str, namespace: str | None) -
         if not any(_is(who, s) for s in binding["subjects"]):
             continue
         where = binding["metadata"].get("namespace")
-        if binding["kind"] == "RoleBinding":
-            if namespace is None or namespace != where or resource.split("/")[0] in CLUSTER_RESOURCES:
-                continue
+        cluster_wide = namespace is None or resource.split("/")[0] in CLUSTER_RESOURCES
+        if binding["kind"] == "RoleBinding" and (cluster_wide or namespace != where):
+            continue
         ref = binding["roleRef"]
         role = roles.get((ref["kind"], where if ref["kind"] == "Role" else None, ref["name"]))
         for rule in (role or {}).get("rules", []):

@@ -5,13 +5,23 @@ with a share of writes failing for many simulated minutes, nothing bound is lost
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.kube.apiserver import Fault
-from tests.kube.harness import DEPLOYMENTS, NS, PLATFORM, TENANT_LABEL, Bench, bench, deployment_status, ent, pool
+from tests.kube.harness import (
+    DEPLOYMENTS,
+    NS,
+    PLATFORM,
+    TENANT_LABEL,
+    Bench,
+    bench,
+    deployment_status,
+    ent,
+    pool,
+)
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, NODES, PODS, POOLS
 from tokenpools.k8s.leader import LeaderElection
@@ -80,7 +90,9 @@ def test_a_resize_keeps_the_binding_until_the_new_lease_binds(bench: Bench) -> N
     gold = kube.get(ENTITLEMENTS, NS, "gold")["status"]
     assert gold["state"] == "Bound" and gold["appliedSpec"]["concurrency"] == 8
     [lease] = bench.leases("gold")
-    assert lease["spec"]["containers"][0]["resources"]["requests"]["tokenpools.io/concurrency"] == "8"
+    assert (
+        lease["spec"]["containers"][0]["resources"]["requests"]["tokenpools.io/concurrency"] == "8"
+    )
 
 
 def test_capacity_shrinks_only_after_a_sustained_dip(bench: Bench) -> None:
@@ -169,9 +181,13 @@ def test_long_names_make_valid_distinct_nodes_and_labels(bench: Bench) -> None:
     assert bench.states() == {"e" * 240: "Bound"}
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(seed=st.integers(0, 2**16), rate=st.sampled_from([0.05, 0.1, 0.2]))
-def test_ten_minutes_of_failing_writes_lose_nothing_bound(bench: Bench, seed: int, rate: float) -> None:
+def test_ten_minutes_of_failing_writes_lose_nothing_bound(
+    bench: Bench, seed: int, rate: float
+) -> None:
     """The operator as deployed (its loop: heartbeat every 10 s, reconciliation on a wake
     and every 30 s) over 12 simulated minutes, with `rate` of all writes failing and one
     namespace refusing every lease pod: the other nodes' heartbeats stay fresh, no lease pod is
@@ -203,7 +219,9 @@ def test_ten_minutes_of_failing_writes_lose_nothing_bound(bench: Bench, seed: in
             loop.reconcile()
         _schedule(bench)
         for name in (node_name("qwen"), node_name("llama")):
-            lease = api.store[("coordination.k8s.io/v1", "leases")].get((o.NODE_LEASE_NAMESPACE, name))
+            lease = api.store[("coordination.k8s.io/v1", "leases")].get(
+                (o.NODE_LEASE_NAMESPACE, name)
+            )
             worst_age = max(worst_age, clock.now - o.parse_time(lease["spec"]["renewTime"]))
         assert {k for k, v in bench.states().items() if v == "Bound"} >= bound
     assert worst_age < 40  # the node Lease's duration: never stale
@@ -226,10 +244,8 @@ def test_ten_minutes_of_failing_writes_lose_nothing_bound(bench: Bench, seed: in
 
 
 def _schedule(bench: Bench) -> None:
-    try:
+    with contextlib.suppress(Exception):  # the scheduler's own writes fail too; next round
         bench.sched.run()
-    except Exception:  # the scheduler's own writes fail too; it tries again next round
-        pass
 
 
 def _reset(bench: Bench) -> None:
@@ -240,5 +256,3 @@ def _reset(bench: Bench) -> None:
         api.store[key].clear()
     api.store[("v1", "namespaces")].pop((None, "strict"), None)
     bench.rec.__init__(bench.kube, bench.clock, PLATFORM)  # type: ignore[misc]
-
-

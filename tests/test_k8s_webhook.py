@@ -19,8 +19,8 @@ from tokenpools.k8s.operator_http import webhook_app
 from tokenpools.model.keys import hash_key
 
 KEY = hash_key("sk-taken")
-POOL = {"metadata": {"name": "qwen"},
-        "spec": {"namespaceSelector": {"matchLabels": {"tokenpools.io/tenant": "true"}}}}  # fmt: skip
+OPEN_TO_TENANTS = {"namespaceSelector": {"matchLabels": {"tokenpools.io/tenant": "true"}}}
+POOL = {"metadata": {"name": "qwen"}, "spec": OPEN_TO_TENANTS}
 
 
 class FakeLookup:
@@ -68,8 +68,8 @@ def webhook() -> Iterator[tuple[str, ssl.SSLContext]]:
 
 
 def _review(kind: str, ns: str, spec: Any, op: str = "CREATE") -> dict[str, Any]:
-    obj = {"apiVersion": "tokenpools.io/v1alpha1", "kind": kind,
-           "metadata": {"name": "x", **({"namespace": ns} if ns else {})}, "spec": spec}  # fmt: skip
+    meta = {"name": "x", **({"namespace": ns} if ns else {})}
+    obj = {"apiVersion": "tokenpools.io/v1alpha1", "kind": kind, "metadata": meta, "spec": spec}
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {"uid": "42", "kind": {"group": "tokenpools.io", "version": "v1alpha1",
                         "kind": kind}, "namespace": ns, "name": "x", "operation": op,
@@ -100,9 +100,12 @@ GOOD_POOL = {"model": "Qwen3-8B", "perReplica": {"tokensPerSecond": 240, "concur
         ("TokenEntitlement", "team-a", {**GOOD_ENT, "apiKeyHashes": [KEY]}, "already used"),
         ("TokenPool", "", {**GOOD_POOL, "model": "qwen3-8b"}, "built-in profile"),
         ("TokenPool", "", {**GOOD_POOL, "tokenizer": "/var/run/secrets/token"}, "tokenizer"),
-        ("TokenPool", "", {**GOOD_POOL, "backends": [{"url": "http://x",
-                                                      "apiKeyFile": "/etc/shadow"}]},
-         "apiKeyFile"),  # fmt: skip
+        (
+            "TokenPool",
+            "",
+            {**GOOD_POOL, "backends": [{"url": "http://x", "apiKeyFile": "/etc/shadow"}]},
+            "apiKeyFile",
+        ),
         ("TokenPool", "", {**GOOD_POOL, "replicas": 5, "maxReplicas": 2}, "maxReplicas"),
     ],
 )

@@ -384,8 +384,9 @@ class KubeAPI(kmock.KubernetesScaffold):
         await resp.prepare(raw)
         since = int(query.get("resourceVersion") or 0)
         if since and since < self.compacted:
+            why = f"too old resource version {since}"
             gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
-                    "reason": "Expired", "message": f"too old resource version: {since}"}  # fmt: skip
+                    "reason": "Expired", "message": why}  # fmt: skip
             await resp.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
             await resp.write_eof()
             return resp

@@ -20,7 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
-
 @dataclass(frozen=True)
 class SNode:
     name: str

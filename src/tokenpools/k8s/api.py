@@ -7,6 +7,7 @@ manifests are written, so this layer only builds paths and decodes JSON.
 
 from __future__ import annotations
 
+import builtins
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -152,7 +153,7 @@ class Kube:
         labels: Mapping[str, str] | None = None,
         fields: Mapping[str, str] | None = None,
         page: int = 500,
-    ) -> tuple[list[Any], str]:
+    ) -> tuple[builtins.list[Any], str]:
         """Every matching object, read in pages of `page` (the API server's `limit` and
         `continue`), and the list's resourceVersion to watch from."""
         query: dict[str, Any] = {"limit": page}
@@ -160,7 +161,7 @@ class Kube:
             query["labelSelector"] = ",".join(f"{k}={v}" for k, v in labels.items())
         if fields:
             query["fieldSelector"] = ",".join(f"{k}={v}" for k, v in fields.items())
-        items: list[Any] = []
+        items: builtins.list[Any] = []
         while True:
             listing = self.request("GET", kind.path(namespace), query=query)
             items += listing["items"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from tokenpools.control.autoscale import baseline_need, desired_replicas
@@ -72,27 +73,25 @@ class Reconciler:
         config = parse_config(cluster.data)  # each object's problems are already set aside
         live = {e["metadata"]["uid"] for e in ents if not e["metadata"].get("deletionTimestamp")}
         for obj in pools:
-            self._guarded("TokenPool", obj, lambda p=obj: self._pool(p, cluster, config, live))
+            self._guarded("TokenPool", obj, partial(self._pool, obj, cluster, config, live))
         states: Counter[str] = Counter()
         for obj in ents:
             mine = owned.get(obj["metadata"]["uid"], [])
-            self._guarded(
-                "TokenEntitlement",
-                obj,
-                lambda e=obj, m=mine: states.update([self._entitlement(e, cluster, config, m)]),
-            )
+            step = partial(self._entitlement, obj, cluster, config, mine)
+            states.update([self._guarded("TokenEntitlement", obj, step) or "Error"])
         for state in ("Bound", "Pending", "Degraded", "Expired", "Invalid"):
             self.metrics.lease_pods.labels(state).set(states[state])
         self._forget_orphan_nodes({p["metadata"]["name"] for p in pools})
 
-    def _guarded(self, kind: str, obj: Any, step: Callable[[], Any]) -> None:
+    def _guarded(self, kind: str, obj: Any, step: Callable[[], Any]) -> Any:
+        """`step()`'s result, or None when it failed (recorded) or waits out its backoff."""
         meta = obj["metadata"]
         key = (kind, meta.get("namespace") or "", meta["name"])
         failures, not_before = self._retry.get(key, (0, 0.0))
         if self.clock() < not_before:
-            return
+            return None
         try:
-            step()
+            result = step()
         except Exception as exc:
             reason, message = describe(exc)
             delay = min(BACKOFF_MAX_S, BACKOFF_S * 2**failures)
@@ -101,11 +100,12 @@ class Reconciler:
             self.metrics.errors.labels(kind, reason).inc()
             log.warning("%s %s: %s (again in %.0f s)", kind, "/".join(key[1:]), message, delay)
             self._report(kind, obj, reason, message)
-            return
+            return None
         self._retry.pop(key, None)
         self.metrics.reconciles.labels(kind, "ok").inc()
         if failures:
             self._report(kind, obj, None, "reconciled")
+        return result
 
     def _report(self, kind: str, obj: Any, reason: str | None, message: str) -> None:
         """The Reconciled condition and, on a failure, an Event; itself best-effort."""
@@ -140,8 +140,7 @@ class Reconciler:
             why = cluster.problems[where]
             conds = [("Ready", False, "Invalid", why), ("SpecAccepted", False, "Invalid", why)]
             merged = conditions(old.get("conditions"), conds, self.clock(), gen)
-            status = {"observedGeneration": gen, "conditions": merged}
-            write_status(self.kube, POOLS, obj, status)
+            write_status(self.kube, POOLS, obj, {"observedGeneration": gen, "conditions": merged})
             return
         pool, extras = config.pools[name], cluster.pool_extras[name]
         ready, asked = self._replicas(pool.replicas, extras)

@@ -153,7 +153,7 @@ def _in_force(
                 out.problems[where] = format_errors(exc)
             continue
         out.applied[where] = dict(spec)
-        return got
+        return got  # type: ignore[no-any-return]
     if applied_only and where not in out.problems:
         out.problems[where] = "not yet applied by the operator"
     return None

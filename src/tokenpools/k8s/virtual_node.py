@@ -8,6 +8,7 @@ toleration, evict every pod on it)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -63,7 +64,7 @@ class VirtualNodes:
         for node in self.nodes():
             name = node["metadata"]["name"]
             try:
-                retried(lambda n=node: self._beat(n))
+                retried(functools.partial(self._beat, node))
             except Exception as exc:  # this node's heartbeat only; the others go on
                 failed += 1
                 self.metrics.errors.labels("Node", describe(exc)[0]).inc()

@@ -29,11 +29,13 @@ class KubeLookup:
         self.kube = kube
 
     def pool(self, name: str) -> Mapping[str, Any] | None:
-        return self.kube.find(POOLS, None, name)  # type: ignore[no-any-return]
+        found: Mapping[str, Any] | None = self.kube.find(POOLS, None, name)
+        return found
 
     def namespace_labels(self, name: str) -> Mapping[str, str]:
         ns = self.kube.find(NAMESPACES, None, name) or {}
-        return ns.get("metadata", {}).get("labels") or {}  # type: ignore[no-any-return]
+        labels: Mapping[str, str] = ns.get("metadata", {}).get("labels") or {}
+        return labels
 
     def entitlements(self) -> list[Mapping[str, Any]]:
         return self.kube.list(ENTITLEMENTS)
