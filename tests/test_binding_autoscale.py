@@ -21,10 +21,17 @@ def ent(name: str, cls: str, slots: float, **extra: object) -> dict[str, object]
     return {"name": name, "serviceClass": cls, "concurrency": slots, **extra}
 
 
-def test_dedicated_binds_before_guaranteed_whatever_the_config_order() -> None:
-    config = make_config([ent("g", "guaranteed", 10), ent("d", "dedicated", 10)])
-    states = bind(config.pools["p"], list(config.entitlements.values()), {}, config.policy, 0.0)
-    assert states == {"d": BOUND, "g": PENDING}
+def test_dedicated_never_displaces_a_bound_guaranteed_entitlement() -> None:
+    config = make_config([ent("d", "dedicated", 10), ent("g", "guaranteed", 10),
+                          ent("e", "elastic", 4)])  # fmt: skip
+    ents, pool = list(config.entitlements.values()), config.pools["p"]
+    states = bind(pool, ents, {"g": BOUND}, config.policy, 0.0)
+    assert states == {"d": PENDING, "g": BOUND, "e": BOUND}  # it waits, FIFO with guaranteed
+    # … but it still goes ahead of every lower class, and binds once the room is free
+    crowded = make_config([ent("d", "dedicated", 10), ent("e", "elastic", 15)])
+    ents = list(crowded.entitlements.values())
+    states = bind(crowded.pools["p"], ents, {"e": BOUND}, crowded.policy, 0.0)
+    assert states == {"d": BOUND, "e": BindingState.DEGRADED}  # 10 + 15 > 16 × 1.5
 
 
 def test_a_baseline_must_fit_in_every_dimension() -> None:

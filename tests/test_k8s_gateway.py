@@ -149,7 +149,7 @@ def _watches(bench: Bench) -> int:
 
 
 def test_a_watch_without_answers_makes_the_source_unready(bench: Bench) -> None:
-    from tests.kube.apiserver import Fault
+    from tests.kube.api_faults import Fault
 
     now = [0.0]
     source = ClusterSource(bench.kube, PLATFORM, {}, lambda: now[0], watch_timeout_s=1).start()

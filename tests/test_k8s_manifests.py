@@ -205,3 +205,22 @@ def test_the_crd_schema_rejects_what_the_config_rejects() -> None:
         bad = copy.deepcopy(good)
         bad["spec"].update(change)
         assert list(validator.iter_errors(bad)), change
+
+
+def test_render_cli_prints_the_resources_and_refuses_a_tenant_that_is_no_namespace(
+    tmp_path: Path,
+) -> None:
+    from typer.testing import CliRunner
+
+    from tokenpools.cli import app
+
+    out = CliRunner().invoke(app, ["k8s", "render", str(EXAMPLE_CONFIG)])
+    assert out.exit_code == 0, out.output
+    kinds = [d["kind"] for d in yaml.safe_load_all(out.output) if d]
+    assert "TokenPool" in kinds and "TokenEntitlement" in kinds and "Secret" not in kinds
+    document = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    document["entitlements"][0]["tenantId"] = "Team_A"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(document))
+    out = CliRunner().invoke(app, ["k8s", "render", str(bad)])
+    assert out.exit_code != 0 and "tenantId 'Team_A' is not a valid namespace name" in out.output

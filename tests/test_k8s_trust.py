@@ -10,7 +10,7 @@ import contextlib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.kube.apiserver import Fault
+from tests.kube.api_faults import Fault
 from tests.kube.harness import (
     DEPLOYMENTS,
     NS,

@@ -69,6 +69,9 @@ def _check_input(body: dict[str, Any], path: str) -> None:
             raise BadRequest("'messages' must be a non-empty list", "messages")
         if not all(isinstance(m, dict) for m in messages):
             raise BadRequest("each message must be an object", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("tool_calls") or [], list):
+                raise BadRequest(f"messages[{i}].tool_calls must be an array", "messages")
     elif path == COMPLETIONS:
         if not isinstance(body.get("prompt"), str | list):
             raise BadRequest("'prompt' must be a string or a list", "prompt")

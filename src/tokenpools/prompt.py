@@ -81,7 +81,8 @@ def _texts_of(item: dict[str, Any], out: list[str]) -> None:
     for key in ("name", "arguments", "output"):
         if isinstance(item.get(key), str):
             out.append(item[key])
-    for call in item.get("tool_calls") or ():
+    calls = item.get("tool_calls")
+    for call in calls if isinstance(calls, list) else ():
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
             named = (function.get("name"), function.get("arguments"))

@@ -24,13 +24,14 @@ import json
 import random
 import threading
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp.web
 import kmock
 from kmock._internal import parsing, rendering  # pinned kmock==0.8: private modules
+
+from tests.kube.api_faults import REASONS, VERBS, Fault
 
 _parse_path = parsing.parse_path
 
@@ -59,32 +60,6 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool, tuple[str, ...]]] = {
     ("tokenpools.io/v1alpha1", "tokenpools"): ("TokenPool", False, ("status", "scale")),
     ("tokenpools.io/v1alpha1", "tokenentitlements"): ("TokenEntitlement", True, ("status",)),
 }
-
-
-@dataclass
-class Fault:
-    """Fail (or slow down) the requests that match: verb (e.g. "create", "patch"; "write" any
-    of create/update/patch/delete; "*" any), plural ("pods"; "*" any), namespace (None: any),
-    at `rate` (0..1)."""
-
-    verb: str = "*"
-    plural: str = "*"
-    namespace: str | None = None
-    status: int = 500
-    rate: float = 1.0
-    latency_s: float = 0.0
-
-    def matches(self, verb: str, plural: str, namespace: str | None) -> bool:
-        return (
-            (self.verb in ("*", verb) or (self.verb == "write" and verb in _VERBS.values()))
-            and self.plural in ("*", plural)
-            and self.namespace in (None, namespace)
-        )
-
-
-_VERBS = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
-_REASONS = {403: "Forbidden", 409: "Conflict", 422: "Invalid", 429: "TooManyRequests",
-            500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}  # fmt: skip
 
 
 def now_iso() -> str:
@@ -210,17 +185,17 @@ class KubeAPI(kmock.KubernetesScaffold):
         assert request._raw_request is not None
         method = request._raw_request.method.upper()
         body = request.data
-        verb = _VERBS.get(method, "watch" if query.get("watch") in ("true", "1") else "get")
+        verb = VERBS.get(method, "watch" if query.get("watch") in ("true", "1") else "get")
         fault = self._fault(verb, rest[0], ns)
         if fault is not None:
             if fault.latency_s:
                 await asyncio.sleep(fault.latency_s)
             if fault.status >= 400:
-                if method in _VERBS:
+                if method in VERBS:
                     self.writes.append((verb, rest[0], ns, fault.status))
-                reason = _REASONS.get(fault.status, "InternalError")
+                reason = REASONS.get(fault.status, "InternalError")
                 return _error(fault.status, reason, f"injected fault on {verb} {rest[0]}")
-        if method in _VERBS:
+        if method in VERBS:
             self.writes.append((verb, rest[0], ns, 200))
         if name is None and method == "GET" and query.get("watch") in ("true", "1"):
             assert request._raw_request is not None
