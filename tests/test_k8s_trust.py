@@ -53,6 +53,9 @@ def test_a_refused_lease_pod_fails_only_its_entitlement(bench: Bench) -> None:
     bench.clock.now += 600  # past the backoff
     bench.settle()
     assert bench.states("strict") == {"blocked": "Bound"}
+    blocked = kube.get(ENTITLEMENTS, "strict", "blocked")
+    conds = {c["type"]: c["status"] for c in blocked["status"]["conditions"]}
+    assert conds["Reconciled"] == "True" and conds["Bound"] == "True"
 
 
 def test_an_invalid_edit_keeps_the_applied_spec_and_the_lease(bench: Bench) -> None:

@@ -110,13 +110,15 @@ class Reconciler:
     def _report(self, kind: str, obj: Any, reason: str | None, message: str) -> None:
         """The Reconciled condition and, on a failure, an Event; itself best-effort."""
         which = POOLS if kind == "TokenPool" else ENTITLEMENTS
-        gen = obj["metadata"].get("generation", 1)
-        old = (obj.get("status") or {}).get("conditions") or []
         cond = ("Reconciled", reason is None, reason or "Reconciled", message)
-        rest = [c for c in old if c.get("type") != "Reconciled"]
         try:
+            if reason is None:  # the step just wrote this object's status: start from that
+                meta = obj["metadata"]
+                obj = self.kube.get(which, meta.get("namespace"), meta["name"])
+            gen = obj["metadata"].get("generation", 1)
+            old = (obj.get("status") or {}).get("conditions") or []
             merged = conditions(old, [cond], self.clock(), gen)
-            write_status(self.kube, which, obj, {"conditions": [*rest, *merged]})
+            write_status(self.kube, which, obj, {"conditions": merged})
             if reason is not None:
                 ns = obj["metadata"].get("namespace") or self.namespace
                 event = o.event(obj, "ReconcileError", message, self.clock(), "Warning")
@@ -150,7 +152,9 @@ class Reconciler:
             if "replicas" not in old
             else Advertised(int(old["replicas"]), None if since is None else o.parse_time(since))
         )
-        shown = advertise(before, ready, self.clock(), extras.capacityShrinkAfterS)
+        # the workload's readiness can dip and come back; the spec's replicas are a decision
+        hold = extras.capacityShrinkAfterS if extras.scaleTargetRef is not None else 0.0
+        shown = advertise(before, ready, self.clock(), hold)
         alloc = pool_allocatable(
             pool.with_replicas(shown.replicas), config.policy.elastic_oversubscription
         )

@@ -18,9 +18,10 @@ def conditions(
     gen: int,
 ) -> list[dict[str, Any]]:
     """(type, ok, reason, message) → conditions, each transition time carried over when its
-    status did not change."""
+    status did not change; conditions of other types (another writer's) are kept."""
     before = {c.get("type"): c for c in old or []}
-    out = []
+    mine = {kind for kind, *_ in new}
+    out = [dict(c) for c in old or [] if c.get("type") not in mine]
     for kind, ok, reason, message in new:
         cond = condition(kind, ok, reason, message, now, gen)
         prev = before.get(kind)
