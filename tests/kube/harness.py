@@ -3,6 +3,7 @@ clock, and builders for the custom resources as a platform and its tenants write
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -66,18 +67,26 @@ def kube_for(server: ServerThread) -> Kube:
     return Kube(client.ApiClient(cfg))
 
 
+@contextlib.contextmanager
+def running_bench() -> Iterator[Bench]:
+    server = ServerThread().start()
+    try:
+        kube = kube_for(server)
+        for pc in o.priority_classes():
+            kube.create(PRIORITY_CLASSES, None, pc)
+        clock = Clock()
+        b = Bench(server, kube, Reconciler(kube, clock, PLATFORM), Scheduler(server, kube), clock)
+        b.namespace(PLATFORM)
+        b.namespace(NS, TENANT_LABEL)
+        yield b
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def bench() -> Iterator[Bench]:
-    server = ServerThread().start()
-    kube = kube_for(server)
-    for pc in o.priority_classes():
-        kube.create(PRIORITY_CLASSES, None, pc)
-    clock = Clock()
-    b = Bench(server, kube, Reconciler(kube, clock, PLATFORM), Scheduler(server, kube), clock)
-    b.namespace(PLATFORM)
-    b.namespace(NS, TENANT_LABEL)
-    yield b
-    server.stop()
+    with running_bench() as b:
+        yield b
 
 
 def pool(name: str = "qwen", replicas: int = 2, **extra: Any) -> dict[str, Any]:
