@@ -23,8 +23,8 @@ from typing import Any
 
 import aiohttp
 
+from tokenpools.gateway.backend_tokens import PoolCounter
 from tokenpools.gateway.backends import BackendPool
-from tokenpools.gateway.tokens import PromptCounter
 from tokenpools.model.pool import Backend
 from tokenpools.real_engines.llamacpp import LlamaCppServer, packaged_model
 
@@ -86,9 +86,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     url = server.start()
     pool = BackendPool((Backend(url),))
     counters = {
-        "estimate": PromptCounter("estimate", 4.0, 1.0),
-        "backend": PromptCounter("backend", 4.0, 5.0),
-        "file": PromptCounter(str(packaged_model()), 4.0, 1.0),
+        "estimate": PoolCounter("estimate", 4.0, 1.0),
+        "backend": PoolCounter("backend", 4.0, 5.0),
+        "file": PoolCounter(str(packaged_model()), 4.0, 1.0),
     }
     rows = []
     try:

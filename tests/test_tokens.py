@@ -16,9 +16,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from tests.gateway_setup import config_data
 from tests.servers import ServerThread
+from tokenpools.gateway.backend_tokens import PAUSE_S, PoolCounter, as_messages
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.runtime import Gateway
-from tokenpools.gateway.tokens import PAUSE_S, PromptCounter, as_messages
 from tokenpools.model.config import ConfigError, parse_config
 from tokenpools.model.pool import Backend
 from tokenpools.processes import free_port
@@ -52,7 +52,7 @@ def vllm() -> Iterator[VllmTokenize]:
     server.server.stop()
 
 
-def count(counter: PromptCounter, body: dict[str, Any], path: str, url: str) -> int:
+def count(counter: PoolCounter, body: dict[str, Any], path: str, url: str) -> int:
     async def run() -> int:
         async with aiohttp.ClientSession() as session:
             return await counter.count(
@@ -63,7 +63,7 @@ def count(counter: PromptCounter, body: dict[str, Any], path: str, url: str) -> 
 
 
 def test_backend_mode_asks_the_engine_with_the_template_and_tools(vllm: VllmTokenize) -> None:
-    counter = PromptCounter("backend", 4.0, 0.5)
+    counter = PoolCounter("backend", 4.0, 0.5)
     assert count(counter, BODY, CHAT, vllm.server.url) == 321
     asked = vllm.asked[-1]
     assert asked["model"] == "served" and asked["tools"] == TOOLS
@@ -75,7 +75,7 @@ def test_backend_mode_asks_the_engine_with_the_template_and_tools(vllm: VllmToke
 
 
 def test_without_an_answer_the_estimate_stands_in() -> None:
-    counter = PromptCounter("backend", 4.0, 0.2)
+    counter = PoolCounter("backend", 4.0, 0.2)
     nobody = f"http://127.0.0.1:{free_port()}"
     assert count(counter, BODY, CHAT, nobody) == estimate_prompt_tokens(BODY, 4.0)
     assert counter.fallbacks == 1
@@ -92,7 +92,7 @@ def test_a_backend_that_cannot_count_is_left_alone_for_a_while() -> None:
     app.router.add_post("/{path:.*}", record)
     server = ServerThread(app)
     now = [0.0]
-    counter = PromptCounter("backend", 4.0, 0.5, clock=lambda: now[0])
+    counter = PoolCounter("backend", 4.0, 0.5, clock=lambda: now[0])
     try:
         estimate = estimate_prompt_tokens(BODY, 4.0)
         assert count(counter, BODY, CHAT, server.url) == estimate
@@ -115,7 +115,7 @@ def test_a_tokenizer_file_encodes_every_part(tmp_path: Path) -> None:
     )
     path = tmp_path / "tokenizer.json"
     tokenizer.save(str(path))
-    counter = PromptCounter(str(path), 4.0, 0.5)
+    counter = PoolCounter(str(path), 4.0, 0.5)
     texts = ["what is the weather in Paris", json.dumps(TOOLS, separators=(",", ":"))]
     expected = sum(len(tokenizer.encode(t, add_special_tokens=False).ids) for t in texts) + 4
     assert count(counter, BODY, CHAT, "http://unused") == expected

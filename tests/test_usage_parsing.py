@@ -7,8 +7,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenpools.gateway.usage import usage_in
 from tokenpools.model.request import Usage
+from tokenpools.openai_api.usage import usage_in
 
 
 def test_the_top_level_usage_wins_over_text_that_looks_like_it() -> None:

@@ -11,9 +11,10 @@ from aiohttp import web
 from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.gateway.backends import BackendPool
-from tokenpools.gateway.responses import error, retry_after
+from tokenpools.gateway.responses import error
 from tokenpools.gateway.runtime import GATEWAY, Gateway
 from tokenpools.model.resources import Resources
+from tokenpools.openai_api.refusals import retry_after
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 

@@ -18,18 +18,19 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from tokenpools.gateway.backends import BackendState
-from tokenpools.gateway.responses import error, retry_after
+from tokenpools.gateway.responses import error
 from tokenpools.gateway.runtime import AdmittedRequest, Gateway
-from tokenpools.gateway.usage import (
+from tokenpools.gateway.sse import events
+from tokenpools.model.request import Usage
+from tokenpools.openai_api import CHAT, COMPLETIONS, RESPONSES, error_body
+from tokenpools.openai_api.refusals import retry_after
+from tokenpools.openai_api.usage import (
     RESPONSE_END_TYPES,
     RESPONSE_ENDS,
-    events,
     json_object,
     usage_from,
     usage_in,
 )
-from tokenpools.model.request import Usage
-from tokenpools.openai_api import CHAT, COMPLETIONS, RESPONSES, error_body
 
 # Not passed back: hop-by-hop headers (RFC 9110 §7.6.1) and what this server sets itself
 # (the body is re-framed, and decompressed by the client session).

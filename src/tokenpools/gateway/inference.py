@@ -15,14 +15,7 @@ from aiohttp import web
 from tokenpools.control.decisions import Reject
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.observe import RequestRecord
-from tokenpools.gateway.responses import (
-    error,
-    invalid_key,
-    ratelimit_headers,
-    rejection,
-    retry_after,
-    too_large,
-)
+from tokenpools.gateway.responses import error, invalid_key, rejection, too_large
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, AdmittedRequest, Gateway
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.request import RequestCost
@@ -34,6 +27,7 @@ from tokenpools.openai_api import (
     parse_body,
     sequences,
 )
+from tokenpools.openai_api.refusals import ratelimit_headers, retry_after
 
 # A client's own id is kept when it is a plain token of sane length; otherwise one is made.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")

@@ -1,25 +1,18 @@
-"""The gateway's responses that are not a backend's: OpenAI-shaped errors, 429s with
-Retry-After, the x-ratelimit-* headers of every decision, and the bearer key of a request."""
+"""The gateway's responses that are not a backend's, as aiohttp responses: OpenAI-shaped errors
+(openai_api/refusals.py says what a refusal is), and the bearer key of a request."""
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from tokenpools.control.decisions import Quota, Reason, Reject
+from tokenpools.control.decisions import Reject
 from tokenpools.openai_api import error_body
+from tokenpools.openai_api.refusals import refusal
 
 log = logging.getLogger("tokenpools.gateway")
-NOT_RETRYABLE = {
-    Reason.EXCEEDS_ENTITLEMENT: 400,
-    Reason.EXCEEDS_POOL: 400,
-    Reason.ENTITLEMENT_EXPIRED: 403,
-    Reason.UNKNOWN_ENTITLEMENT: 401,
-}
 
 
 def bearer(request: web.Request) -> str | None:
@@ -44,57 +37,9 @@ def error(
     )
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """How a refusal is answered over HTTP, whichever server answers it (this gateway, or a
-    LiteLLM proxy through tokenpools.integrations.litellm)."""
-
-    status: int
-    message: str
-    kind: str
-    code: str
-    param: str | None
-    headers: dict[str, str]
-
-
-def refusal(decision: Reject) -> Refusal:
-    status = NOT_RETRYABLE.get(decision.reason)
-    message = f"{decision.message} ({decision.reason.value})"
-    code = decision.reason.value
-    if decision.reason == Reason.STORE_UNAVAILABLE:
-        headers = retry_after(decision.retry_after_s or 1.0)
-        return Refusal(503, message, "server_error", code, None, headers)
-    if status is not None:
-        kind = "invalid_request_error" if status == 400 else "permission_error"
-        param = "max_tokens" if status == 400 else None
-        return Refusal(status, message, kind, code, param, {})
-    wait = decision.retry_after_s if decision.retry_after_s is not None else 60.0
-    headers = retry_after(wait) | ratelimit_headers(decision.quota)
-    return Refusal(429, message, "rate_limit_exceeded", code, None, headers)
-
-
 def rejection(decision: Reject) -> web.Response:
     r = refusal(decision)
     return error(r.status, r.message, r.kind, r.code, r.param, r.headers)
-
-
-def retry_after(wait: float) -> dict[str, str]:
-    return {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(round(wait * 1000))}
-
-
-def ratelimit_headers(q: Quota | None) -> dict[str, str]:
-    """OpenAI's x-ratelimit-* headers, numeric; none when the decision read no counters (the
-    shared store was unreachable)."""
-    if q is None or not math.isfinite(q.limit_requests + q.limit_tokens):
-        return {}
-    return {
-        "x-ratelimit-limit-requests": str(int(q.limit_requests)),
-        "x-ratelimit-remaining-requests": str(int(q.remaining_requests)),
-        "x-ratelimit-reset-requests": f"{q.reset_requests_s:.3f}s",
-        "x-ratelimit-limit-tokens": str(int(q.limit_tokens)),
-        "x-ratelimit-remaining-tokens": str(int(q.remaining_tokens)),
-        "x-ratelimit-reset-tokens": f"{q.reset_tokens_s:.3f}s",
-    }
 
 
 def invalid_key() -> web.Response:

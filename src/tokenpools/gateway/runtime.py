@@ -23,13 +23,13 @@ from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.feedback import next_fraction
 from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import Lease, StoreUnavailable
+from tokenpools.gateway.backend_tokens import PoolCounter
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
 from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.gateway.observe import RequestObserver
 from tokenpools.gateway.responses import bearer
-from tokenpools.gateway.tokens import PromptCounter
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
@@ -104,11 +104,11 @@ class Gateway:
         self.model_pool = self._models(self.config)
 
     @staticmethod
-    def _counters(config: Config) -> dict[str, PromptCounter]:
+    def _counters(config: Config) -> dict[str, PoolCounter]:
         """Each pool's prompt counter; a tokenizer file that cannot be read is a ConfigError."""
         g = config.gateway
         return {
-            name: PromptCounter(pool.tokenizer, g.chars_per_token, g.tokenize_timeout_s)
+            name: PoolCounter(pool.tokenizer, g.chars_per_token, g.tokenize_timeout_s)
             for name, pool in config.pools.items()
         }
 

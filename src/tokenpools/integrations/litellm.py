@@ -41,9 +41,7 @@ from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
 from tokenpools.control.decisions import Reject
 from tokenpools.gateway.config_file import ConfigFile
-from tokenpools.gateway.responses import ratelimit_headers, refusal
 from tokenpools.gateway.runtime import AdmittedRequest, Gateway
-from tokenpools.gateway.usage import usage_from
 from tokenpools.model.config import load_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.openai_api import (
@@ -56,6 +54,8 @@ from tokenpools.openai_api import (
     max_tokens_field,
     sequences,
 )
+from tokenpools.openai_api.refusals import ratelimit_headers, refusal
+from tokenpools.openai_api.usage import usage_from
 
 CONFIG_ENV = "TOKENPOOLS_CONFIG"
 ENTITLEMENT_METADATA = "tokenpools_entitlement"

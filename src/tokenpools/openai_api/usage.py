@@ -1,36 +1,17 @@
 """Reading an engine's usage from what it answers: a whole response (its tail scanned, not
-parsed), a usage object in either naming, and the events of a stream."""
+parsed), a usage object in either naming, a JSON object from an event's data. No HTTP library:
+the gateway and the LiteLLM integration both read usage with it."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
 from typing import Any
-
-import aiohttp
 
 from tokenpools.model.request import Usage
 
 RESPONSE_END_TYPES = ("response.completed", "response.incomplete", "response.failed")
 RESPONSE_ENDS = tuple(f'"{t}"'.encode() for t in RESPONSE_END_TYPES)
-
-
-async def events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[bytes, bytes]]:
-    """Server-sent events: each one's bytes as received, and its data."""
-    lines: list[bytes] = []
-    data = b""
-    async for line in content:
-        lines.append(line)
-        stripped = line.strip()
-        if stripped.startswith(b"data:"):
-            data = stripped[5:].strip()
-        elif not stripped:
-            if data:
-                yield b"".join(lines), data
-            lines, data = [], b""
-    if data:
-        yield b"".join(lines) + b"\n", data
 
 
 # A key can only appear as a key: quotes inside JSON strings are escaped. The last match is the

@@ -1,53 +1,36 @@
-"""How many prompt tokens a request brings, per pool (`tokenizer:` in the pool's config):
-
-- `estimate`: characters per token (prompt.py); free, and corrected at settlement;
-- `backend`: the engine's own count, with its chat template and the tools: vLLM's /tokenize, or
-  llama.cpp's /apply-template then /tokenize (which one a backend speaks is found on first use);
-- a file: a `tokenizer.json`, or the tokenizer and chat template inside a GGUF model
-  (gateway/tokenizer_file.py, the `tokenizer` extra).
-
-Whatever fails (no healthy backend, a timeout, an engine without the endpoint) falls back to the
-estimate, and is counted."""
+"""Prompt tokens counted by a pool's engines (`tokenizer: backend`): vLLM's /tokenize, or
+llama.cpp's /apply-template then /tokenize (which one a backend speaks is found on first use).
+A failure (no healthy backend, a timeout, an engine without the endpoint) pauses that backend
+and the estimate stands in (tokenizing/counter.py)."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from tokenpools.gateway.backends import BackendPool, BackendState
-from tokenpools.gateway.tokenizer_file import load_tokenizer
 from tokenpools.openai_api import CHAT, RESPONSES
-from tokenpools.prompt import estimate_prompt_tokens, prompt_items, prompt_parts
+from tokenpools.prompt import prompt_items, prompt_parts
+from tokenpools.tokenizing.counter import PromptCounter
 
-ESTIMATE, BACKEND = "estimate", "backend"
 # After a backend fails to count (no endpoint, a timeout), it is not asked again for this long:
 # every request would otherwise pay the failed round trips before its estimate.
 PAUSE_S = 30.0
 
 
-class PromptCounter:
-    """One pool's way to count; `fallbacks` is how often the estimate stood in."""
+class BackendTokens:
+    """Counting by a pool's engines: which dialect each backend speaks (found on first use),
+    and which backends failed lately (not asked again for PAUSE_S)."""
 
-    def __init__(
-        self,
-        mode: str,
-        chars_per_token: float,
-        timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.mode = mode
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.paused: dict[str, float] = {}  # backend URL → when it may be asked again
-        self.chars_per_token = chars_per_token
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.tokenizer = None if mode in (ESTIMATE, BACKEND) else load_tokenizer(Path(mode))
         self.dialects: dict[str, str] = {}  # backend URL → vllm | llamacpp
-        self.fallbacks = 0
 
     async def count(
         self,
@@ -55,19 +38,18 @@ class PromptCounter:
         path: str,
         pool: BackendPool,
         session: aiohttp.ClientSession | None,
-    ) -> int:
-        if self.tokenizer is not None:
-            return self.tokenizer.count(body)
-        if self.mode == BACKEND and session is not None:
-            backend = pool.choose()
-            if backend is not None and self.paused.get(backend.spec.url, 0.0) <= self.clock():
-                try:
-                    return await self._ask(session, backend, body, path)
-                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
-                    self.paused[backend.spec.url] = self.clock() + PAUSE_S
-                    self.dialects.pop(backend.spec.url, None)  # found again when it answers
-            self.fallbacks += 1
-        return estimate_prompt_tokens(body, self.chars_per_token)
+    ) -> int | None:
+        """The engine's count, or None (no session, no healthy backend, a failure)."""
+        backend = None if session is None else pool.choose()
+        if backend is None or self.paused.get(backend.spec.url, 0.0) > self.clock():
+            return None
+        assert session is not None
+        try:
+            return await self._ask(session, backend, body, path)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+            self.paused[backend.spec.url] = self.clock() + PAUSE_S
+            self.dialects.pop(backend.spec.url, None)  # found again when it answers
+            return None
 
     async def _ask(
         self,
@@ -136,3 +118,34 @@ def as_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _plain_text(body: dict[str, Any]) -> str:
     return "\n".join(prompt_parts(body).texts)
+
+
+class PoolCounter:
+    """A pool's prompt counter in the gateway: the host-neutral counter, with its engines asked
+    when the pool says `tokenizer: backend`."""
+
+    def __init__(
+        self,
+        mode: str,
+        chars_per_token: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.counter = PromptCounter(mode, chars_per_token)
+        self.engines = BackendTokens(timeout_s, clock)
+
+    @property
+    def fallbacks(self) -> int:
+        return self.counter.fallbacks
+
+    async def count(
+        self,
+        body: dict[str, Any],
+        path: str,
+        pool: BackendPool,
+        session: aiohttp.ClientSession | None,
+    ) -> int:
+        async def ask(b: dict[str, Any], p: str) -> int | None:
+            return await self.engines.count(b, p, pool, session)
+
+        return await self.counter.count(body, path, ask)
