@@ -18,6 +18,7 @@ COMPILED = [
     "src/tokenpools/control/catalog.py",
     "src/tokenpools/control/core.py",
     "src/tokenpools/control/decisions.py",
+    "src/tokenpools/control/endings.py",
     "src/tokenpools/control/eviction.py",
     "src/tokenpools/control/observation.py",
     "src/tokenpools/control/placement.py",

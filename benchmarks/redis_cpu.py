@@ -3,7 +3,7 @@
 1. Client CPU per script call (an EVALSHA with 45 arguments, 50 calls in flight): redis-py's
    asyncio client (a pooled connection per call, hiredis packing) against the multiplexed
    connection the gateway uses (state/redis_mux.py).
-2. Per arrival through the gateway's awaited path (GatewayLedger, AsyncRedisLedger, 48
+2. Per arrival through the gateway's awaited path (StoreDriver, AsyncRedisLedger, 48
    arrivals in flight, 100 entitlements of every class, admitted ones settled): CPU seconds of
    the redis-server process and of this process, per arrival. Each repeat uses a fresh pool.
 
@@ -29,9 +29,9 @@ import redis.asyncio
 
 from redis_store import core_config
 from tokenpools import core_build
+from tokenpools.admission.driver import StoreDriver
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
-from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import redis_server
@@ -85,7 +85,7 @@ async def multiplexed(url: str) -> float:
 
 async def arrivals(core: DecisionCore, n: int, seed: int) -> None:
     assert isinstance(core.store, RedisStore)
-    ledger = GatewayLedger(core, AsyncRedisLedger(core.store))
+    ledger = StoreDriver(core, AsyncRedisLedger(core.store))
     await ledger.start()
     names, rng, sent, t = list(core.entitlements), random.Random(seed), 0, 1000.0
 

@@ -3,7 +3,7 @@
 1. Admission: `DecisionCore.admit` + `settle` on a RedisStore against a redis-server on
    loopback, 100 entitlements of every class in one pool, a mix that is admitted and rejected.
    Latency per call, several runs; the memory store is measured in the same run as baseline.
-   The same arrivals again through the gateway's awaited path (GatewayLedger, one call in
+   The same arrivals again through the gateway's awaited path (StoreDriver, one call in
    flight on the multiplexed connection).
 2. Round trips: script calls Redis served for one admission, one refusal and one settle.
 3. Gateway: closed loop, 64 concurrent non-streaming requests, against one gateway process on
@@ -32,10 +32,10 @@ import yaml
 
 from gateway import bench_config, closed_loop, pct
 from tokenpools import core_build
+from tokenpools.admission.driver import StoreDriver
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.control.store import Lease
-from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
@@ -93,10 +93,10 @@ def admission_run(core: DecisionCore, n: int, seed: int) -> tuple[list[float], l
 
 
 async def awaited_run(core: DecisionCore, n: int, seed: int) -> dict[str, float]:
-    """`admission_run`'s arrivals through the gateway's awaited path (GatewayLedger on the
+    """`admission_run`'s arrivals through the gateway's awaited path (StoreDriver on the
     multiplexed connection), one call in flight: admit and settle latencies."""
     assert isinstance(core.store, RedisStore)
-    ledger = GatewayLedger(core, AsyncRedisLedger(core.store))
+    ledger = StoreDriver(core, AsyncRedisLedger(core.store))
     await ledger.start()
     rng = random.Random(seed)
     names = list(core.entitlements)
@@ -322,7 +322,7 @@ def main() -> None:
         "gateway_rps_memory": statistics.median(gw["memory_1"]),
         # each run's Redis replica against the memory replica measured next to it
         "gateway_redis_vs_memory": statistics.median(ratios),
-        # the gateway's path: GatewayLedger awaiting one multiplexed connection
+        # the gateway's path: StoreDriver awaiting one multiplexed connection
         "awaited_admission_p50_ms": med(awaited, "admit_p50_ms"),
         "awaited_admission_p99_ms": med(awaited, "admit_p99_ms"),
         "awaited_settle_p99_ms": med(awaited, "settle_p99_ms"),

@@ -21,7 +21,7 @@ import redis
 from tests.faults import stall
 from tests.ledger_reads import negative, nonzero, redis_counters
 from tokenpools.control.decisions import Admit
-from tokenpools.gateway.runtime import AdmittedRequest, Gateway
+from tokenpools.gateway.runtime import Gateway
 from tokenpools.model.config import Config, parse_config
 from tokenpools.model.request import RequestCost, Usage
 
@@ -111,17 +111,13 @@ async def one_request(gw: Gateway, ent: str, hold_s: float, run: Run) -> None:
     if not isinstance(decision, Admit):
         await asyncio.sleep(min(decision.retry_after_s or 0.05, 0.5))  # as clients do
         return
-    lease = decision.lease
-    handle = AdmittedRequest(asyncio.current_task(), lease)
-    gw.admitted_requests[lease.lease_id] = handle
+    admitted = gw.admission.hold(decision, asyncio.current_task())
     usage: Usage | None = None
     try:
         await asyncio.sleep(hold_s)
         usage = Usage(20, 10)
     finally:
-        gw.admitted_requests.pop(lease.lease_id, None)
-        if not handle.evicted:
-            gw.ledger.end(lease, usage, gw.clock(), refund=usage is None)
+        admitted.end(usage, refund=usage is None)  # does nothing once evicted
 
 
 async def drive(
@@ -200,7 +196,7 @@ async def drive(
 
 def held(gw: Gateway) -> list[str]:
     """What the gateway itself still holds: requests, fallback leases, owed lease ends."""
-    out = [f"request {k}" for k in gw.admitted_requests]
+    out = [f"request {k}" for k in gw.admission.in_flight]
     out += [f"fallback lease {k}" for k in gw.core.fallback.leases]
     owed = getattr(gw.core.store, "owed", 0)
     return out + ([f"{owed} lease ends owed"] if owed else [])

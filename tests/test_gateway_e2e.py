@@ -24,8 +24,8 @@ from tests.gateway_setup import (
     emulator_running,
 )
 from tests.servers import ServerThread, wait_until
+from tokenpools.admission.config_file import reload_from
 from tokenpools.gateway.app import GATEWAY, Gateway, make_app
-from tokenpools.gateway.config_file import reload_from
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port

@@ -19,8 +19,8 @@ from multidict import CIMultiDict
 
 from tests.gateway_setup import KEYS, MODEL, admin, config_data
 from tests.servers import ServerThread
+from tokenpools.admission.config_file import reload_from
 from tokenpools.gateway.app import Gateway, make_app
-from tokenpools.gateway.config_file import reload_from
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.config import ConfigError, parse_config
 

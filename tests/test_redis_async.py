@@ -1,4 +1,4 @@
-"""The gateway's awaited path to Redis (GatewayLedger over AsyncRedisLedger): lease ends that
+"""The gateway's awaited path to Redis (StoreDriver over AsyncRedisLedger): lease ends that
 come together go to Redis together, and leave the ledger as ending them one by one in memory
 does."""
 
@@ -9,9 +9,9 @@ import asyncio
 import redis
 
 from tests.builders import make_config
+from tokenpools.admission.driver import StoreDriver
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reject
-from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.state.memory import MemoryStore
 from tokenpools.state.redis_async import AsyncRedisLedger
@@ -40,7 +40,7 @@ def test_lease_ends_that_come_together_go_in_one_call_and_settle_as_one_by_one(
     usages = [Usage(100 + i, 5 + 2 * i) for i in range(24)]
 
     async def go() -> int:
-        ledger = GatewayLedger(shared, AsyncRedisLedger(shared.store))  # type: ignore[arg-type]
+        ledger = StoreDriver(shared, AsyncRedisLedger(shared.store))  # type: ignore[arg-type]
         await ledger.start()
         leases = []
         for i, cost in enumerate(costs):
@@ -158,7 +158,7 @@ def test_a_lease_that_ends_while_it_is_handed_over_leaves_nothing_booked(redis_u
     core = DecisionCore(config, store, now=0.0, fallback_store=MemoryStore())
 
     async def go() -> tuple[int, float, int]:
-        ledger = GatewayLedger(core, AsyncRedisLedger(store))
+        ledger = StoreDriver(core, AsyncRedisLedger(store))
         await ledger.start()
         step = core.prepare("gold", RequestCost(10, 10), 1.0)
         assert not isinstance(step, Reject)

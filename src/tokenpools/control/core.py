@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.backfill import recent_peaks
-from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
+from tokenpools.control.catalog import EntitlementView, PoolView
 from tokenpools.control.decisions import (
     SHORTFALL_REJECTS,
     STATE_REASONS,
@@ -29,6 +29,7 @@ from tokenpools.control.decisions import (
     TickResult,
     quota,
 )
+from tokenpools.control.endings import Endings
 from tokenpools.control.eviction import eviction_order
 from tokenpools.control.fallback import LocalFallback, LocalStore
 from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
@@ -43,7 +44,7 @@ from tokenpools.control.store import (
 )
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
-from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.request import RequestCost
 from tokenpools.model.resources import Resources
 
 
@@ -57,9 +58,10 @@ class Pending(Reservation):
     max_tokens: int  # the request's max_tokens, the entitlement's default if it set none
 
 
-class DecisionCore(Catalog):
-    """The decisions on requests and time: admission, the ends of requests, the periodic
-    update and capacity changes, over the configured and bound views of `Catalog`."""
+class DecisionCore(Endings):
+    """The decisions on requests and time: admission, the periodic update and capacity
+    changes; the ends of requests come from `Endings`, the configured and bound views from
+    `Catalog` below it."""
 
     def __init__(
         self,
@@ -221,58 +223,6 @@ class DecisionCore(Catalog):
         )
         wait = jittered(wait, lease.lease_id, self.policy)
         return Reject(reason, check, message, wait, dimension, quota(view, step.pool_view, outcome))
-
-    # -- ends of requests ----------------------------------------------------------------
-
-    def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
-        """The request finished; charge what it really used and refund the rest."""
-        local = lease_id in self.fallback.leases
-        try:
-            lease = (self.fallback if local else self.store).get_lease(lease_id, now)
-            if lease is None:
-                return None
-            used = self.used_tokens(lease, usage)
-            (self.fallback if local else self.store).settle(lease_id, used, now)
-        except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
-            return None
-        self.finished(lease, now)
-        return lease
-
-    def used_tokens(self, lease: Lease, usage: Usage) -> float:
-        """What a finished request is charged, in its pool's weighted tokens."""
-        pool = self._pools[lease.pool].pool
-        return (
-            pool.input_token_weight * usage.input_tokens
-            + pool.output_token_weight * usage.output_tokens
-        )
-
-    def finished(self, lease: Lease, now: float) -> None:
-        """A request settled: its duration feeds the Retry-After estimate."""
-        pool_view = self._pools.get(lease.pool)
-        if pool_view is not None:
-            duration = max(0.0, now - lease.started_at)
-            pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * duration
-
-    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
-        """The request ended without usage (backend down, cancelled before it ran: refund;
-        cut off mid-way with unknown usage: refund=False charges the whole reservation)."""
-        if lease_id in self.fallback.leases:
-            return self.fallback.release(lease_id, now, refund=refund)
-        try:
-            return self.store.release(lease_id, now, refund=refund)
-        except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
-            return None
-
-    def renew(self, lease_id: str, now: float) -> bool:
-        """Push a long-running request's lease expiry out by one TTL from now. False: the
-        lease has ended (evicted by another replica, or expired) and its request must end."""
-        expires_at = now + self.policy.lease_ttl_s
-        if lease_id in self.fallback.leases:
-            return self.fallback.renew(lease_id, expires_at, now)
-        try:
-            return self.store.renew(lease_id, expires_at, now)
-        except StoreUnavailable:  # keep running; the store is asked again next time
-            return True
 
     # -- time and capacity ---------------------------------------------------------------
 

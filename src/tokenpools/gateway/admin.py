@@ -31,7 +31,7 @@ def admin_only(report: Callable[[Gateway], dict[str, Any]]) -> Handler:
         if not gw.is_admin(request):
             return not_admin()
         try:
-            return web.json_response(await gw.ledger.background(report, gw))
+            return web.json_response(await gw.driver.background(report, gw))
         except StoreUnavailable as exc:
             return error(
                 503,

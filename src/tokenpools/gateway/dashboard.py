@@ -45,7 +45,7 @@ async def admin_history(request: web.Request) -> web.Response:
     body["update_period_s"] = gw.core.policy.update_period_s
     body["store"] = {
         "backend": gw.config.state.backend,
-        "up": await gw.ledger.store_answers(now),
+        "up": await gw.driver.store_answers(now),
     }
     body["backends"] = {name: backends_json(pool) for name, pool in gw.pools.items()}
     return web.json_response(body)

@@ -17,9 +17,10 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
+from tokenpools.admission import Admitted
 from tokenpools.gateway.backends import BackendState
 from tokenpools.gateway.responses import error
-from tokenpools.gateway.runtime import AdmittedRequest, Gateway
+from tokenpools.gateway.runtime import Gateway
 from tokenpools.gateway.sse import events
 from tokenpools.model.request import Usage
 from tokenpools.openai_api import CHAT, COMPLETIONS, RESPONSES, error_body
@@ -61,7 +62,7 @@ class Exchange:
     def __init__(
         self,
         gw: Gateway,
-        handle: AdmittedRequest,
+        admitted: Admitted,
         backend: BackendState,
         path: str,
         prompt_tokens: int,
@@ -69,7 +70,7 @@ class Exchange:
         trace: dict[str, str],
     ) -> None:
         self.gw = gw
-        self.handle = handle
+        self.admitted = admitted
         self.backend = backend
         self.path = path
         self.prompt_tokens = prompt_tokens
@@ -78,15 +79,12 @@ class Exchange:
         self.usage: Usage | None = None
         self.streamed = 0  # content events seen: the output estimate if the engine never says
         self.first_token_at: float | None = None
-        self.settled = False
 
     def settle(self, usage: Usage | None, refund: bool = True) -> None:
-        """End the lease on `usage`, or release it (None: refund, or charge all of it)."""
-        if self.settled or self.handle.evicted:
-            return
-        self.settled = True
-        self.usage = usage
-        self.gw.ledger.end(self.handle.lease, usage, self.gw.clock(), refund=refund)
+        """End the admitted request on `usage`, or release it (None: refund, or charge all of
+        it); only its first end counts."""
+        if self.admitted.end(usage, refund):
+            self.usage = usage
 
     def _so_far(self) -> Usage:
         return Usage(self.prompt_tokens, self.streamed)
@@ -143,7 +141,7 @@ class Exchange:
                 self.settle(self.usage or self._so_far())
                 return response
         except asyncio.CancelledError:
-            if self.handle.evicted:  # preempted by a higher-priority request: say why
+            if self.admitted.evicted:  # preempted by a higher-priority request: say why
                 if response is not None:
                     await _write_quietly(response, _preempted_event())
                     return response
@@ -190,8 +188,7 @@ class Exchange:
             return response or web.Response(status=499)
         finally:
             backend.open_requests -= 1
-            if not self.settled and not self.handle.evicted:
-                self.settle(None, refund=False)
+            self.admitted.close()  # whatever ended it: charged in full unless it ended
 
     def _passed(self, upstream: Any) -> CIMultiDict[str]:
         """The backend's response headers the client gets, with the gateway's own on top."""

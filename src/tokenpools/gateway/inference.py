@@ -16,7 +16,7 @@ from tokenpools.control.decisions import Reject
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.observe import RequestRecord
 from tokenpools.gateway.responses import error, invalid_key, rejection, too_large
-from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, AdmittedRequest, Gateway
+from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import (
@@ -108,14 +108,12 @@ async def _answer(
     record.decided(decision)
     if isinstance(decision, Reject):
         return rejection(decision)
-    lease = decision.lease
-    handle = AdmittedRequest(asyncio.current_task(), lease)
-    gw.admitted_requests[lease.lease_id] = handle
+    admitted = gw.admission.hold(decision, asyncio.current_task())
     headers = {"x-request-id": record.request_id, **ratelimit_headers(decision.quota)}
     try:
         backend = gw.pools[pool_name].choose()
         if backend is None:
-            gw.ledger.end(lease, None, gw.clock())
+            admitted.end(None)  # refunded: it never ran
             return error(
                 503,
                 f"no healthy backend for pool {pool_name!r}",
@@ -128,10 +126,10 @@ async def _answer(
         if requested is None:  # the reservation assumed the default: make it true
             body[max_tokens_field(path)] = decision.max_tokens
             forward = None
-        exchange = Exchange(gw, handle, backend, path, prompt_tokens, headers, trace)
+        exchange = Exchange(gw, admitted, backend, path, prompt_tokens, headers, trace)
         try:
             return await exchange.run(request, body, forward)
         finally:
             record.exchanged(exchange)
     finally:
-        gw.admitted_requests.pop(lease.lease_id, None)
+        admitted.close()

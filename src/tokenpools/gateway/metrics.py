@@ -112,7 +112,7 @@ class GatewayMetrics:
             self._series[entitlement] = bound
         return bound
 
-    def decided(self, entitlement: str, decision: Decision) -> None:
+    def decided(self, entitlement: str, decision: Decision, now: float = 0.0) -> None:
         bound = self._bound(entitlement)
         if bound is None:
             return

@@ -63,7 +63,7 @@ class RequestRecord:
         if exchange.usage is not None:
             self.prompt_tokens = exchange.usage.input_tokens
             self.completion_tokens = exchange.usage.output_tokens
-        self.evicted = exchange.handle.evicted
+        self.evicted = exchange.admitted.evicted
         if exchange.first_token_at is not None:
             self.ttft_s = exchange.first_token_at - self.started
 

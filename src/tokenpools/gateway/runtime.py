@@ -1,32 +1,29 @@
-"""The gateway's running state: the decision core and its store, the backend pools, the
-requests in flight (which eviction cancels), ticks, lease renewal and capacity feedback.
-Work that touches the store goes through `GatewayLedger`, so the event loop never waits on it."""
+"""The gateway's running state: admission (`AdmissionRuntime`: the decision core, its store,
+the requests in flight, ticks and lease renewal) and what only an HTTP gateway has — the
+backend pools and their health, the upstream session, prompt counting by the engines, capacity
+feedback from the engines' gauges, metrics, the dashboard's history and tracing."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import secrets
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from tokenpools.admission import AdmissionRuntime
+from tokenpools.admission.driver import StoreDriver
+from tokenpools.admission.runtime import replica_name
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.decisions import Admit, Decision
+from tokenpools.control.decisions import Decision
 from tokenpools.control.feedback import next_fraction
-from tokenpools.control.snapshot import snapshot
-from tokenpools.control.store import Lease, StoreUnavailable
 from tokenpools.gateway.backend_tokens import PoolCounter
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
-from tokenpools.gateway.ledger import GatewayLedger
 from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.gateway.observe import RequestObserver
 from tokenpools.gateway.responses import bearer
@@ -35,45 +32,8 @@ from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import vllm_gauges
-from tokenpools.state.memory import MemoryStore
 
 log = logging.getLogger("tokenpools.gateway")
-
-
-@dataclass
-class AdmittedRequest:
-    """A request between admission and settlement; eviction cancels its task."""
-
-    task: asyncio.Task[Any] | None
-    lease: Lease
-    evicted: bool = False
-
-
-def open_core(config: Config, now: float, replica: str) -> GatewayLedger:
-    """The decision core on the store the config names, and the gateway's way to it."""
-    settings = config.state
-    if settings.backend == "memory":
-        local = MemoryStore(counters_on_admit=True)  # every answer's x-ratelimit-* headers
-        return GatewayLedger(DecisionCore(config, local, now=now, replica=replica))
-    from tokenpools.state.redis_store import RedisStore  # redis-py only where it is used
-
-    store = RedisStore(
-        settings.url,
-        timeout_s=settings.timeout_s,
-        retry_interval_s=settings.retry_interval_s,
-        prefix=settings.key_prefix,
-        owner=replica,
-        replica_timeout_s=settings.replica_timeout_s,
-    )
-    # The private store holds what the outage policy admits while Redis is unreachable.
-    core = DecisionCore(config, store, now=now, replica=replica, fallback_store=MemoryStore())
-    return GatewayLedger(core, store.hot_path())
-
-
-def replica_name() -> str:
-    """Unique per process start: lease ids begin with it, and a restarted replica must not
-    reuse the ids its previous life left in a shared store."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @dataclass
@@ -81,9 +41,7 @@ class Gateway:
     config: Config
     clock: Callable[[], float] = time.time
     replica: str = field(default_factory=replica_name)
-    core: DecisionCore = field(init=False)
     pools: dict[str, BackendPool] = field(init=False)
-    admitted_requests: dict[str, AdmittedRequest] = field(default_factory=dict)  # by lease id
     metrics: GatewayMetrics = field(init=False)
     session: aiohttp.ClientSession | None = None
     capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
@@ -91,17 +49,23 @@ class Gateway:
     tracing: Tracing | None = None  # OpenTelemetry spans, when asked for (the otel extra)
 
     def __post_init__(self) -> None:
-        self.ledger = open_core(self.config, self.clock(), self.replica)
-        self.core = self.ledger.core
-        self._next_renewal = 0.0
+        self.admission = AdmissionRuntime(self.config, self.clock, self.replica)
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.counters = self._counters(self.config)
         self.metrics = GatewayMetrics(self)
         self.history = History(self.replica)
-        self._next_sample = 0.0
+        self.admission.listeners += [self.metrics.decided, self.history.decided]
+        self.admission.samplers.append(self.history.sample)
         self._background: list[asyncio.Task[None]] = []  # what `start` started
         self.observe = RequestObserver(self.metrics, self.history, self.access_log)
-        self.model_pool = self._models(self.config)
+
+    @property
+    def core(self) -> DecisionCore:
+        return self.admission.core
+
+    @property
+    def driver(self) -> StoreDriver:
+        return self.admission.driver
 
     @staticmethod
     def _counters(config: Config) -> dict[str, PoolCounter]:
@@ -115,18 +79,12 @@ class Gateway:
     async def prompt_tokens(self, pool: str, body: dict[str, Any], path: str) -> int:
         return await self.counters[pool].count(body, path, self.pools[pool], self.session)
 
-    @staticmethod
-    def _models(config: Config) -> dict[str, str]:
-        return {m: p.name for p in config.pools.values() for m in p.models}
-
     async def reload(self, config: Config) -> None:
-        """Adopt a validated config; leases of removed entitlements end their requests. The
-        state backend is chosen at start: a change of it waits for a restart."""
-        if config.state != self.config.state:
-            log.warning("the state section changed: it takes effect at the next restart")
-            config = replace(config, state=self.config.state)
-        counters = self._counters(config)  # first: an unreadable tokenizer or backend key
-        pools = {}  # rejects the reload before anything changes
+        """Adopt a validated config: admission first (requests of removed entitlements end),
+        then the backends and counters, built before anything changes: an unreadable tokenizer
+        or backend key rejects the reload."""
+        counters = self._counters(config)
+        pools = {}
         for name, pool in config.pools.items():
             fresh = BackendPool(pool.backends)  # reads the keys again: a rotated key is adopted
             keep = self.pools.get(name)
@@ -135,19 +93,12 @@ class Gateway:
                     kept.auth = new.auth  # health and requests in flight carry over
                 fresh = keep
             pools[name] = fresh
-        for lease in await self.ledger.background(self.core.apply_config, config, self.clock()):
-            self.evict(lease.lease_id)
+        self.config = await self.admission.reload(config)
         self.pools = pools
         self.counters = counters
-        self.config = config
-        self.model_pool = self._models(config)
 
     def evict(self, lease_id: str) -> None:
-        handle = self.admitted_requests.get(lease_id)
-        if handle is not None and not handle.evicted:
-            handle.evicted = True
-            if handle.task is not None:  # without one, its host checks `evicted` itself
-                handle.task.cancel()
+        self.admission.evict(lease_id)
 
     async def feedback(self, pool_name: str) -> None:
         """One round of capacity feedback for a pool: read its backends' vLLM gauges and move
@@ -175,13 +126,7 @@ class Gateway:
         fraction = next_fraction(current, waiting, kv, fb)
         if fraction != current:
             self.capacity_fraction[pool_name] = fraction
-            change = await self.ledger.background(
-                self.core.set_capacity,
-                pool_name,
-                self.clock(),
-                None,
-                pool.per_replica.scale(fraction),
-            )
+            await self.admission.set_capacity(pool_name, pool.per_replica.scale(fraction))
             log.warning(
                 "pool %s: capacity at %.0f%% (engine waiting %g, KV %.2f)",
                 pool_name,
@@ -189,36 +134,17 @@ class Gateway:
                 waiting,
                 kv,
             )
-            for lease in change.evict:
-                self.evict(lease.lease_id)
 
     async def tick(self) -> None:
-        now = self.clock()
-        await self.ledger.send_unsent()
-        await self.ledger.hand_over(now)
-        result = await self.ledger.background(self.core.tick, now)
-        for lease in result.expired:
-            self.evict(lease.lease_id)
-        if now >= self._next_sample:  # the dashboard's history: one sample per update period
-            self._next_sample = now + self.core.policy.update_period_s
-            with contextlib.suppress(StoreUnavailable):
-                self.history.sample(await self.ledger.background(snapshot, self.core, now))
-        if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
-            self._next_renewal = now + self.core.policy.lease_ttl_s / 4
-            handles = list(self.admitted_requests.items())
-            alive = await asyncio.gather(*(self.ledger.renew(h.lease, now) for _, h in handles))
-            for (lease_id, _), renewed in zip(handles, alive, strict=True):
-                if not renewed:
-                    self.evict(lease_id)
+        await self.admission.tick()
 
     async def start(self, tick_interval_s: float, health_interval_s: float) -> None:
         """Open the upstream session and the store, and start the background work: ticks,
         backend health checks, capacity feedback (until `stop`)."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector)
-        await self.ledger.start()
+        await self.admission.start(tick_interval_s)
         self._background = [
-            asyncio.create_task(self._ticking(tick_interval_s)),
             asyncio.create_task(self._checking_health(health_interval_s)),
             asyncio.create_task(self._feeding_back()),
         ]
@@ -227,17 +153,9 @@ class Gateway:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        await self.ledger.aclose()
+        await self.admission.stop()
         if self.session is not None:
             await self.session.close()
-
-    async def _ticking(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.tick()
-            except Exception:  # a bad tick must not end ticking for good
-                log.exception("tick failed")
 
     async def _checking_health(self, interval_s: float) -> None:
         while True:
@@ -256,20 +174,10 @@ class Gateway:
             await asyncio.gather(*(self.feedback(name) for name in intervals))
 
     def pool_for(self, entitlement: str, model: object) -> str | None:
-        """The pool serving `model` if the entitlement may use it (its own pool), else None."""
-        pool = self.model_pool.get(model) if isinstance(model, str) else None
-        return pool if pool == self.core.entitlements[entitlement].ent.pool else None
+        return self.admission.pool_for(entitlement, model)
 
     async def admit(self, entitlement: str, cost: RequestCost) -> Decision:
-        """Decide, count the decision, and end the preemptible requests an admission evicts."""
-        now = self.clock()
-        decision = await self.ledger.admit(entitlement, cost, now)
-        self.metrics.decided(entitlement, decision)
-        self.history.decided(entitlement, decision, now)
-        if isinstance(decision, Admit):
-            for victim in decision.evict:
-                self.evict(victim.lease_id)
-        return decision
+        return await self.admission.admit(entitlement, cost)
 
     def entitlement_of(self, request: web.Request) -> str | None:
         """The entitlement whose API key the request bears; None for none or an unknown one."""

@@ -12,8 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenpools.admission.config_file import ConfigFile, reload_from
 from tokenpools.gateway.app import make_app
-from tokenpools.gateway.config_file import ConfigFile, reload_from
 from tokenpools.gateway.observe import LogFormat, setup_logging
 from tokenpools.gateway.runtime import READY_CHECKS, Gateway
 from tokenpools.gateway.tracing import otlp_tracing

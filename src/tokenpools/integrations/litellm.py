@@ -39,10 +39,10 @@ from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
+from tokenpools.admission import AdmissionRuntime, Admitted
+from tokenpools.admission.config_file import ConfigFile
 from tokenpools.control.decisions import Reject
-from tokenpools.gateway.config_file import ConfigFile
-from tokenpools.gateway.runtime import AdmittedRequest, Gateway
-from tokenpools.model.config import load_config
+from tokenpools.model.config import Config, load_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.openai_api import (
     CHAT,
@@ -56,6 +56,7 @@ from tokenpools.openai_api import (
 )
 from tokenpools.openai_api.refusals import ratelimit_headers, refusal
 from tokenpools.openai_api.usage import usage_from
+from tokenpools.tokenizing.counter import PromptCounter
 
 CONFIG_ENV = "TOKENPOOLS_CONFIG"
 ENTITLEMENT_METADATA = "tokenpools_entitlement"
@@ -75,7 +76,6 @@ CALL_PATHS = {
 # refused, so no endpoint LiteLLM adds becomes a way around admission.
 UNGOVERNED = frozenset({"moderation", "amoderation", "acount_tokens", "count_tokens"})
 TICK_INTERVAL_S = 0.25
-HEALTH_INTERVAL_S = 5.0
 WATCH_INTERVAL_S = 2.0
 
 
@@ -83,9 +83,31 @@ WATCH_INTERVAL_S = 2.0
 class Held:
     """An admitted request while LiteLLM serves it."""
 
-    handle: AdmittedRequest
+    admitted: Admitted
     prompt_tokens: int
     stream: bool
+
+
+class Admission(AdmissionRuntime):
+    """The admission runtime with what this host adds: prompt counting per pool (the estimate
+    or a tokenizer file: LiteLLM, not tokenpools, reaches the engines) and the config it
+    follows."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.counters = _counters(config)
+        self.started = False
+
+    async def reload(self, config: Config) -> Config:
+        counters = _counters(config)  # an unreadable tokenizer file rejects the reload
+        adopted = await super().reload(config)
+        self.counters = counters
+        return adopted
+
+
+def _counters(config: Config) -> dict[str, PromptCounter]:
+    g = config.gateway
+    return {name: PromptCounter(p.tokenizer, g.chars_per_token) for name, p in config.pools.items()}
 
 
 def _error(status: int, message: str, kind: str, code: str, **headers: str) -> ProxyException:
@@ -100,13 +122,13 @@ def _usage(obj: Any) -> Usage | None:
 
 
 class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no type information
-    """The callback LiteLLM calls; the gateway's runtime (core, store, ticks, lease renewal)
+    """The callback LiteLLM calls; the admission runtime (core, store, ticks, lease renewal)
     is built from the tokenpools config on first use, inside LiteLLM's event loop."""
 
     def __init__(self, config_path: str | Path | None = None) -> None:
         super().__init__()
         self.config_path = config_path
-        self._gateway: Gateway | None = None
+        self._admission: Admission | None = None
         self.config_file: ConfigFile | None = None
         self._starting = asyncio.Lock()
         self._following: asyncio.Task[None] | None = None  # the config file, followed
@@ -114,39 +136,40 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self.answer_headers: dict[str, dict[str, str]] = {}  # x-ratelimit-*, by call id
 
     @property
-    def gateway(self) -> Gateway:
+    def admission(self) -> Admission:
         """The runtime, built (not started) on first use: custom auth needs only its keys."""
-        if self._gateway is None:
+        if self._admission is None:
             path = self.config_path or os.environ.get(CONFIG_ENV)
             if not path:
                 raise RuntimeError(f"tokenpools: set {CONFIG_ENV} to the tokenpools config file")
             self.config_file = ConfigFile(Path(path))
-            self._gateway = Gateway(load_config(Path(path)), access_log=False)
-        return self._gateway
+            self._admission = Admission(load_config(Path(path)))
+        return self._admission
 
-    async def started(self) -> Gateway:
+    async def started(self) -> Admission:
         """The runtime, started in LiteLLM's event loop on the first request: ticks, lease
         renewal, and the config file followed as `tokenpools serve` follows it."""
-        gw = self.gateway
-        if gw.session is None:
+        admission = self.admission
+        if not admission.started:
             async with self._starting:
-                if gw.session is None:
-                    await gw.start(TICK_INTERVAL_S, HEALTH_INTERVAL_S)
+                if not admission.started:
+                    await admission.start(TICK_INTERVAL_S)
+                    admission.started = True
                     assert self.config_file is not None
-                    following = self.config_file.follow(gw, WATCH_INTERVAL_S)
+                    following = self.config_file.follow(admission, WATCH_INTERVAL_S)
                     self._following = asyncio.create_task(following)
-        return gw
+        return admission
 
     async def aclose(self) -> None:
         """Stop the background work and close the store's connections (a host shutting
         down; LiteLLM's own exit does without: leases it held expire in the store)."""
         if self._following is not None:
             self._following.cancel()
-        if self._gateway is not None and self._gateway.session is not None:
-            await self._gateway.stop()
+        if self._admission is not None and self._admission.started:
+            await self._admission.stop()
 
     def entitlement_of(self, auth: UserAPIKeyAuth) -> str | None:
-        known = self.gateway.core.entitlements
+        known = self.admission.core.entitlements
         named = (
             (auth.metadata or {}).get(ENTITLEMENT_METADATA),
             (getattr(auth, "team_metadata", None) or {}).get(ENTITLEMENT_METADATA),
@@ -169,14 +192,13 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
                 "permission_error",
                 "call_type_not_governed",
             )
-        gw = await self.started()
+        admission = await self.started()
         entitlement = self.entitlement_of(user_api_key_dict)
         if entitlement is None:
-            gw.metrics.unauthorized.inc()
             raise _error(
                 401, "this key maps to no tokenpools entitlement", "auth_error", "invalid_api_key"
             )
-        pool = gw.pool_for(entitlement, data.get("model"))
+        pool = admission.pool_for(entitlement, data.get("model"))
         if pool is None:
             raise _error(
                 404,
@@ -185,12 +207,12 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
                 "model_not_found",
             )
         try:
-            count = sequences(data, gw.config.gateway.max_sequences)
+            count = sequences(data, admission.config.gateway.max_sequences)
             requested = 0 if path == EMBEDDINGS else max_tokens(data)
         except BadRequest as exc:
             raise _error(400, str(exc), "invalid_request_error", "invalid_request") from None
-        prompt_tokens = await gw.prompt_tokens(pool, data, path)
-        decision = await gw.admit(entitlement, RequestCost(prompt_tokens, requested, count))
+        prompt_tokens = await admission.counters[pool].count(data, path)
+        decision = await admission.admit(entitlement, RequestCost(prompt_tokens, requested, count))
         if isinstance(decision, Reject):
             r = refusal(decision)
             # LiteLLM writes the status as the body's `code`: the reason goes in a header too
@@ -204,10 +226,9 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
         task = asyncio.current_task()
         # a stream is ended by its iterator (an error event), others by cancelling their task
-        handle = AdmittedRequest(None if stream else task, decision.lease)
-        gw.admitted_requests[decision.lease.lease_id] = handle
+        admitted = admission.hold(decision, None if stream else task)
         call_id = data.setdefault("litellm_call_id", decision.lease.lease_id)
-        self.held[call_id] = Held(handle, prompt_tokens, stream)
+        self.held[call_id] = Held(admitted, prompt_tokens, stream)
         self.answer_headers[call_id] = ratelimit_headers(decision.quota)
         if task is not None:
             task.add_done_callback(lambda _: self._forget(call_id))
@@ -232,12 +253,8 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
     def _end(self, call_id: str, usage: Usage | None, refund: bool = True) -> None:
         """Settle on `usage`, or release (refund, or charge the reservation): once per call."""
         held = self.held.pop(call_id, None)
-        if held is None:
-            return
-        gw = self.gateway
-        gw.admitted_requests.pop(held.handle.lease.lease_id, None)
-        if not held.handle.evicted:  # an evicted lease has already ended in the store
-            gw.ledger.end(held.handle.lease, usage, gw.clock(), refund=refund)
+        if held is not None:  # an evicted one has already ended: this does nothing then
+            held.admitted.end(usage, refund)
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: UserAPIKeyAuth, response: Any
@@ -275,7 +292,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         streamed = 0
         try:
             async for item in response:
-                if held.handle.evicted:
+                if held.admitted.evicted:
                     raise _error(
                         503,
                         "this request was preempted by higher-priority work; retry later",
@@ -292,7 +309,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
 
 async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:
     """LiteLLM's custom auth: a key of the tokenpools config → its entitlement, as the team."""
-    entitlement = proxy_handler_instance.gateway.core.entitlement_for_key(api_key)
+    entitlement = proxy_handler_instance.admission.entitlement_for_key(api_key)
     if entitlement is None:
         raise _error(401, "invalid API key", "auth_error", "invalid_api_key")
     return UserAPIKeyAuth(api_key=api_key, team_id=entitlement, team_alias=entitlement)

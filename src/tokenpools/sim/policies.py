@@ -242,7 +242,7 @@ class TokenPools(AdmissionPolicy):
         for ent, tenant in self.tenant_of.items():
             if ent in self.absent:
                 continue
-            scores = self.core.store.scores(ent, now)
+            scores = self.core.scores(ent, now)
             out[tenant] = (scores.debt, scores.priority)
         return out
 

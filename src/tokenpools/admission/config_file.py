@@ -1,23 +1,26 @@
-"""A gateway's config file, followed: a changed file is loaded and adopted; an invalid one is
-logged and the running config kept. `tokenpools serve` and the LiteLLM integration both follow
-theirs."""
+"""A config file, followed: a changed file is loaded and adopted; an invalid one is logged and
+the running config kept. `tokenpools serve` and the LiteLLM integration both follow theirs."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
+from typing import Protocol
 
-from tokenpools.gateway.runtime import Gateway
-from tokenpools.model.config import ConfigError, load_config
+from tokenpools.model.config import Config, ConfigError, load_config
 
-log = logging.getLogger("tokenpools.gateway")
+log = logging.getLogger("tokenpools.admission")
 
 
-async def reload_from(gateway: Gateway, path: Path) -> bool:
+class Reloadable(Protocol):
+    async def reload(self, config: Config) -> object: ...
+
+
+async def reload_from(host: Reloadable, path: Path) -> bool:
     """Load and adopt `path`; an invalid file is logged and the running config kept."""
     try:
-        await gateway.reload(load_config(path))
+        await host.reload(load_config(path))
     except ConfigError as exc:
         log.error("config reload rejected, keeping the running config: %s", exc)
         return False
@@ -42,12 +45,12 @@ class ConfigFile:
         self._seen = mtime
         return True
 
-    async def follow(self, gateway: Gateway, interval_s: float) -> None:
+    async def follow(self, host: Reloadable, interval_s: float) -> None:
         """Every `interval_s`, adopt the file if it changed; runs until cancelled."""
         while True:
             await asyncio.sleep(interval_s)
             try:
                 if self.changed():
-                    await reload_from(gateway, self.path)
+                    await reload_from(host, self.path)
             except Exception:
                 log.exception("reading the config failed; keeping the running config")

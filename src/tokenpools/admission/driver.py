@@ -1,5 +1,5 @@
-"""The gateway's way to the decision core and its store, so the event loop never waits on
-the network.
+"""The store driver: how an asyncio host runs the decision core on its store, so the event
+loop never waits on the network.
 
 With the embedded memory store every call runs inline: nothing waits. With a shared store
 (Redis), the request path (admit, settle, release, renew) awaits one round trip each through
@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, TypeVar
 
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision, Reject
+from tokenpools.control.endings import Ending
 from tokenpools.control.store import Lease, Outcome, StoreUnavailable
+from tokenpools.model.config import Config
 from tokenpools.model.request import RequestCost, Usage
+from tokenpools.state.memory import MemoryStore
 
 if TYPE_CHECKING:
     from tokenpools.state.redis_async import AsyncRedisLedger
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class GatewayLedger:
+class StoreDriver:
     def __init__(self, core: DecisionCore, shared: AsyncRedisLedger | None = None) -> None:
         self.core = core
         self.shared = shared
@@ -53,33 +56,32 @@ class GatewayLedger:
         """Settle a finished request on its usage, or release it (no usage: `refund` or charge
         the whole reservation). With a shared store the call is a task of its own, so a
         request cancelled mid-way still ends its lease."""
-        if self.shared is None or lease.lease_id in self.core.fallback.leases:
-            if usage is None:
-                self.core.release(lease.lease_id, now, refund=refund)
-            else:
-                self.core.settle(lease.lease_id, usage, now)
+        ending = self.core.prepare_end(lease, usage, refund)
+        if self.shared is None or ending.local:
+            self.core.end_on_store(ending, now)
             return
-        task = asyncio.get_running_loop().create_task(self._end(lease, usage, now, refund))
+        task = asyncio.get_running_loop().create_task(self._end(ending, now))
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
 
-    async def _end(self, lease: Lease, usage: Usage | None, now: float, refund: bool) -> None:
+    async def _end(self, ending: Ending, now: float) -> None:
         assert self.shared is not None
         try:
-            if usage is None:
-                await self.shared.release(lease, now, refund=refund)
+            if ending.charged is None:
+                await self.shared.release(ending.lease, now, refund=ending.refund)
             else:
-                await self.shared.settle(lease, self.core.used_tokens(lease, usage), now)
-                self.core.finished(lease, now)
+                await self.shared.settle(ending.lease, ending.charged, now)
         except StoreUnavailable:  # ours is sent when Redis answers; another's expires there
-            pass
+            return
+        self.core.ended(ending, now)
 
     async def renew(self, lease: Lease, now: float) -> bool:
         """False: the lease has ended elsewhere (evicted by another replica, or expired)."""
-        if self.shared is None or lease.lease_id in self.core.fallback.leases:
+        expires_at, local = self.core.renewal(lease, now)
+        if self.shared is None or local:
             return self.core.renew(lease.lease_id, now)
         try:
-            return await self.shared.renew(lease, now + self.core.policy.lease_ttl_s, now)
+            return await self.shared.renew(lease, expires_at, now)
         except StoreUnavailable:  # keep running; the store is asked again next time
             return True
 
@@ -116,14 +118,9 @@ class GatewayLedger:
 
     async def store_answers(self, now: float) -> bool:
         """Whether the shared store answers a read now (always, for the embedded one)."""
-        if self.shared is None or not self.core.pools:
+        if self.shared is None:
             return True
-        pool = next(iter(self.core.pools))
-        try:
-            await self.background(self.core.store.pool_counters, pool, now)
-        except StoreUnavailable:
-            return False
-        return True
+        return await self.background(self.core.store_answers, now)
 
     async def start(self) -> None:
         if self.shared is not None:
@@ -137,3 +134,24 @@ class GatewayLedger:
             await self.shared.aclose()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+
+
+def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
+    """The decision core on the store the config names, and the driver that runs it."""
+    settings = config.state
+    if settings.backend == "memory":
+        local = MemoryStore(counters_on_admit=True)  # every answer's x-ratelimit-* headers
+        return StoreDriver(DecisionCore(config, local, now=now, replica=replica))
+    from tokenpools.state.redis_store import RedisStore  # redis-py only where it is used
+
+    store = RedisStore(
+        settings.url,
+        timeout_s=settings.timeout_s,
+        retry_interval_s=settings.retry_interval_s,
+        prefix=settings.key_prefix,
+        owner=replica,
+        replica_timeout_s=settings.replica_timeout_s,
+    )
+    # The private store holds what the outage policy admits while Redis is unreachable.
+    core = DecisionCore(config, store, now=now, replica=replica, fallback_store=MemoryStore())
+    return StoreDriver(core, store.hot_path())

@@ -1,0 +1,158 @@
+"""The admission runtime an asyncio host stands on: the decision core on its store (through
+the `StoreDriver`), the requests in flight (an `Admitted` each, by lease id), and the
+background work — ticks, the renewal of long requests' leases, config and capacity changes —
+each of which may end requests in flight (evicted, expired). Metrics, history and logs hear
+about decisions as listeners; the runtime knows no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from tokenpools.admission.admitted import Admitted
+from tokenpools.admission.driver import StoreDriver, open_driver
+from tokenpools.control.decisions import Admit, Decision
+from tokenpools.control.snapshot import Snapshot, snapshot
+from tokenpools.control.store import StoreUnavailable
+from tokenpools.model.config import Config
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.resources import Resources
+
+log = logging.getLogger("tokenpools.admission")
+DecisionListener = Callable[[str, Decision, float], None]  # entitlement, decision, now
+
+
+def replica_name() -> str:
+    """Unique per process start: lease ids begin with it, and a restarted replica must not
+    reuse the ids its previous life left in a shared store."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class AdmissionRuntime:
+    def __init__(
+        self,
+        config: Config,
+        clock: Callable[[], float] = time.time,
+        replica: str | None = None,
+    ) -> None:
+        self.config, self.clock = config, clock
+        self.replica = replica or replica_name()
+        self.driver: StoreDriver = open_driver(config, clock(), self.replica)
+        self.core = self.driver.core
+        self.in_flight: dict[str, Admitted] = {}  # by lease id
+        self.listeners: list[DecisionListener] = []
+        self.samplers: list[Callable[[Snapshot], None]] = []  # one snapshot per update period
+        self._next_renewal = self._next_sample = 0.0
+        self._ticking: asyncio.Task[None] | None = None
+        self.model_pool = _models(config)
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def admit(self, entitlement: str, cost: RequestCost) -> Decision:
+        """Decide, tell the listeners, and end the preemptible requests an admission evicts."""
+        now = self.clock()
+        decision = await self.driver.admit(entitlement, cost, now)
+        for listener in self.listeners:
+            listener(entitlement, decision, now)
+        if isinstance(decision, Admit):
+            for victim in decision.evict:
+                self.evict(victim.lease_id)
+        return decision
+
+    def hold(self, decision: Admit, task: asyncio.Task[Any] | None) -> Admitted:
+        """The admitted request, in flight until it ends (`task` is cancelled on eviction)."""
+        admitted = Admitted(decision.lease, task, self._end)
+        self.in_flight[decision.lease.lease_id] = admitted
+        return admitted
+
+    def _end(self, admitted: Admitted, usage: Usage | None, refund: bool) -> None:
+        self.in_flight.pop(admitted.lease.lease_id, None)
+        self.driver.end(admitted.lease, usage, self.clock(), refund=refund)
+
+    def evict(self, lease_id: str) -> None:
+        admitted = self.in_flight.pop(lease_id, None)
+        if admitted is not None:
+            admitted.evict()
+
+    def entitlement_for_key(self, key: str) -> str | None:
+        return self.core.entitlement_for_key(key)
+
+    def pool_for(self, entitlement: str, model: object) -> str | None:
+        """The pool serving `model` if the entitlement may use it (its own pool), else None."""
+        pool = self.model_pool.get(model) if isinstance(model, str) else None
+        return pool if pool == self.core.entitlements[entitlement].ent.pool else None
+
+    # -- changes -------------------------------------------------------------------------
+
+    async def reload(self, config: Config) -> Config:
+        """Adopt a validated config; requests of removed entitlements end. The store is chosen
+        at start: a changed state section waits for a restart. Returns the config adopted."""
+        if config.state != self.config.state:
+            log.warning("the state section changed: it takes effect at the next restart")
+            config = replace(config, state=self.config.state)
+        for lease in await self.driver.background(self.core.apply_config, config, self.clock()):
+            self.evict(lease.lease_id)
+        self.config, self.model_pool = config, _models(config)
+        return config
+
+    async def set_capacity(self, pool: str, per_replica: Resources) -> None:
+        """A pool's replicas now give `per_replica` each (capacity feedback): the preemptible
+        requests that no longer fit end."""
+        change = await self.driver.background(
+            self.core.set_capacity, pool, self.clock(), None, per_replica
+        )
+        for lease in change.evict:
+            self.evict(lease.lease_id)
+
+    # -- time ----------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        now = self.clock()
+        await self.driver.send_unsent()
+        await self.driver.hand_over(now)
+        result = await self.driver.background(self.core.tick, now)
+        for lease in result.expired:
+            self.evict(lease.lease_id)
+        if self.samplers and now >= self._next_sample:  # one snapshot per update period
+            self._next_sample = now + self.core.policy.update_period_s
+            with contextlib.suppress(StoreUnavailable):
+                snap = await self.driver.background(snapshot, self.core, now)
+                for sample in self.samplers:
+                    sample(snap)
+        if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
+            self._next_renewal = now + self.core.policy.lease_ttl_s / 4
+            held = list(self.in_flight.values())
+            alive = await asyncio.gather(*(self.driver.renew(a.lease, now) for a in held))
+            for admitted, renewed in zip(held, alive, strict=True):
+                if not renewed:
+                    self.evict(admitted.lease.lease_id)
+
+    async def start(self, tick_interval_s: float) -> None:
+        await self.driver.start()
+        self._ticking = asyncio.create_task(self._tick_every(tick_interval_s))
+
+    async def stop(self) -> None:
+        if self._ticking is not None:
+            self._ticking.cancel()
+            await asyncio.gather(self._ticking, return_exceptions=True)
+        await self.driver.aclose()
+
+    async def _tick_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.tick()
+            except Exception:  # a bad tick must not end ticking for good
+                log.exception("tick failed")
+
+
+def _models(config: Config) -> dict[str, str]:
+    return {m: p.name for p in config.pools.values() for m in p.models}

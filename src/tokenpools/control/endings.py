@@ -1,0 +1,126 @@
+"""The ends of requests — settled on their usage, released, renewed — with the same split as
+admission: the core prepares what the store must do (`prepare_end`: the lease, the tokens
+charged, whether this process holds it), the host runs it on its store (inline with
+`end_on_store`, or awaiting a remote store), and the core takes the result (`ended`). The
+synchronous `settle` / `release` / `renew` are those steps in one call; no host repeats the
+rules (which store holds a lease, what a usage costs, what an unreachable store means).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenpools.control.catalog import Catalog
+from tokenpools.control.fallback import LocalFallback
+from tokenpools.control.store import Lease, Scores, StoreUnavailable
+from tokenpools.model.request import Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How one admission lease ends: settled on `charged` weighted tokens, or released
+    (`charged` None: refunded, or charged its whole reservation without `refund`)."""
+
+    lease: Lease
+    charged: float | None
+    refund: bool
+    local: bool  # held by this process's fallback budget, not by the store
+
+
+class Endings(Catalog):
+    fallback: LocalFallback
+
+    def prepare_end(self, lease: Lease, usage: Usage | None, refund: bool = True) -> Ending:
+        charged = None if usage is None else self.used_tokens(lease, usage)
+        return Ending(lease, charged, refund, lease.lease_id in self.fallback.leases)
+
+    def end_on_store(self, ending: Ending, now: float) -> bool:
+        """Run an ending on the store the core was given (the fallback for a local lease);
+        False when the store is unreachable (the lease expires there)."""
+        lease_id = ending.lease.lease_id
+        try:
+            if ending.local:
+                if ending.charged is None:
+                    self.fallback.release(lease_id, now, refund=ending.refund)
+                else:
+                    self.fallback.settle(lease_id, ending.charged, now)
+            elif ending.charged is None:
+                self.store.release(lease_id, now, refund=ending.refund)
+            else:
+                self.store.settle(lease_id, ending.charged, now)
+        except StoreUnavailable:
+            return False
+        self.ended(ending, now)
+        return True
+
+    def ended(self, ending: Ending, now: float) -> None:
+        """A settled request's duration feeds the Retry-After estimate."""
+        if ending.charged is None:
+            return
+        pool_view = self._pools.get(ending.lease.pool)
+        if pool_view is not None:
+            duration = max(0.0, now - ending.lease.started_at)
+            pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * duration
+
+    def used_tokens(self, lease: Lease, usage: Usage) -> float:
+        """What a finished request is charged, in its pool's weighted tokens."""
+        pool = self._pools[lease.pool].pool
+        return (
+            pool.input_token_weight * usage.input_tokens
+            + pool.output_token_weight * usage.output_tokens
+        )
+
+    def _lease(self, lease_id: str, now: float) -> Lease | None:
+        local = lease_id in self.fallback.leases
+        try:
+            return (self.fallback if local else self.store).get_lease(lease_id, now)
+        except StoreUnavailable:
+            return None
+
+    def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
+        """The request finished; charge what it really used and refund the rest."""
+        lease = self._lease(lease_id, now)
+        if lease is None or not self.end_on_store(self.prepare_end(lease, usage), now):
+            return None
+        return lease
+
+    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
+        """The request ended without usage (backend down, cancelled before it ran: refund;
+        cut off mid-way with unknown usage: refund=False charges the whole reservation)."""
+        if lease_id in self.fallback.leases:
+            return self.fallback.release(lease_id, now, refund=refund)
+        try:
+            return self.store.release(lease_id, now, refund=refund)
+        except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
+            return None
+
+    def renewal(self, lease: Lease, now: float) -> tuple[float, bool]:
+        """(the new expiry, whether this process's fallback holds the lease)."""
+        return now + self.policy.lease_ttl_s, lease.lease_id in self.fallback.leases
+
+    def renew(self, lease_id: str, now: float) -> bool:
+        """Push a long-running request's lease expiry out by one TTL from now. False: the
+        lease has ended (evicted by another replica, or expired) and its request must end."""
+        expires_at = now + self.policy.lease_ttl_s
+        if lease_id in self.fallback.leases:
+            return self.fallback.renew(lease_id, expires_at, now)
+        try:
+            return self.store.renew(lease_id, expires_at, now)
+        except StoreUnavailable:  # keep running; the store is asked again next time
+            return True
+
+    # -- reads a host may make, through the core -----------------------------------------
+
+    def store_answers(self, now: float) -> bool:
+        """Whether the store answers a read now."""
+        if not self._pools:
+            return True
+        try:
+            self.store.pool_counters(next(iter(self._pools)), now)
+        except StoreUnavailable:
+            return False
+        return True
+
+    def scores(self, entitlement: str, now: float) -> Scores:
+        """An entitlement's debt, burst and priority as the store holds them."""
+        return self.store.scores(entitlement, now)
