@@ -2,8 +2,8 @@
 
 1. Client CPU per script call (an EVALSHA with 45 arguments, 50 calls in flight): redis-py's
    asyncio client (a pooled connection per call, hiredis packing) against the multiplexed
-   connection the gateway uses (state/redis_mux.py).
-2. Per arrival through the gateway's awaited path (StoreDriver, AsyncRedisLedger, 48
+   connection the gateway uses (state/redis/mux.py).
+2. Per arrival through the gateway's awaited path (StoreDriver, RedisHotPath, 48
    arrivals in flight, 100 entitlements of every class, admitted ones settled): CPU seconds of
    the redis-server process and of this process, per arrival. Each repeat uses a fresh pool.
 
@@ -35,9 +35,9 @@ from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import redis_server
-from tokenpools.state.redis_async import AsyncRedisLedger
-from tokenpools.state.redis_connect import async_client
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis.connect import async_client
+from tokenpools.state.redis.hot_path import RedisHotPath
+from tokenpools.state.redis.store import RedisStore
 
 SCRIPT = "redis.call('HSET', KEYS[1], 'x', ARGV[1]) return {ARGV[1], ARGV[2]}"
 ARGS = [repr(1000.123456789 + i) for i in range(45)]
@@ -85,7 +85,7 @@ async def multiplexed(url: str) -> float:
 
 async def arrivals(core: DecisionCore, n: int, seed: int) -> None:
     assert isinstance(core.store, RedisStore)
-    ledger = StoreDriver(core, AsyncRedisLedger(core.store))
+    ledger = StoreDriver(core, RedisHotPath(core.store))
     await ledger.start()
     names, rng, sent, t = list(core.entitlements), random.Random(seed), 0, 1000.0
 

@@ -30,6 +30,10 @@ from typing import Any
 import redis
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' Redis topologies
+
+from tests.redis_topologies import redis_cluster
+
 from gateway import bench_config, closed_loop, pct
 from tokenpools import core_build
 from tokenpools.admission.driver import StoreDriver
@@ -39,10 +43,9 @@ from tokenpools.control.store import Lease
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
-from tokenpools.redis_topologies import redis_cluster
 from tokenpools.state.memory import MemoryStore
-from tokenpools.state.redis_async import AsyncRedisLedger
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis.hot_path import RedisHotPath
+from tokenpools.state.redis.store import RedisStore
 
 CLASSES = ["guaranteed", "dedicated", "elastic", "spot", "preemptible"]
 
@@ -96,7 +99,7 @@ async def awaited_run(core: DecisionCore, n: int, seed: int) -> dict[str, float]
     """`admission_run`'s arrivals through the gateway's awaited path (StoreDriver on the
     multiplexed connection), one call in flight: admit and settle latencies."""
     assert isinstance(core.store, RedisStore)
-    ledger = StoreDriver(core, AsyncRedisLedger(core.store))
+    ledger = StoreDriver(core, RedisHotPath(core.store))
     await ledger.start()
     rng = random.Random(seed)
     names = list(core.entitlements)

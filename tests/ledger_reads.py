@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-# An entitlement's counters live packed in its record (state/lua/storage.lua): read them there.
+# An entitlement's counters live packed in its record (state/redis/lua/storage.lua): read
+# them there.
 RECORD_COUNTERS = """local raw = redis.call('HGET', KEYS[1], 's')
 if not raw then return {} end
 local t = cmsgpack.unpack(raw)

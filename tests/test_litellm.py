@@ -34,7 +34,7 @@ from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port, wait_port
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis.store import RedisStore
 
 pytestmark = pytest.mark.litellm
 

@@ -1,4 +1,4 @@
-"""The gateway's awaited path to Redis (StoreDriver over AsyncRedisLedger): lease ends that
+"""The gateway's awaited path to Redis (StoreDriver over RedisHotPath): lease ends that
 come together go to Redis together, and leave the ledger as ending them one by one in memory
 does."""
 
@@ -14,8 +14,8 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reject
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.state.memory import MemoryStore
-from tokenpools.state.redis_async import AsyncRedisLedger
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis.hot_path import RedisHotPath
+from tokenpools.state.redis.store import RedisStore
 
 
 def script_calls(client: redis.Redis) -> int:
@@ -40,7 +40,7 @@ def test_lease_ends_that_come_together_go_in_one_call_and_settle_as_one_by_one(
     usages = [Usage(100 + i, 5 + 2 * i) for i in range(24)]
 
     async def go() -> int:
-        ledger = StoreDriver(shared, AsyncRedisLedger(shared.store))  # type: ignore[arg-type]
+        ledger = StoreDriver(shared, RedisHotPath(shared.store))  # type: ignore[arg-type]
         await ledger.start()
         leases = []
         for i, cost in enumerate(costs):
@@ -93,7 +93,7 @@ def test_admissions_that_come_together_go_in_one_call_and_decide_as_one_by_one(
     shared = DecisionCore(config, RedisStore(redis_url, timeout_s=1.0), now=0.0)
 
     async def go() -> tuple[list[object], int]:
-        ledger = AsyncRedisLedger(shared.store)  # type: ignore[arg-type]
+        ledger = RedisHotPath(shared.store)  # type: ignore[arg-type]
         await ledger.warm()
         steps = [shared.prepare(name, cost, 1.0, rid) for rid, name, cost in arrivals]
         before = script_calls(redis_client)
@@ -132,7 +132,7 @@ def test_an_admission_whose_caller_is_cancelled_on_the_way_leaves_no_lease(
     core = DecisionCore(config, RedisStore(redis_url, timeout_s=1.0, prefix="orphan"), now=0.0)
 
     async def go() -> tuple[int, bool]:
-        ledger = AsyncRedisLedger(core.store)  # type: ignore[arg-type]
+        ledger = RedisHotPath(core.store)  # type: ignore[arg-type]
         await ledger.warm()
         step = core.prepare("b", RequestCost(10, 10), 1.0)
         caller = asyncio.ensure_future(ledger.admit(step, 1.0))  # type: ignore[arg-type]
@@ -158,7 +158,7 @@ def test_a_lease_that_ends_while_it_is_handed_over_leaves_nothing_booked(redis_u
     core = DecisionCore(config, store, now=0.0, fallback_store=MemoryStore())
 
     async def go() -> tuple[int, float, int]:
-        ledger = StoreDriver(core, AsyncRedisLedger(store))
+        ledger = StoreDriver(core, RedisHotPath(store))
         await ledger.start()
         step = core.prepare("gold", RequestCost(10, 10), 1.0)
         assert not isinstance(step, Reject)

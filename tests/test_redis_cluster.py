@@ -14,13 +14,13 @@ import pytest
 import redis.cluster
 
 from tests import test_replicas as single
+from tests.redis_topologies import RedisCluster, redis_cluster
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import RequestCost, Usage
-from tokenpools.redis_topologies import RedisCluster, redis_cluster
 from tokenpools.state.memory import MemoryStore
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis.store import RedisStore
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from tokenpools.processes import free_port, redis_server
-from tokenpools.state.redis_connect import async_client
-from tokenpools.state.redis_mux import Address, Multiplexed
+from tokenpools.state.redis.connect import async_client
+from tokenpools.state.redis.mux import Address, Multiplexed
 
 # Holds the server for 0.4 s (DEBUG SLEEP is disabled by default in Redis 7).
 BUSY_400_MS = """local s = redis.call('TIME')

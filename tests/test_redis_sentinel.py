@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests import test_replicas as single
-from tokenpools.redis_topologies import RedisSentinel, redis_sentinel
-from tokenpools.state.redis_connect import sync_client
+from tests.redis_topologies import RedisSentinel, redis_sentinel
+from tokenpools.state.redis.connect import sync_client
 
 
 @pytest.fixture

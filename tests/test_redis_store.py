@@ -24,7 +24,7 @@ from tokenpools.model.config import Config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import free_port, redis_server
 from tokenpools.state.memory import MemoryStore
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis.store import RedisStore
 
 ENTS: list[dict[str, Any]] = [
     {"name": "gold-a", "serviceClass": "guaranteed", "sloTargetMs": 800, "concurrency": 2},

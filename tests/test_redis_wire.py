@@ -1,5 +1,5 @@
 """The one wire contract between RedisStore and its Lua script: every name the script reads is
-declared in state/redis_wire.py, every declared name is used, and a whole admission, refusal
+declared in state/redis/wire.py, every declared name is used, and a whole admission, refusal
 included, is one round trip."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Reject
 from tokenpools.control.store import EntitlementCounters, PoolCounters, ReservePlan
 from tokenpools.model.request import RequestCost
-from tokenpools.state import redis_wire as wire
 from tokenpools.state.memory import MemoryStore
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis import wire
+from tokenpools.state.redis.store import RedisStore
 
-LUA = {p: files("tokenpools.state").joinpath("lua", p).read_text() for p in wire.LUA_PARTS}
+LUA = {p: files("tokenpools.state.redis").joinpath("lua", p).read_text() for p in wire.LUA_PARTS}
 SOURCE = "\n".join(LUA.values())
 
 

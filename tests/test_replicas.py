@@ -243,7 +243,8 @@ async def drive(c: Cluster, seconds: float, events: list[tuple[float, Any]] = ()
     return t0
 
 
-# An entitlement's counters live packed in its record (state/lua/storage.lua): read them there.
+# An entitlement's counters live packed in its record (state/redis/lua/storage.lua): read
+# them there.
 RECORD_COUNTERS = """local t = cmsgpack.unpack(redis.call('HGET', KEYS[1], 's'))
 return { tostring(t.conc), tostring(t.kv), tostring(t.leases) }"""
 

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tokenpools.control.store import INF, BucketSpec, Lease, Reservation, ReservePlan, Scores
 from tokenpools.state.memory import MemoryStore
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis.store import RedisStore
 
 POOL_OF = {"a": "p", "b": "p", "c": "p", "d": "q"}
 NUMBERS = st.sampled_from([0.0, 1.0, 2.0, 3.0, 64.0, 500.0, 4096.0, INF])

@@ -37,9 +37,9 @@ from tests.fault_load import (
     reader,
 )
 from tests.faults import FaultProxy, fault_proxy, sigcont, sigstop
+from tests.redis_topologies import redis_cluster, redis_sentinel
 from tokenpools.control.decisions import Reason
 from tokenpools.processes import redis_server
-from tokenpools.redis_topologies import redis_cluster, redis_sentinel
 
 
 def schedules(kinds: tuple[str, ...]) -> st.SearchStrategy[list[Fault]]:

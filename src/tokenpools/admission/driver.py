@@ -24,13 +24,13 @@ from tokenpools.model.request import RequestCost, Usage
 from tokenpools.state.memory import MemoryStore
 
 if TYPE_CHECKING:
-    from tokenpools.state.redis_async import AsyncRedisLedger
+    from tokenpools.state.redis.hot_path import RedisHotPath
 
 T = TypeVar("T")
 
 
 class StoreDriver:
-    def __init__(self, core: DecisionCore, shared: AsyncRedisLedger | None = None) -> None:
+    def __init__(self, core: DecisionCore, shared: RedisHotPath | None = None) -> None:
         self.core = core
         self.shared = shared
         self._worker = (
@@ -142,7 +142,7 @@ def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
     if settings.backend == "memory":
         local = MemoryStore(counters_on_admit=True)  # every answer's x-ratelimit-* headers
         return StoreDriver(DecisionCore(config, local, now=now, replica=replica))
-    from tokenpools.state.redis_store import RedisStore  # redis-py only where it is used
+    from tokenpools.state.redis.store import RedisStore  # redis-py only where it is used
 
     store = RedisStore(
         settings.url,

@@ -1,5 +1,5 @@
 """Who may evict preemptible work, and which leases make room: the rule every store runs
-inside its atomic admission (state/lua/reserve.lua is its port) and the core runs when
+inside its atomic admission (state/redis/lua/reserve.lua is its port) and the core runs when
 capacity shrinks."""
 
 from __future__ import annotations

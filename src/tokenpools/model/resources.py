@@ -47,14 +47,6 @@ class Resources:
     def as_dict(self) -> dict[str, float]:
         return dict(zip(DIMENSIONS, self.as_tuple(), strict=True))
 
-    def fits_within(self, limit: Resources) -> bool:
-        """True when every dimension is at most the limit's."""
-        return (
-            self.throughput <= limit.throughput
-            and self.kv_tokens <= limit.kv_tokens
-            and self.concurrency <= limit.concurrency
-        )
-
     def is_nonnegative(self) -> bool:
         return self.throughput >= 0 and self.kv_tokens >= 0 and self.concurrency >= 0
 

@@ -1,5 +1,6 @@
 """The paper's comparisons of one lease against a ReservePlan, on the memory store's accounts
-(state/lua/reserve.lua's `attempt` is their port), in the order the Shortfall enum lists them."""
+(state/redis/lua/reserve.lua's `attempt` is their port), in the order the Shortfall enum lists
+them."""
 
 from __future__ import annotations
 

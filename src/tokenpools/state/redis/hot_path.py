@@ -14,18 +14,18 @@ from typing import Any
 import redis
 
 from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
-from tokenpools.state import redis_connect
-from tokenpools.state import redis_wire as wire
-from tokenpools.state.redis_link import FAILURES, finish_args, finish_calls
-from tokenpools.state.redis_mux import Multiplexed
-from tokenpools.state.redis_store import RedisStore
+from tokenpools.state.redis import connect as redis_connect
+from tokenpools.state.redis import wire
+from tokenpools.state.redis.link import FAILURES, finish_args, finish_calls
+from tokenpools.state.redis.mux import Multiplexed
+from tokenpools.state.redis.store import RedisStore
 
 # Calls of one kind (admit, finish) for one pool on their way at once. More than one keeps the
 # connection busy while the next group gathers; the rest wait and go together.
 CALLS_ON_THE_WAY = 2
 
 
-class AsyncRedisLedger:
+class RedisHotPath:
     def __init__(self, store: RedisStore) -> None:
         self.store = store
         self.client = redis_connect.async_client(store.url, store.timeout_s)

@@ -12,7 +12,7 @@ admissions whose reply their caller never took (a timeout, a cancelled caller, a
 connection): Redis may have booked those, or may still, so each is ended with a tombstone that
 refuses a late booking. They are sent before the next call that reaches Redis, which every tick
 makes. When Redis lost its data (the pool's epoch changed) the leases this replica still holds
-are booked again, once. `RedisStore` builds the ledger's operations on it; `AsyncRedisLedger`
+are booked again, once. `RedisStore` builds the ledger's operations on it; `RedisHotPath`
 shares it for the awaited hot path.
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 import redis
 
 from tokenpools.control.store import Lease, StoreUnavailable
-from tokenpools.state import redis_connect
-from tokenpools.state import redis_wire as wire
+from tokenpools.state.redis import connect as redis_connect
+from tokenpools.state.redis import wire
 
 # Any error from Redis (unreachable, timed out, out of memory, busy) makes the store unavailable
 # for a while: the core then applies the outage policy rather than failing the request.

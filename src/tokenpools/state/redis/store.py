@@ -1,14 +1,14 @@
 """The shared store: one Redis holds the ledger of every gateway replica.
 
-Each operation is one call of one Lua script (state/lua/, run by EVALSHA and loaded again on
-NOSCRIPT; state/redis_wire.py declares its arguments and replies), so a whole admission is
+Each operation is one call of one Lua script (state/redis/lua/, run by EVALSHA and loaded again on
+NOSCRIPT; state/redis/wire.py declares its arguments and replies), so a whole admission is
 atomic across replicas and costs one round trip. A pool's keys share one hash tag, so a pool
-lives on one Redis Cluster shard (state/redis_connect.py makes the clients).
+lives on one Redis Cluster shard (state/redis/connect.py makes the clients).
 
 `RedisStore` is the synchronous Store (simulations, tests, the gateway's background work on its
 worker thread); `RedisStore.hot_path()` gives the gateway the same ledger awaited, for admit,
 settle, release and renew, so its event loop never waits on Redis. Both share this replica's
-bookkeeping (state/redis_link.py: calls, timeouts, what is kept while Redis is away).
+bookkeeping (state/redis/link.py: calls, timeouts, what is kept while Redis is away).
 """
 
 from __future__ import annotations
@@ -32,19 +32,19 @@ from tokenpools.control.store import (
     StoreUnavailable,
     Window,
 )
-from tokenpools.state import redis_wire as wire
-from tokenpools.state.redis_link import RedisLink, finish_args
+from tokenpools.state.redis import wire
+from tokenpools.state.redis.link import RedisLink, finish_args
 
 if TYPE_CHECKING:
-    from tokenpools.state.redis_async import AsyncRedisLedger
+    from tokenpools.state.redis.hot_path import RedisHotPath
 
 
 class RedisStore(RedisLink):
-    def hot_path(self) -> AsyncRedisLedger:
+    def hot_path(self) -> RedisHotPath:
         """The same ledger for an asyncio host: admit, settle, release and renew awaited."""
-        from tokenpools.state.redis_async import AsyncRedisLedger
+        from tokenpools.state.redis.hot_path import RedisHotPath
 
-        return AsyncRedisLedger(self)
+        return RedisHotPath(self)
 
     def _pool_of_lease(self, lease_id: str, now: float) -> str | None:
         lease = self._mine.get(lease_id)

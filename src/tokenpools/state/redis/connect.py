@@ -14,7 +14,7 @@ becomes the store's outage policy at once, since a call that timed out may have 
 replica promoted) fails that call and learns the new layout, so the next call goes there.
 
 The gateway's hot path on one server (plain or behind Sentinel) shares one multiplexed
-connection (state/redis_mux.py); TLS and the cluster use redis-py's asyncio clients."""
+connection (state/redis/mux.py); TLS and the cluster use redis-py's asyncio clients."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 
-from tokenpools.state.redis_mux import Address, Multiplexed
+from tokenpools.state.redis.mux import Address, Multiplexed
 
 # Calls in flight per replica on the hot path. Redis runs one script at a time, so more buy
 # nothing; a request beyond them waits for one (bounded: each call holds it at most one
@@ -41,10 +41,6 @@ CONNECTIONS = 32
 POOL_WAIT_S = 5.0
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEME = "redis+sentinel"
-
-
-def is_cluster(url: str) -> bool:
-    return urlsplit(url).scheme in CLUSTER_SCHEMES
 
 
 def options(timeout_s: float) -> dict[str, Any]:
