@@ -225,7 +225,8 @@ def load(
     import json
 
     from tokenpools.engine.profile import load_profile
-    from tokenpools.loadgen import LoadRun, Target, summary_json
+    from tokenpools.loadgen import LoadRun, Target
+    from tokenpools.sim.metrics import summary_json
     from tokenpools.sim.report import policy_table
     from tokenpools.sim.scenario import load_scenario
 

@@ -24,63 +24,14 @@ import aiohttp
 
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.openai_api import vllm_gauges
+from tokenpools.prompt import prompt_text
 from tokenpools.sim.records import Attempt, Job, RunResult, Sample, new_job
 from tokenpools.sim.scenario import Scenario, Tenant, Workload
 from tokenpools.sim.workload import backoff_s, next_gap, workload_at
 
+
 # Short words that real tokenizers (BPE with a leading space) make one token each, and that are
 # ~4 characters with their space: the gateway's and the emulator's estimate.
-WORDS = [
-    "the",
-    "and",
-    "for",
-    "you",
-    "not",
-    "are",
-    "but",
-    "all",
-    "any",
-    "can",
-    "had",
-    "her",
-    "was",
-    "one",
-    "our",
-    "out",
-    "day",
-    "get",
-    "has",
-    "him",
-    "his",
-    "how",
-    "man",
-    "new",
-    "now",
-    "old",
-    "see",
-    "two",
-    "way",
-    "who",
-    "boy",
-    "did",
-    "its",
-    "let",
-    "put",
-    "say",
-    "she",
-    "too",
-    "use",
-]
-FRAMING_TOKENS = 4  # what the chat template adds around one user message, roughly
-
-
-def prompt_text(tokens: int, seed: str) -> str:
-    """About `tokens` tokens of words drawn from `seed` (the request id): prompts share no
-    prefix, so a real engine's prompt cache cannot hide the prefill."""
-    rng = random.Random(seed)
-    return " ".join(rng.choices(WORDS, k=max(1, tokens - FRAMING_TOKENS)))
-
-
 @dataclass
 class Target:
     base_url: str  # e.g. http://127.0.0.1:8080 (the gateway) or a backend
@@ -344,13 +295,3 @@ async def _error_code(response: aiohttp.ClientResponse) -> str | None:
         return str(code) if code is not None else f"http_{response.status}"
     except (ValueError, aiohttp.ClientError):
         return f"http_{response.status}"
-
-
-def summary_json(result: RunResult) -> dict[str, Any]:
-    from tokenpools.sim.metrics import summarize
-
-    return {
-        "scenario": result.scenario.name,
-        "seed": result.seed,
-        "policies": {result.policy: summarize(result)},
-    }

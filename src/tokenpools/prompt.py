@@ -6,6 +6,7 @@ Prompts given as token ids count exactly."""
 from __future__ import annotations
 
 import json
+import random
 from typing import Any, NamedTuple
 
 # Chat templates wrap every message in a few tokens of their own (role markers, separators).
@@ -105,3 +106,55 @@ def _plain(value: Any, out: list[str]) -> int:
         elif isinstance(item, list):
             ids += sum(1 for x in item if isinstance(x, int))
     return ids
+
+
+# Common short words: a synthetic prompt of about n tokens (the load generator, the real-engine
+# checks) at about one token per word.
+WORDS = [
+    "the",
+    "and",
+    "for",
+    "you",
+    "not",
+    "are",
+    "but",
+    "all",
+    "any",
+    "can",
+    "had",
+    "her",
+    "was",
+    "one",
+    "our",
+    "out",
+    "day",
+    "get",
+    "has",
+    "him",
+    "his",
+    "how",
+    "man",
+    "new",
+    "now",
+    "old",
+    "see",
+    "two",
+    "way",
+    "who",
+    "boy",
+    "did",
+    "its",
+    "let",
+    "put",
+    "say",
+    "she",
+    "too",
+    "use",
+]
+
+
+def prompt_text(tokens: int, seed: str) -> str:
+    """About `tokens` tokens of words drawn from `seed` (the request id): prompts share no
+    prefix, so a real engine's prompt cache cannot hide the prefill."""
+    rng = random.Random(seed)
+    return " ".join(rng.choices(WORDS, k=max(1, tokens - FRAMING_TOKENS)))

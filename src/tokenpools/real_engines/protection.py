@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from tokenpools.loadgen import prompt_text
 from tokenpools.model.keys import hash_key
+from tokenpools.prompt import prompt_text
 
 MODEL = "smollm2"
 KEYS = {"gold": "sk-gold", "spot": "sk-spot"}

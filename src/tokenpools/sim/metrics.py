@@ -222,3 +222,11 @@ def vtc_service_difference(result: RunResult, window_s: float = 60.0) -> float |
             service = a.req.prompt_tokens + 2 * a.output_tokens
             windows[int(a.finished_at // window_s)][a.req.tenant] += service
     return max((max(w.values()) - min(w.values()) for w in windows.values()), default=0.0)
+
+
+def summary_json(result: RunResult) -> dict[str, Any]:
+    return {
+        "scenario": result.scenario.name,
+        "seed": result.seed,
+        "policies": {result.policy: summarize(result)},
+    }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from tokenpools.control.store import INF, BucketSpec, Lease
+from tokenpools.control.store import INF, BucketSpec, Lease, PoolCounters, Window
 
 
 class Bucket:
@@ -91,6 +91,24 @@ class EntitlementAccount:
             self.kv_seconds += self.kv * dt
             self.t_acc = now
 
+    def take_window(self, now: float) -> Window:
+        """What the entitlement did since the last window, and a new window from now."""
+        self.accumulate(now)
+        window = Window(
+            seconds=now - self.window_start,
+            settled_tokens=self.settled,
+            demand_tokens=self.demand,
+            admitted_tokens=self.admitted,
+            concurrency_seconds=self.conc_seconds,
+            kv_seconds=self.kv_seconds,
+            peak_concurrency=self.peak_concurrency,
+            peak_kv=self.peak_kv,
+        )
+        self.window_start = now
+        self.settled = self.demand = self.admitted = self.conc_seconds = self.kv_seconds = 0.0
+        self.peak_concurrency, self.peak_kv = self.concurrency, self.kv
+        return window
+
 
 class PoolAccount:
     __slots__ = (
@@ -131,6 +149,21 @@ class PoolAccount:
         self.last_period = -1
 
     # -- check 5 ------------------------------------------------------------------------
+
+    def counters(self, now: float) -> PoolCounters:
+        self.bucket.refill(now)
+        self.protected_bucket.refill(now)
+        return PoolCounters(
+            concurrency=self.concurrency,
+            kv_tokens=self.kv,
+            preemptible_concurrency=self.pre_concurrency,
+            preemptible_kv=self.pre_kv,
+            holdback_concurrency=self.held_concurrency,
+            holdback_kv=self.held_kv,
+            bucket=self.bucket.level,
+            protected_bucket=self.protected_bucket.level,
+            leases=self.leases,
+        )
 
     def note_refusal(self, name: str, priority: float, now: float) -> None:
         """Remember that `name` was refused room: unmet demand, for check 5. The cached top

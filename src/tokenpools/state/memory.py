@@ -307,22 +307,7 @@ class MemoryStore:
     # -- observation and scores ----------------------------------------------------------
 
     def take_window(self, name: str, now: float) -> Window:
-        e = self._ents[name]
-        e.accumulate(now)
-        window = Window(
-            seconds=now - e.window_start,
-            settled_tokens=e.settled,
-            demand_tokens=e.demand,
-            admitted_tokens=e.admitted,
-            concurrency_seconds=e.conc_seconds,
-            kv_seconds=e.kv_seconds,
-            peak_concurrency=e.peak_concurrency,
-            peak_kv=e.peak_kv,
-        )
-        e.window_start = now
-        e.settled = e.demand = e.admitted = e.conc_seconds = e.kv_seconds = 0.0
-        e.peak_concurrency, e.peak_kv = e.concurrency, e.kv
-        return window
+        return self._ents[name].take_window(now)
 
     def scores(self, name: str, now: float) -> Scores:
         e = self._ents[name]
@@ -343,20 +328,7 @@ class MemoryStore:
         return True
 
     def pool_counters(self, pool: str, now: float) -> PoolCounters:
-        p = self._pools[pool]
-        p.bucket.refill(now)
-        p.protected_bucket.refill(now)
-        return PoolCounters(
-            concurrency=p.concurrency,
-            kv_tokens=p.kv,
-            preemptible_concurrency=p.pre_concurrency,
-            preemptible_kv=p.pre_kv,
-            holdback_concurrency=p.held_concurrency,
-            holdback_kv=p.held_kv,
-            bucket=p.bucket.level,
-            protected_bucket=p.protected_bucket.level,
-            leases=p.leases,
-        )
+        return self._pools[pool].counters(now)
 
     def entitlement_counters(self, name: str, now: float) -> EntitlementCounters:
         e = self._ents[name]
