@@ -80,7 +80,7 @@ class Exchange:
         self.streamed = 0  # content events seen: the output estimate if the engine never says
         self.first_token_at: float | None = None
 
-    def settle(self, usage: Usage | None, refund: bool = True) -> None:
+    def end(self, usage: Usage | None, refund: bool = True) -> None:
         """End the admitted request on `usage`, or release it (None: refund, or charge all of
         it); only its first end counts."""
         if self.admitted.end(usage, refund):
@@ -115,7 +115,7 @@ class Exchange:
             ) as upstream:
                 headers = self._passed(upstream.headers)
                 if upstream.status in (401, 403):  # not the client's key: ours, upstream
-                    self.settle(None)
+                    self.end(None)
                     log.warning("backend %s refused the gateway's key", backend.spec.url)
                     return error(
                         502,
@@ -126,19 +126,19 @@ class Exchange:
                     )
                 if upstream.status != 200:  # its own words, e.g. a validation error
                     text = await upstream.read()
-                    self.settle(None)
+                    self.end(None)
                     status = upstream.status if upstream.status < 500 else 502
                     return web.Response(status=status, body=text, headers=headers)
                 if not stream:
                     text = await upstream.read()
                     self.first_token_at = time.monotonic()
-                    self.settle(self._usage_of(text))
+                    self.end(self._usage_of(text))
                     return web.Response(body=text, headers=headers)
                 response = web.StreamResponse(headers=headers)
                 response.headers["Cache-Control"] = "no-cache"
                 await response.prepare(request)
                 await self._relay(upstream.content, response, wants_usage)
-                self.settle(self.usage or self._so_far())
+                self.end(self.usage or self._so_far())
                 return response
         except asyncio.CancelledError:
             if self.admitted.evicted:  # preempted by a higher-priority request: say why
@@ -152,12 +152,12 @@ class Exchange:
                     "preempted",
                     headers=retry_after(1.0) | self.headers,
                 )
-            self.settle(self._so_far() if self.streamed else None, refund=False)
+            self.end(self._so_far() if self.streamed else None, refund=False)
             raise
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             backend.healthy = not isinstance(exc, aiohttp.ClientConnectorError)
             if response is None:
-                self.settle(None)
+                self.end(None)
                 return error(
                     502,
                     f"backend error: {exc.__class__.__name__}",
@@ -165,14 +165,14 @@ class Exchange:
                     "backend_error",
                     headers=self.headers,
                 )
-            self.settle(self._so_far())
+            self.end(self._so_far())
             await _write_quietly(
                 response, _error_event("the backend failed mid-stream", "backend_error")
             )
             return response
         except TimeoutError:
             if response is None:
-                self.settle(None, refund=False)
+                self.end(None, refund=False)
                 return error(
                     504,
                     "the backend timed out",
@@ -180,11 +180,11 @@ class Exchange:
                     "backend_timeout",
                     headers=self.headers,
                 )
-            self.settle(self._so_far())
+            self.end(self._so_far())
             await _write_quietly(response, _error_event("the backend timed out", "backend_timeout"))
             return response
         except ConnectionResetError:  # the client went away while we wrote
-            self.settle(self._so_far(), refund=False)
+            self.end(self._so_far(), refund=False)
             return response or web.Response(status=499)
         finally:
             backend.open_requests -= 1

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from tokenpools.control.decisions import Reject
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
-from tokenpools.gateway.observe import RequestRecord
+from tokenpools.gateway.request_log import RequestRecord
 from tokenpools.gateway.responses import error, invalid_key, rejection, too_large
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing

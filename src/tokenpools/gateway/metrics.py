@@ -19,7 +19,7 @@ from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
 
 if TYPE_CHECKING:
-    from tokenpools.gateway.observe import RequestRecord
+    from tokenpools.gateway.request_log import RequestRecord
     from tokenpools.gateway.runtime import Gateway
 
 LABELS = ["pool", "entitlement", "class"]

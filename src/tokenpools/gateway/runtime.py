@@ -25,7 +25,7 @@ from tokenpools.gateway.backend_tokens import PoolCounter
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
 from tokenpools.gateway.metrics import GatewayMetrics
-from tokenpools.gateway.observe import RequestObserver
+from tokenpools.gateway.request_log import RequestObserver
 from tokenpools.gateway.responses import bearer
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.config import Config

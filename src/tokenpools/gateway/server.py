@@ -14,7 +14,7 @@ from aiohttp import web
 
 from tokenpools.admission.config_file import ConfigFile, reload_from
 from tokenpools.gateway.app import make_app
-from tokenpools.gateway.observe import LogFormat, setup_logging
+from tokenpools.gateway.request_log import LogFormat, setup_logging
 from tokenpools.gateway.runtime import READY_CHECKS, Gateway
 from tokenpools.gateway.tracing import otlp_tracing
 from tokenpools.model.config import ConfigError, load_config
