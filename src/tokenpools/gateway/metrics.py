@@ -112,7 +112,9 @@ class GatewayMetrics:
             self._series[entitlement] = bound
         return bound
 
-    def decided(self, entitlement: str, decision: Decision, now: float = 0.0) -> None:
+    def decided(self, entitlement: str, decision: Decision, now: float) -> None:
+        """A decision listener of the admission runtime (`now` is the history's, not ours)."""
+        del now
         bound = self._bound(entitlement)
         if bound is None:
             return
