@@ -1,1 +1,1 @@
-"""Hosts other than our own servers that drive the decision core."""
+"""Hosts other than our own servers, standing on the admission runtime (tokenpools.admission)."""

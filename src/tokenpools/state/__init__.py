@@ -1,1 +1,2 @@
-"""Where the ledger lives. `memory` is the embedded default; a shared store comes later."""
+"""The stores behind the decision core's port: `memory` (the embedded default) and `redis/`
+(shared by gateway replicas)."""
