@@ -23,10 +23,11 @@ from typing import Any
 
 import aiohttp
 
-from tokenpools.gateway.backend_tokens import PoolCounter
+from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.model.pool import Backend
 from tokenpools.real_engines.llamacpp import LlamaCppServer, packaged_model
+from tokenpools.tokenizing.counter import PromptCounter
 
 CHAT = "/v1/chat/completions"
 TOOLS = [
@@ -86,10 +87,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     url = server.start()
     pool = BackendPool((Backend(url),))
     counters = {
-        "estimate": PoolCounter("estimate", 4.0, 1.0),
-        "backend": PoolCounter("backend", 4.0, 5.0),
-        "file": PoolCounter(str(packaged_model()), 4.0, 1.0),
+        "estimate": PromptCounter("estimate", 4.0),
+        "backend": PromptCounter("backend", 4.0),
+        "file": PromptCounter(str(packaged_model()), 4.0),
     }
+    engines = BackendTokens(5.0)
     rows = []
     try:
         async with aiohttp.ClientSession() as session:
@@ -102,7 +104,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     times = []
                     for _ in range(args.repeats):
                         start = time.perf_counter()
-                        counted = await counter.count(body, CHAT, pool, session)
+                        counted = await counter.count(body, CHAT, engines.asker(pool, session))
                         times.append(time.perf_counter() - start)
                     row[mode] = counted
                     row[f"{mode}_ms"] = statistics.median(times) * 1000

@@ -3,6 +3,7 @@ leader election between two replicas."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,17 @@ POOL = {
         "namespaceSelector": {},  # every namespace
     },
 }
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """kopf configures the root logger for the process it runs in: put it back, so later
+    tests' log captures see what they saw before."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers
 
 
 @pytest.fixture

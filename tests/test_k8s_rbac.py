@@ -129,3 +129,23 @@ def test_nothing_a_custom_resource_says_is_read_as_a_file() -> None:
                    {"backends": [{"url": "http://evil", "apiKeyFile": "/etc/token"}]},
                    {"backends": [{"url": "http://evil", "apiKeyEnv": "AWS_SECRET"}]}):  # fmt: skip
         assert check_spec("TokenPool", {**pool, **sneaky}, "", "p") is not None, sneaky
+
+
+def test_a_name_a_tenant_writes_never_walks_an_api_path_elsewhere() -> None:
+    import pytest
+
+    from tokenpools.k8s.api import POOLS, Kube
+    from tokenpools.k8s.webhook import KubeLookup
+
+    assert POOLS.path(None, "qwen") == "/apis/tokenpools.io/v1alpha1/tokenpools/qwen"
+    sneaky = ("../../../api/v1/namespaces/team-b/secrets/keys", "..", "a/b", "a%2Fb", "a?x=1")
+    for name in sneaky:
+        with pytest.raises(ValueError):
+            POOLS.path(None, name)
+
+    class NoCalls(Kube):
+        def request(self, *_: Any, **__: Any) -> Any:  # no request may leave
+            raise AssertionError("a request was made")
+
+    lookup = KubeLookup(NoCalls(None))  # type: ignore[arg-type]
+    assert all(lookup.pool(name) is None for name in sneaky)

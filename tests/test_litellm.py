@@ -43,6 +43,7 @@ LITELLM = Path(os.environ.get("TOKENPOOLS_LITELLM", ROOT / ".venv-litellm/bin/li
 KEYS = {"gold": "sk-gold-1", "spot": "sk-spot-1", "batch": "sk-batch-1"}
 ENTITLEMENTS = ("gold", "spot", "batch")
 UPDATE_PERIOD_S = 3600
+PREFIX = "litellm-tests"  # its own keys on the session's Redis: other tests leave theirs
 
 
 def tokenpools_config(redis_url: str) -> dict[str, Any]:
@@ -56,7 +57,7 @@ def tokenpools_config(redis_url: str) -> dict[str, Any]:
         # 1 character per token: the estimate the admission reserves is far from the engine's
         # count, so a settlement on the engine's usage is told from one on the reservation
         "gateway": {"charsPerToken": 1},
-        "state": {"backend": "redis", "url": redis_url},
+        "state": {"backend": "redis", "url": redis_url, "keyPrefix": PREFIX},
         "pools": [
             {
                 "name": "p",
@@ -144,7 +145,9 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         wait_port(port, proc, timeout_s=120)
         # a core of our own on the same Redis: its store knows the pool of each entitlement
-        core = DecisionCore(parse_config(config), RedisStore(redis_url), now=time.time())
+        core = DecisionCore(
+            parse_config(config), RedisStore(redis_url, prefix=PREFIX), now=time.time()
+        )
         # This process claims the update of this period and the next, so LiteLLM's ticks never
         # take the windows (the settled tokens) the tests read.
         period = int(time.time() // UPDATE_PERIOD_S)

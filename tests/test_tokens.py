@@ -16,13 +16,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from tests.gateway_setup import config_data
 from tests.servers import ServerThread
-from tokenpools.gateway.backend_tokens import PAUSE_S, PoolCounter, as_messages
+from tokenpools.gateway.backend_tokens import PAUSE_S, BackendTokens, as_messages
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.runtime import Gateway
 from tokenpools.model.config import ConfigError, parse_config
 from tokenpools.model.pool import Backend
 from tokenpools.processes import free_port
 from tokenpools.prompt import estimate_prompt_tokens
+from tokenpools.tokenizing.counter import PromptCounter
 
 CHAT = "/v1/chat/completions"
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
@@ -52,12 +53,23 @@ def vllm() -> Iterator[VllmTokenize]:
     server.server.stop()
 
 
+class PoolCounter:
+    """A pool's counter with its engines, as the gateway puts them together."""
+
+    def __init__(self, mode: str, chars_per_token: float, timeout_s: float, **clock: Any) -> None:
+        self.counter = PromptCounter(mode, chars_per_token)
+        self.engines = BackendTokens(timeout_s, **clock)
+
+    @property
+    def fallbacks(self) -> int:
+        return self.counter.fallbacks
+
+
 def count(counter: PoolCounter, body: dict[str, Any], path: str, url: str) -> int:
     async def run() -> int:
         async with aiohttp.ClientSession() as session:
-            return await counter.count(
-                body, path, BackendPool((Backend(url, model="served"),)), session
-            )
+            pool = BackendPool((Backend(url, model="served"),))
+            return await counter.counter.count(body, path, counter.engines.asker(pool, session))
 
     return asyncio.run(run())
 

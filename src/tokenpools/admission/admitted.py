@@ -21,7 +21,6 @@ class Admitted:
         self._on_end = on_end
         self.ended = False  # settled or released by its host
         self.evicted = False  # ended by the core (eviction, expiry); the host stops serving it
-        self.usage: Usage | None = None
 
     @property
     def over(self) -> bool:
@@ -32,7 +31,7 @@ class Admitted:
         Only the first end counts; after an eviction the lease has already ended."""
         if self.over:
             return False
-        self.ended, self.usage = True, usage
+        self.ended = True
         self._on_end(self, usage, refund)
         return True
 

@@ -77,7 +77,7 @@ class StoreDriver:
 
     async def renew(self, lease: Lease, now: float) -> bool:
         """False: the lease has ended elsewhere (evicted by another replica, or expired)."""
-        expires_at, local = self.core.renewal(lease, now)
+        expires_at, local = self.core.renewal(lease.lease_id, now)
         if self.shared is None or local:
             return self.core.renew(lease.lease_id, now)
         try:

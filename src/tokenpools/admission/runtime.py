@@ -25,6 +25,7 @@ from tokenpools.control.store import StoreUnavailable
 from tokenpools.model.config import Config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
+from tokenpools.tokenizing.counter import PromptCounter
 
 log = logging.getLogger("tokenpools.admission")
 DecisionListener = Callable[[str, Decision, float], None]  # entitlement, decision, now
@@ -53,6 +54,7 @@ class AdmissionRuntime:
         self._next_renewal = self._next_sample = 0.0
         self._ticking: asyncio.Task[None] | None = None
         self.model_pool = _models(config)
+        self.counters = _counters(config)  # prompt tokens, per pool
 
     # -- requests ------------------------------------------------------------------------
 
@@ -98,9 +100,10 @@ class AdmissionRuntime:
         if config.state != self.config.state:
             log.warning("the state section changed: it takes effect at the next restart")
             config = replace(config, state=self.config.state)
+        counters = _counters(config)  # first: an unreadable tokenizer file rejects the reload
         for lease in await self.driver.background(self.core.apply_config, config, self.clock()):
             self.evict(lease.lease_id)
-        self.config, self.model_pool = config, _models(config)
+        self.config, self.model_pool, self.counters = config, _models(config), counters
         return config
 
     async def set_capacity(self, pool: str, per_replica: Resources) -> None:
@@ -135,6 +138,10 @@ class AdmissionRuntime:
                 if not renewed:
                     self.evict(admitted.lease.lease_id)
 
+    @property
+    def running(self) -> bool:
+        return self._ticking is not None
+
     async def start(self, tick_interval_s: float) -> None:
         await self.driver.start()
         self._ticking = asyncio.create_task(self._tick_every(tick_interval_s))
@@ -143,6 +150,7 @@ class AdmissionRuntime:
         if self._ticking is not None:
             self._ticking.cancel()
             await asyncio.gather(self._ticking, return_exceptions=True)
+            self._ticking = None
         await self.driver.aclose()
 
     async def _tick_every(self, interval_s: float) -> None:
@@ -156,3 +164,9 @@ class AdmissionRuntime:
 
 def _models(config: Config) -> dict[str, str]:
     return {m: p.name for p in config.pools.values() for m in p.models}
+
+
+def _counters(config: Config) -> dict[str, PromptCounter]:
+    """Each pool's prompt counter; a tokenizer file that cannot be read is a ConfigError."""
+    g = config.gateway
+    return {name: PromptCounter(p.tokenizer, g.chars_per_token) for name, p in config.pools.items()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.fallback import LocalFallback
-from tokenpools.control.store import Lease, Scores, StoreUnavailable
+from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
 from tokenpools.model.request import Usage
 
 
@@ -37,21 +37,23 @@ class Endings(Catalog):
     def end_on_store(self, ending: Ending, now: float) -> bool:
         """Run an ending on the store the core was given (the fallback for a local lease);
         False when the store is unreachable (the lease expires there)."""
-        lease_id = ending.lease.lease_id
+        lease_id, charged = ending.lease.lease_id, ending.charged
         try:
-            if ending.local:
-                if ending.charged is None:
-                    self.fallback.release(lease_id, now, refund=ending.refund)
-                else:
-                    self.fallback.settle(lease_id, ending.charged, now)
-            elif ending.charged is None:
-                self.store.release(lease_id, now, refund=ending.refund)
+            if charged is None:
+                self._release(lease_id, ending.local, ending.refund, now)
             else:
-                self.store.settle(lease_id, ending.charged, now)
+                self._holder(ending.local).settle(lease_id, charged, now)
         except StoreUnavailable:
             return False
         self.ended(ending, now)
         return True
+
+    def _holder(self, local: bool) -> Store | LocalFallback:
+        """The store that holds a lease: this process's fallback budget, or the store."""
+        return self.fallback if local else self.store
+
+    def _release(self, lease_id: str, local: bool, refund: bool, now: float) -> Lease | None:
+        return self._holder(local).release(lease_id, now, refund=refund)
 
     def ended(self, ending: Ending, now: float) -> None:
         """A settled request's duration feeds the Retry-After estimate."""
@@ -74,18 +76,15 @@ class Endings(Catalog):
 
     def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
         """The request finished; charge what it really used and refund the rest."""
-        local = lease_id in self.fallback.leases
-        try:
-            lease = (self.fallback if local else self.store).get_lease(lease_id, now)
-        except StoreUnavailable:
-            return None
-        if lease is None:
-            return None
+        holder: Store | LocalFallback = (
+            self.fallback if lease_id in self.fallback.leases else self.store
+        )
         try:  # the hot path of every host that runs its store inline: no Ending made here
-            (self.fallback if local else self.store).settle(
-                lease_id, self.used_tokens(lease, usage), now
-            )
-        except StoreUnavailable:
+            lease = holder.get_lease(lease_id, now)
+            if lease is None:
+                return None
+            holder.settle(lease_id, self.used_tokens(lease, usage), now)
+        except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
         self._served(lease, now)
         return lease
@@ -93,25 +92,21 @@ class Endings(Catalog):
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         """The request ended without usage (backend down, cancelled before it ran: refund;
         cut off mid-way with unknown usage: refund=False charges the whole reservation)."""
-        if lease_id in self.fallback.leases:
-            return self.fallback.release(lease_id, now, refund=refund)
         try:
-            return self.store.release(lease_id, now, refund=refund)
+            return self._release(lease_id, lease_id in self.fallback.leases, refund, now)
         except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
 
-    def renewal(self, lease: Lease, now: float) -> tuple[float, bool]:
+    def renewal(self, lease_id: str, now: float) -> tuple[float, bool]:
         """(the new expiry, whether this process's fallback holds the lease)."""
-        return now + self.policy.lease_ttl_s, lease.lease_id in self.fallback.leases
+        return now + self.policy.lease_ttl_s, lease_id in self.fallback.leases
 
     def renew(self, lease_id: str, now: float) -> bool:
         """Push a long-running request's lease expiry out by one TTL from now. False: the
         lease has ended (evicted by another replica, or expired) and its request must end."""
-        expires_at = now + self.policy.lease_ttl_s
-        if lease_id in self.fallback.leases:
-            return self.fallback.renew(lease_id, expires_at, now)
+        expires_at, local = self.renewal(lease_id, now)
         try:
-            return self.store.renew(lease_id, expires_at, now)
+            return self._holder(local).renew(lease_id, expires_at, now)
         except StoreUnavailable:  # keep running; the store is asked again next time
             return True
 

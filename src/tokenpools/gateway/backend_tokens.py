@@ -15,7 +15,7 @@ import aiohttp
 from tokenpools.gateway.backends import BackendPool, BackendState
 from tokenpools.openai_api import CHAT, RESPONSES
 from tokenpools.prompt import prompt_items, prompt_parts
-from tokenpools.tokenizing.counter import PromptCounter
+from tokenpools.tokenizing.counter import AskBackend
 
 # After a backend fails to count (no endpoint, a timeout), it is not asked again for this long:
 # every request would otherwise pay the failed round trips before its estimate.
@@ -31,6 +31,14 @@ class BackendTokens:
         self.paused: dict[str, float] = {}  # backend URL → when it may be asked again
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.dialects: dict[str, str] = {}  # backend URL → vllm | llamacpp
+
+    def asker(self, pool: BackendPool, session: aiohttp.ClientSession | None) -> AskBackend:
+        """How a pool's PromptCounter asks this pool's engines."""
+
+        async def ask(body: dict[str, Any], path: str) -> int | None:
+            return await self.count(body, path, pool, session)
+
+        return ask
 
     async def count(
         self,
@@ -118,34 +126,3 @@ def as_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _plain_text(body: dict[str, Any]) -> str:
     return "\n".join(prompt_parts(body).texts)
-
-
-class PoolCounter:
-    """A pool's prompt counter in the gateway: the host-neutral counter, with its engines asked
-    when the pool says `tokenizer: backend`."""
-
-    def __init__(
-        self,
-        mode: str,
-        chars_per_token: float,
-        timeout_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.counter = PromptCounter(mode, chars_per_token)
-        self.engines = BackendTokens(timeout_s, clock)
-
-    @property
-    def fallbacks(self) -> int:
-        return self.counter.fallbacks
-
-    async def count(
-        self,
-        body: dict[str, Any],
-        path: str,
-        pool: BackendPool,
-        session: aiohttp.ClientSession | None,
-    ) -> int:
-        async def ask(b: dict[str, Any], p: str) -> int | None:
-            return await self.engines.count(b, p, pool, session)
-
-        return await self.counter.count(body, path, ask)

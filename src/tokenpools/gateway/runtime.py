@@ -21,7 +21,7 @@ from tokenpools.admission.runtime import replica_name
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision
 from tokenpools.control.feedback import next_fraction
-from tokenpools.gateway.backend_tokens import PoolCounter
+from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
 from tokenpools.gateway.metrics import GatewayMetrics
@@ -32,6 +32,7 @@ from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import vllm_gauges
+from tokenpools.tokenizing.counter import BACKEND, PromptCounter
 
 log = logging.getLogger("tokenpools.gateway")
 
@@ -51,7 +52,7 @@ class Gateway:
     def __post_init__(self) -> None:
         self.admission = AdmissionRuntime(self.config, self.clock, self.replica)
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
-        self.counters = self._counters(self.config)
+        self.engines = BackendTokens(self.config.gateway.tokenize_timeout_s)
         self.metrics = GatewayMetrics(self)
         self.history = History(self.replica)
         self.admission.listeners += [self.metrics.decided, self.history.decided]
@@ -67,23 +68,20 @@ class Gateway:
     def driver(self) -> StoreDriver:
         return self.admission.driver
 
-    @staticmethod
-    def _counters(config: Config) -> dict[str, PoolCounter]:
-        """Each pool's prompt counter; a tokenizer file that cannot be read is a ConfigError."""
-        g = config.gateway
-        return {
-            name: PoolCounter(pool.tokenizer, g.chars_per_token, g.tokenize_timeout_s)
-            for name, pool in config.pools.items()
-        }
-
     async def prompt_tokens(self, pool: str, body: dict[str, Any], path: str) -> int:
-        return await self.counters[pool].count(body, path, self.pools[pool], self.session)
+        counter = self.admission.counters[pool]
+        if counter.mode != BACKEND:  # the usual case: no engine is asked, nothing built
+            return await counter.count(body, path)
+        return await counter.count(body, path, self.engines.asker(self.pools[pool], self.session))
+
+    @property
+    def counters(self) -> dict[str, PromptCounter]:
+        return self.admission.counters
 
     async def reload(self, config: Config) -> None:
-        """Adopt a validated config: admission first (requests of removed entitlements end),
-        then the backends and counters, built before anything changes: an unreadable tokenizer
-        or backend key rejects the reload."""
-        counters = self._counters(config)
+        """Adopt a validated config. The backends are built first and admission builds its
+        prompt counters before it changes anything, so an unreadable backend key or tokenizer
+        rejects the reload; then requests of removed entitlements end."""
         pools = {}
         for name, pool in config.pools.items():
             fresh = BackendPool(pool.backends)  # reads the keys again: a rotated key is adopted
@@ -95,7 +93,7 @@ class Gateway:
             pools[name] = fresh
         self.config = await self.admission.reload(config)
         self.pools = pools
-        self.counters = counters
+        self.engines = BackendTokens(config.gateway.tokenize_timeout_s)
 
     def evict(self, lease_id: str) -> None:
         self.admission.evict(lease_id)

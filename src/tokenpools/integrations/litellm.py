@@ -42,7 +42,7 @@ from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 from tokenpools.admission import AdmissionRuntime, Admitted
 from tokenpools.admission.config_file import ConfigFile
 from tokenpools.control.decisions import Reject
-from tokenpools.model.config import Config, load_config
+from tokenpools.model.config import load_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.openai_api import (
     CHAT,
@@ -56,7 +56,6 @@ from tokenpools.openai_api import (
 )
 from tokenpools.openai_api.refusals import ratelimit_headers, refusal
 from tokenpools.openai_api.usage import usage_from
-from tokenpools.tokenizing.counter import PromptCounter
 
 CONFIG_ENV = "TOKENPOOLS_CONFIG"
 ENTITLEMENT_METADATA = "tokenpools_entitlement"
@@ -88,28 +87,6 @@ class Held:
     stream: bool
 
 
-class Admission(AdmissionRuntime):
-    """The admission runtime with what this host adds: prompt counting per pool (the estimate
-    or a tokenizer file: LiteLLM, not tokenpools, reaches the engines) and the config it
-    follows."""
-
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        self.counters = _counters(config)
-        self.started = False
-
-    async def reload(self, config: Config) -> Config:
-        counters = _counters(config)  # an unreadable tokenizer file rejects the reload
-        adopted = await super().reload(config)
-        self.counters = counters
-        return adopted
-
-
-def _counters(config: Config) -> dict[str, PromptCounter]:
-    g = config.gateway
-    return {name: PromptCounter(p.tokenizer, g.chars_per_token) for name, p in config.pools.items()}
-
-
 def _error(status: int, message: str, kind: str, code: str, **headers: str) -> ProxyException:
     return ProxyException(message, kind, None, status, headers=dict(headers), openai_code=code)
 
@@ -128,7 +105,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
     def __init__(self, config_path: str | Path | None = None) -> None:
         super().__init__()
         self.config_path = config_path
-        self._admission: Admission | None = None
+        self._admission: AdmissionRuntime | None = None
         self.config_file: ConfigFile | None = None
         self._starting = asyncio.Lock()
         self._following: asyncio.Task[None] | None = None  # the config file, followed
@@ -136,25 +113,24 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self.answer_headers: dict[str, dict[str, str]] = {}  # x-ratelimit-*, by call id
 
     @property
-    def admission(self) -> Admission:
+    def admission(self) -> AdmissionRuntime:
         """The runtime, built (not started) on first use: custom auth needs only its keys."""
         if self._admission is None:
             path = self.config_path or os.environ.get(CONFIG_ENV)
             if not path:
                 raise RuntimeError(f"tokenpools: set {CONFIG_ENV} to the tokenpools config file")
             self.config_file = ConfigFile(Path(path))
-            self._admission = Admission(load_config(Path(path)))
+            self._admission = AdmissionRuntime(load_config(Path(path)))
         return self._admission
 
-    async def started(self) -> Admission:
+    async def started(self) -> AdmissionRuntime:
         """The runtime, started in LiteLLM's event loop on the first request: ticks, lease
         renewal, and the config file followed as `tokenpools serve` follows it."""
         admission = self.admission
-        if not admission.started:
+        if not admission.running:
             async with self._starting:
-                if not admission.started:
+                if not admission.running:
                     await admission.start(TICK_INTERVAL_S)
-                    admission.started = True
                     assert self.config_file is not None
                     following = self.config_file.follow(admission, WATCH_INTERVAL_S)
                     self._following = asyncio.create_task(following)
@@ -165,7 +141,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         down; LiteLLM's own exit does without: leases it held expire in the store)."""
         if self._following is not None:
             self._following.cancel()
-        if self._admission is not None and self._admission.started:
+        if self._admission is not None and self._admission.running:
             await self._admission.stop()
 
     def entitlement_of(self, auth: UserAPIKeyAuth) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,9 @@ from kubernetes.client.exceptions import ApiException
 from tokenpools.k8s.schema import API_VERSION, ENTITLEMENT_PLURAL, POOL_PLURAL
 
 MERGE = "application/merge-patch+json"
+# an object name as the API server accepts it in a path (DNS subdomain, and the few kinds that
+# also allow ':' or upper case); nothing that could be '..', a '/', '%', '?' or '#'
+_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.:]{0,251}[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,11 @@ class Kind:
     namespaced: bool = True
 
     def path(self, namespace: str | None = None, name: str | None = None, sub: str = "") -> str:
+        for segment in (namespace, name):
+            if segment is not None and not _NAME.match(segment):
+                # a name can come from what a tenant wrote (an entitlement's pool): it must
+                # never walk the request elsewhere on the API server with our credentials
+                raise ValueError(f"not a Kubernetes object name: {segment[:80]!r}")
         root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
         ns = f"/namespaces/{namespace}" if self.namespaced and namespace else ""
         tail = f"/{name}" if name else ""

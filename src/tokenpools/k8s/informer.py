@@ -73,6 +73,8 @@ class Informer:
                 self._failed()
 
     def _failed(self) -> None:
+        if self._stopped.is_set():  # stopped mid-watch: the broken stream is ours to drop
+            return
         log.warning("watching %s failed; retrying", self.kind.plural, exc_info=True)
         if self.failing_since is None:
             self.failing_since = self.clock()

@@ -13,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from tokenpools.k8s.api import ENTITLEMENTS, NAMESPACES, POOLS, Kube
 from tokenpools.k8s.resources import check_spec
-from tokenpools.k8s.schema import LabelSelector, PoolExtras
+from tokenpools.k8s.schema import PoolExtras
 
 
 class Lookup(Protocol):
@@ -29,7 +31,10 @@ class KubeLookup:
         self.kube = kube
 
     def pool(self, name: str) -> Mapping[str, Any] | None:
-        found: Mapping[str, Any] | None = self.kube.find(POOLS, None, name)
+        try:
+            found: Mapping[str, Any] | None = self.kube.find(POOLS, None, name)
+        except ValueError:  # not an object name: no pool has it
+            return None
         return found
 
     def namespace_labels(self, name: str) -> Mapping[str, str]:
@@ -68,10 +73,13 @@ def _problem(request: Mapping[str, Any], lookup: Lookup) -> str | None:
     pool = lookup.pool(str(spec.get("pool")))
     if pool is None:
         return f"pool: no TokenPool {spec.get('pool')!r}"
-    selector = PoolExtras.model_validate(
-        {"namespaceSelector": (pool.get("spec") or {}).get("namespaceSelector")}
-    ).namespaceSelector
-    if selector is None or not LabelSelector.matches(selector, lookup.namespace_labels(ns)):
+    try:
+        selector = PoolExtras.model_validate(
+            {"namespaceSelector": (pool.get("spec") or {}).get("namespaceSelector")}
+        ).namespaceSelector
+    except ValidationError:  # a pool whose selector is malformed is open to no namespace
+        selector = None
+    if selector is None or not selector.matches(lookup.namespace_labels(ns)):
         return f"pool: TokenPool {spec.get('pool')!r} is not open to namespace {ns!r}"
     mine = set(spec.get("apiKeyHashes") or [])
     for other in lookup.entitlements():
