@@ -20,6 +20,7 @@ COMPILED = [
     "src/tokenpools/control/decisions.py",
     "src/tokenpools/control/endings.py",
     "src/tokenpools/control/eviction.py",
+    "src/tokenpools/control/layers.py",
     "src/tokenpools/control/observation.py",
     "src/tokenpools/control/placement.py",
     "src/tokenpools/control/plans.py",

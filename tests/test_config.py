@@ -144,7 +144,7 @@ def test_plaintext_api_key_is_refused_and_shared_keys_are_reported() -> None:
     key = hash_key("k")
     data["entitlements"][0]["apiKeys"] = [key]
     data["entitlements"].append({**data["entitlements"][0], "name": "b"})
-    assert "also used by entitlement 'a'" in error_of(data)
+    assert "also the key of entitlement 'a'" in error_of(data)
 
 
 def test_top_level_must_be_a_mapping() -> None:

@@ -292,8 +292,10 @@ def test_metrics_and_health(gateway: ServerThread) -> None:
     )
     text = httpx.get(f"{gateway.url}/metrics").text
     assert (
-        'tokenpools_admitted_total{class="guaranteed",entitlement="gold",pool="pool"} 1.0' in text
+        'tokenpools_admitted_total{class="guaranteed",entitlement="gold",pool="pool",'
+        'tenant="g"} 1.0' in text
     )
+    assert 'tokenpools_credential_requests_total{credential="gold",tenant="g"} 1.0' in text
     assert "tokenpools_priority{" in text and "tokenpools_pool_capacity{" in text
     assert httpx.get(f"{gateway.url}/healthz").status_code == 200
     wait_until(lambda: httpx.get(f"{gateway.url}/readyz").status_code == 200)

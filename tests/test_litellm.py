@@ -353,22 +353,33 @@ from tokenpools.integrations.litellm import proxy_handler_instance as hook
 named = {
     "metadata": UserAPIKeyAuth(api_key="k", metadata={"tokenpools_entitlement": "gold"}),
     "team metadata": UserAPIKeyAuth(api_key="k", team_metadata={"tokenpools_entitlement": "spot"}),
+    "tenant metadata": UserAPIKeyAuth(api_key="k", metadata={"tokenpools_tenant": "spot"}),
     "team alias": UserAPIKeyAuth(api_key="k", team_id="a1b2", team_alias="batch"),
     "unknown team": UserAPIKeyAuth(api_key="k", team_id="a1b2", team_alias="nobody"),
 }
-print({case: hook.entitlement_of(auth) for case, auth in named.items()})
+callers = {case: hook.caller_of(auth) for case, auth in named.items()}
+print({case: c and (c.tenant, c.entitlement) for case, c in callers.items()})
 """
 
 
-def test_litellm_virtual_keys_name_their_entitlement_by_metadata_or_team(stack: Stack) -> None:
+def test_litellm_virtual_keys_name_their_tenant_or_entitlement_by_metadata_or_team(
+    stack: Stack,
+) -> None:
     """Without our custom auth, LiteLLM's own keys (from its database, which is not run here)
-    reach the callback as these objects."""
+    reach the callback as these objects: a tenant (all its entitlements, by the request's
+    model) or, as before tenants, one entitlement."""
     env = {**os.environ, "TOKENPOOLS_CONFIG": str(stack.config)}
     python = LITELLM.parent / "python"
     out = subprocess.run([python, "-c", CHECK_VIRTUAL_KEYS], env=env, capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     assert out.strip().splitlines()[-1] == str(
-        {"metadata": "gold", "team metadata": "spot", "team alias": "batch", "unknown team": None}
+        {
+            "metadata": ("gold", "gold"),
+            "team metadata": ("spot", "spot"),
+            "tenant metadata": ("spot", None),
+            "team alias": ("batch", None),
+            "unknown team": None,
+        }
     )
 
 

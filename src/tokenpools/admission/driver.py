@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+from tokenpools.control import layers
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision, Reject
 from tokenpools.control.endings import Ending
@@ -51,6 +52,19 @@ class StoreDriver:
         except StoreUnavailable:
             outcome = None
         return self.core.decide(step, outcome, now)
+
+    async def admit_layers(self, names: Sequence[str], cost: RequestCost, now: float) -> Decision:
+        """A request of several layers (control/layers.py), one store step for all of them."""
+        if self.shared is None:
+            return layers.admit_layers(self.core, names, cost, now)
+        steps = layers.prepare_layers(self.core, names, cost, now)
+        if isinstance(steps, Reject):
+            return steps
+        try:
+            tried: list[Outcome] | None = await self.shared.admit_first(steps, now)
+        except StoreUnavailable:
+            tried = None
+        return layers.decide_layers(self.core, steps, tried, now)
 
     def end(self, lease: Lease, usage: Usage | None, now: float, refund: bool = True) -> None:
         """Settle a finished request on its usage, or release it (no usage: `refund` or charge

@@ -13,7 +13,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +22,7 @@ from tokenpools.admission.driver import StoreDriver, open_driver
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.store import StoreUnavailable
+from tokenpools.control.tenancy import Caller, Directory, Route
 from tokenpools.model.config import Config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
@@ -53,15 +54,26 @@ class AdmissionRuntime:
         self.samplers: list[Callable[[Snapshot], None]] = []  # one snapshot per update period
         self._next_renewal = self._next_sample = 0.0
         self._ticking: asyncio.Task[None] | None = None
-        self.model_pool = _models(config)
+        self.directory = Directory(config)  # who calls, and where their requests go
         self.counters = _counters(config)  # prompt tokens, per pool
 
     # -- requests ------------------------------------------------------------------------
 
-    async def admit(self, entitlement: str, cost: RequestCost) -> Decision:
-        """Decide, tell the listeners, and end the preemptible requests an admission evicts."""
+    async def admit(self, entitlement: str | Sequence[str], cost: RequestCost) -> Decision:
+        """Decide, tell the listeners, and end the preemptible requests an admission evicts.
+        Several entitlements: the request's layers, in order (control/layers.py); the one that
+        admits it is charged (`decision.lease.entitlement`), a refusal is counted on the first."""
         now = self.clock()
-        decision = await self.driver.admit(entitlement, cost, now)
+        if isinstance(entitlement, str):
+            decision = await self.driver.admit(entitlement, cost, now)
+        elif len(entitlement) == 1:
+            entitlement = entitlement[0]
+            decision = await self.driver.admit(entitlement, cost, now)
+        else:
+            decision = await self.driver.admit_layers(entitlement, cost, now)
+            entitlement = entitlement[0]
+        if isinstance(decision, Admit):
+            entitlement = decision.lease.entitlement
         for listener in self.listeners:
             listener(entitlement, decision, now)
         if isinstance(decision, Admit):
@@ -84,13 +96,9 @@ class AdmissionRuntime:
         if admitted is not None:
             admitted.evict()
 
-    def entitlement_for_key(self, key: str) -> str | None:
-        return self.core.entitlement_for_key(key)
-
-    def pool_for(self, entitlement: str, model: object) -> str | None:
-        """The pool serving `model` if the entitlement may use it (its own pool), else None."""
-        pool = self.model_pool.get(model) if isinstance(model, str) else None
-        return pool if pool == self.core.entitlements[entitlement].ent.pool else None
+    def route(self, caller: Caller, model: object) -> Route | None:
+        """The pool serving `model` and the caller's layers there; None if it may not use it."""
+        return self.directory.route(caller, model)
 
     # -- changes -------------------------------------------------------------------------
 
@@ -103,7 +111,7 @@ class AdmissionRuntime:
         counters = _counters(config)  # first: an unreadable tokenizer file rejects the reload
         for lease in await self.driver.background(self.core.apply_config, config, self.clock()):
             self.evict(lease.lease_id)
-        self.config, self.model_pool, self.counters = config, _models(config), counters
+        self.config, self.directory, self.counters = config, Directory(config), counters
         return config
 
     async def set_capacity(self, pool: str, per_replica: Resources) -> None:
@@ -160,10 +168,6 @@ class AdmissionRuntime:
                 await self.tick()
             except Exception:  # a bad tick must not end ticking for good
                 log.exception("tick failed")
-
-
-def _models(config: Config) -> dict[str, str]:
-    return {m: p.name for p in config.pools.values() for m in p.models}
 
 
 def _counters(config: Config) -> dict[str, PromptCounter]:

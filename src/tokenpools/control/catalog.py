@@ -1,7 +1,7 @@
 """The catalog: what is configured and how it is bound, as views the admission path reads.
 
 Config in, per pool and per entitlement out: binding state (the core's own, or one decided
-outside), reserve plan, size limits, priority, key lookup; each change pushed to the store.
+outside), reserve plan, size limits, priority; each change pushed to the store.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from tokenpools.control.priority import priority, slo_reference
 from tokenpools.control.store import BucketSpec, Lease, ReservePlan, Scores, Store, StoreUnavailable
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
-from tokenpools.model.keys import hash_key
 from tokenpools.model.pool import Pool
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
@@ -59,13 +58,12 @@ class PoolView:
 
 class Catalog:
     """What is configured and how it is bound: a view per pool and per entitlement (with its
-    reserve plan and priority), the key lookup, and the binding bookkeeping."""
+    reserve plan and priority), and the binding bookkeeping."""
 
     def __init__(self, store: Store, config: Config, now: float) -> None:
         self.store = store
         self._pools: dict[str, PoolView] = {}
         self._ents: dict[str, EntitlementView] = {}
-        self._keys: dict[str, str] = {}
         self._since: dict[str, int] = {}  # when each entitlement last bound or started waiting
         self._transitions = itertools.count()
         self._next_expiry = math.inf  # earliest expiresAt of an entitlement not yet Expired
@@ -106,7 +104,6 @@ class Catalog:
                 per_replica_override=old.per_replica_override if old else None,
             )
         self._pools = pools
-        self._keys = {h: e.name for e in config.entitlements.values() for h in e.api_key_hashes}
         self._rebind(now)
         return tuple(ended)
 
@@ -238,9 +235,6 @@ class Catalog:
                 self.store.set_scores(name, replace(scores, priority=w), now)
 
     # -- lookups -------------------------------------------------------------------------
-
-    def entitlement_for_key(self, api_key: str) -> str | None:
-        return self._keys.get(hash_key(api_key))
 
     @property
     def entitlements(self) -> dict[str, EntitlementView]:

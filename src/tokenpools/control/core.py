@@ -135,7 +135,7 @@ class DecisionCore(Endings):
             # Not counted as demand: no capacity could ever serve it, so it is owed nothing.
             return self._too_big(view, pool_view, tokens, kv)
 
-        lease_id = f"{self._replica}-{next(self._seq)}" if request_id is None else request_id
+        lease_id = self.new_lease_id() if request_id is None else request_id
         lease = Lease(
             lease_id,
             pool.name,
@@ -157,6 +157,9 @@ class DecisionCore(Endings):
         return Pending(
             lease, view.plan, tokens, order, count, view.protected, view, pool_view, max_out
         )
+
+    def new_lease_id(self) -> str:
+        return f"{self._replica}-{next(self._seq)}"
 
     def decide(self, step: Pending, outcome: Outcome | None, now: float) -> Decision:
         """The decision, from what the store did with the reservation (None: the store was

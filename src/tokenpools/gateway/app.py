@@ -3,11 +3,11 @@ listing, health and readiness, metrics and the admin API; the background work (t
 checks, capacity feedback) that runs while the app does.
 
 Errors use the OpenAI body, unknown paths (404), wrong methods (405) and our own failures (500)
-included. 401 unknown key, 400 bad body (JSON nested over 64 levels too) or a request that can
-never fit, 404 unknown model, 413 body too large, 429 shed (Retry-After, retry-after-ms),
-403 expired entitlement, 502/503/504 backend failures; every 503 says when to retry; every
-answer to an inference request carries x-request-id and, once decided, x-ratelimit-*. The
-gateway never retries its own 429s.
+included. 401 unknown key or refused token (403: a tenant with nothing here), 400 bad body (JSON
+nested over 64 levels too) or a request that can never fit, 404 unknown model, 413 body too
+large, 429 shed (Retry-After, retry-after-ms), 403 expired entitlement, 502/503/504 backend
+failures; every 503 says when to retry; every answer to an inference request carries
+x-request-id and, once decided, x-ratelimit-*. The gateway never retries its own 429s.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from aiohttp import web
 
 from tokenpools.gateway import dashboard
 from tokenpools.gateway.admin import admin_entitlements, admin_pools
+from tokenpools.gateway.auth import Refused
 from tokenpools.gateway.inference import inference
-from tokenpools.gateway.responses import error, invalid_key, openai_errors
+from tokenpools.gateway.responses import error, openai_errors, refused
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, READY_CHECKS, Gateway
 from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
@@ -28,13 +29,13 @@ __all__ = ["GATEWAY", "Gateway", "make_app"]
 log = logging.getLogger("tokenpools.gateway")
 
 
-def _models_of(request: web.Request) -> tuple[str, ...] | web.Response:
-    """The model names the caller's key may use, or the 401 to answer."""
+async def _models_of(request: web.Request) -> list[str] | web.Response:
+    """The model names the caller may use, or the 401/403 to answer."""
     gw = request.app[GATEWAY]
-    entitlement = gw.entitlement_of(request)
-    if entitlement is None:
-        return invalid_key()
-    return gw.config.pools[gw.core.entitlements[entitlement].ent.pool].models
+    caller = await gw.caller_of(request)
+    if isinstance(caller, Refused):
+        return refused(caller)
+    return gw.admission.directory.models(caller)
 
 
 def _model(name: str) -> dict[str, object]:
@@ -42,14 +43,14 @@ def _model(name: str) -> dict[str, object]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    models = _models_of(request)
+    models = await _models_of(request)
     if isinstance(models, web.Response):
         return models
     return web.json_response({"object": "list", "data": [_model(m) for m in models]})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    models = _models_of(request)
+    models = await _models_of(request)
     if isinstance(models, web.Response):
         return models
     name = request.match_info["model"]

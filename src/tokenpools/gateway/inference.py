@@ -13,9 +13,10 @@ import aiohttp
 from aiohttp import web
 
 from tokenpools.control.decisions import Reject
+from tokenpools.gateway.auth import Refused
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.request_log import RequestRecord
-from tokenpools.gateway.responses import error, invalid_key, rejection, too_large
+from tokenpools.gateway.responses import charged_headers, error, refused, rejection, too_large
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.model.request import RequestCost
@@ -74,11 +75,12 @@ async def _answer(
     settings = gw.config.gateway
     if request.content_length is not None and request.content_length > settings.max_body_bytes:
         return too_large(settings.max_body_bytes)
-    entitlement = gw.entitlement_of(request)
-    if entitlement is None:
-        gw.metrics.unauthorized.inc()
-        return invalid_key()
-    record.entitlement = entitlement
+    caller = await gw.caller_of(request)
+    if isinstance(caller, Refused):
+        gw.metrics.unauthorized.labels(caller.code).inc()
+        return refused(caller)
+    record.identified(caller)
+    gw.metrics.identified(caller)
     try:
         raw = await request.content.read(settings.max_body_bytes + 1)
     except (aiohttp.ClientPayloadError, web.RequestPayloadError, ConnectionResetError) as exc:
@@ -92,8 +94,8 @@ async def _answer(
     except BadRequest as exc:
         return error(400, str(exc), "invalid_request_error", None, exc.param)
     record.model, record.stream = body["model"], bool(body.get("stream"))
-    pool_name = gw.pool_for(entitlement, body["model"])
-    if pool_name is None:
+    route = gw.admission.route(caller, body["model"])
+    if route is None:
         return error(
             404,
             f"model {body['model']!r} does not exist or this key has no access to it",
@@ -101,15 +103,19 @@ async def _answer(
             "model_not_found",
             "model",
         )
-    record.pool = pool_name
+    pool_name = record.pool = route.pool
     prompt_tokens = record.counted_prompt_tokens = await gw.prompt_tokens(pool_name, body, path)
     requested = 0 if path == EMBEDDINGS else max_tokens(body)
-    decision = await gw.admit(entitlement, RequestCost(prompt_tokens, requested, count))
-    record.decided(decision)
+    decision = await gw.admit(route.entitlements, RequestCost(prompt_tokens, requested, count))
+    record.decided(decision, route.entitlements[0])
     if isinstance(decision, Reject):
         return rejection(decision)
     admitted = gw.admission.hold(decision, asyncio.current_task())
-    headers = {"x-request-id": record.request_id, **ratelimit_headers(decision.quota)}
+    headers = {
+        "x-request-id": record.request_id,
+        **ratelimit_headers(decision.quota),
+        **charged_headers(gw.core.entitlements, decision.lease.entitlement),
+    }
     try:
         backend = gw.pools[pool_name].choose()
         if backend is None:

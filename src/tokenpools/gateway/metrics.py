@@ -19,10 +19,11 @@ from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
 
 if TYPE_CHECKING:
+    from tokenpools.control.tenancy import Caller
     from tokenpools.gateway.request_log import RequestRecord
     from tokenpools.gateway.runtime import Gateway
 
-LABELS = ["pool", "entitlement", "class"]
+LABELS = ["pool", "tenant", "entitlement", "class"]  # a tenant's are its entitlements
 # OpenTelemetry's advice for gen_ai.server.* durations, in seconds
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1),
@@ -36,7 +37,7 @@ DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 10 ms to 82 s
 class _Bound:
     """One entitlement's children of the labelled metrics."""
 
-    labels: tuple[str, str, str]
+    labels: tuple[str, str, str, str]
     admitted: Counter
     evicted: Counter
     duration: Histogram
@@ -57,7 +58,17 @@ class GatewayMetrics:
             "tokenpools_evicted", "In-flight requests evicted", LABELS, registry=r
         )
         self.unauthorized = Counter(
-            "tokenpools_unauthorized", "Requests with an unknown key", registry=r
+            "tokenpools_unauthorized",
+            "Requests refused before admission: no, an unknown or an expired credential, a "
+            "refused token, a tenant with nothing here",
+            ["reason"],
+            registry=r,
+        )
+        self.credentials = Counter(
+            "tokenpools_credential_requests",
+            "Requests by the credential that identified them (a key's label, jwt or header)",
+            ["tenant", "credential"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "tokenpools_prompt_tokens", "Prompt tokens of finished requests", LABELS, registry=r
@@ -89,6 +100,7 @@ class GatewayMetrics:
         r.register(_StateCollector(gateway))
         self._gateway = gateway
         self._series: dict[str, _Bound] = {}
+        self._credentials: dict[tuple[str, str], Counter] = {}
 
     def _bound(self, entitlement: str) -> _Bound | None:
         """An entitlement's series, looked up once (prometheus_client's labels() costs a few
@@ -96,7 +108,8 @@ class GatewayMetrics:
         view = self._gateway.core.entitlements.get(entitlement)
         if view is None:  # removed by a reload while its request ran
             return None
-        labels = (view.ent.pool, entitlement, view.ent.service_class.value)
+        ent = view.ent
+        labels = (ent.pool, ent.tenant_id, entitlement, ent.service_class.value)
         bound = self._series.get(entitlement)
         if bound is None or bound.labels != labels:
             bound = _Bound(
@@ -111,6 +124,14 @@ class GatewayMetrics:
             )
             self._series[entitlement] = bound
         return bound
+
+    def identified(self, caller: Caller) -> None:
+        """A request's credential was accepted (its tenant is a known one: bounded labels)."""
+        at = (caller.tenant, caller.credential)
+        child = self._credentials.get(at)
+        if child is None:
+            child = self._credentials[at] = self.credentials.labels(*at)
+        child.inc()
 
     def decided(self, entitlement: str, decision: Decision, now: float) -> None:
         """A decision listener of the admission runtime (`now` is the history's, not ours)."""
@@ -198,7 +219,7 @@ class _StateCollector(Collector):
         now = self.gateway.clock()
         snap = snapshot(self.gateway.core, now)
         for name, e in snap.entitlements.items():
-            labels = [e.pool, name, e.service_class]
+            labels = [e.pool, e.tenant, name, e.service_class]
             families["in_flight"].add_metric(labels, e.in_flight)
             families["reserved"].add_metric([*labels, "concurrency"], e.reserved_concurrency)
             families["reserved"].add_metric([*labels, "kv_tokens"], e.reserved_kv)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokenpools.control.decisions import Admit, Decision
+from tokenpools.control.tenancy import Caller
 
 if TYPE_CHECKING:
     from tokenpools.gateway.exchange import Exchange
@@ -29,7 +30,10 @@ class RequestRecord:
     path: str
     started: float = field(default_factory=time.monotonic)
     status: int = 0  # 499: the client went away before an answer
-    entitlement: str | None = None
+    tenant: str | None = None
+    credential: str | None = None  # a key's label, `jwt` or `header`: never the key
+    subject: str | None = None  # a JWT's `sub`
+    entitlement: str | None = None  # the one charged: the layer that admitted it
     pool: str | None = None
     model: str | None = None
     stream: bool = False
@@ -44,18 +48,24 @@ class RequestRecord:
     ttft_s: float | None = None  # to the first streamed event, or to the whole answer
     duration_s: float = 0.0
 
-    def decided(self, decision: Decision) -> None:
+    def identified(self, caller: Caller) -> None:
+        self.tenant, self.credential = caller.tenant, caller.credential
+        self.subject = caller.subject
+
+    def decided(self, decision: Decision, first_layer: str) -> None:
         if isinstance(decision, Admit):
-            self.decision = "admitted"
+            self.decision, self.entitlement = "admitted", decision.lease.entitlement
         else:
+            self.entitlement = first_layer
             self.decision, self.reason = "rejected", decision.reason.value
             self.retry_after_s = decision.retry_after_s
 
     def __str__(self) -> str:  # the text access-log line
         tokens = f"{self.prompt_tokens or '-'}/{self.completion_tokens or '-'}"
         return (
-            f"{self.request_id} {self.method} {self.path} {self.status} "
-            f"{self.entitlement or '-'} {self.decision or '-'} {self.reason or '-'} "
+            f"{self.request_id} {self.method} {self.path} {self.status} {self.tenant or '-'} "
+            f"{self.credential or '-'} {self.entitlement or '-'} {self.decision or '-'} "
+            f"{self.reason or '-'} "
             f"tokens={tokens} duration={self.duration_s * 1000:.1f}ms"
         )
 

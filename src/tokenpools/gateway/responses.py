@@ -4,13 +4,19 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from aiohttp import web
 
+from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Reject
 from tokenpools.openai_api import error_body
 from tokenpools.openai_api.refusals import refusal
+
+if TYPE_CHECKING:
+    from tokenpools.gateway.auth import Refused
 
 log = logging.getLogger("tokenpools.gateway")
 
@@ -42,8 +48,20 @@ def rejection(decision: Reject) -> web.Response:
     return error(r.status, r.message, r.kind, r.code, r.param, r.headers)
 
 
-def invalid_key() -> web.Response:
-    return error(401, "invalid API key", "invalid_request_error", "invalid_api_key")
+def refused(why: Refused) -> web.Response:
+    """A credential refused (gateway/auth.py): 401, or 403 for a tenant with nothing here."""
+    kind = "invalid_request_error" if why.status == 401 else "permission_error"
+    headers = {"WWW-Authenticate": "Bearer"} if why.status == 401 else None
+    return error(why.status, why.message, kind, why.code, headers=headers)
+
+
+def charged_headers(entitlements: Mapping[str, EntitlementView], name: str) -> dict[str, str]:
+    """What an admitted request is charged to: the entitlement (one of its tenant's layers)."""
+    view = entitlements.get(name)
+    return {
+        "x-tokenpools-entitlement": quote(name, safe="/:@._-"),
+        "x-tokenpools-service-class": "" if view is None else view.ent.service_class.value,
+    }
 
 
 def too_large(limit: int) -> web.Response:

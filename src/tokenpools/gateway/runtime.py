@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,8 @@ from tokenpools.admission.runtime import replica_name
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision
 from tokenpools.control.feedback import next_fraction
+from tokenpools.control.tenancy import Caller
+from tokenpools.gateway.auth import Authenticator, Refused
 from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
@@ -51,6 +53,7 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.admission = AdmissionRuntime(self.config, self.clock, self.replica)
+        self.auth = Authenticator(self.config.gateway, self.clock)
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.engines = BackendTokens(self.config.gateway.tokenize_timeout_s)
         self.metrics = GatewayMetrics(self)
@@ -92,6 +95,7 @@ class Gateway:
                 fresh = keep
             pools[name] = fresh
         self.config = await self.admission.reload(config)
+        self.auth = self.auth.adopt(self.config.gateway)
         self.pools = pools
         self.engines = BackendTokens(config.gateway.tokenize_timeout_s)
 
@@ -171,16 +175,12 @@ class Gateway:
             await asyncio.sleep(min(intervals.values(), default=5.0))
             await asyncio.gather(*(self.feedback(name) for name in intervals))
 
-    def pool_for(self, entitlement: str, model: object) -> str | None:
-        return self.admission.pool_for(entitlement, model)
-
-    async def admit(self, entitlement: str, cost: RequestCost) -> Decision:
+    async def admit(self, entitlement: str | Sequence[str], cost: RequestCost) -> Decision:
         return await self.admission.admit(entitlement, cost)
 
-    def entitlement_of(self, request: web.Request) -> str | None:
-        """The entitlement whose API key the request bears; None for none or an unknown one."""
-        key = bearer(request)
-        return self.core.entitlement_for_key(key) if key else None
+    async def caller_of(self, request: web.Request) -> Caller | Refused:
+        """Who the request is (gateway/auth.py), or the 401/403 to answer."""
+        return await self.auth.caller(request, self.admission.directory)
 
     def is_admin(self, request: web.Request) -> bool:
         key = bearer(request)

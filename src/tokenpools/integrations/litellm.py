@@ -14,9 +14,11 @@ config (with `state.backend: redis` when LiteLLM runs several workers, so they s
     TOKENPOOLS_CONFIG=/etc/tokenpools/tokenpools.yaml litellm --config litellm.yaml
 
 LiteLLM's extension points used, and why each (docs/litellm.md says more):
-- custom auth: the bearer key → an entitlement, from the keys in the tokenpools config; with
-  LiteLLM's own virtual keys instead, the key's team (its id or alias) or a
-  `tokenpools_entitlement` in the key's or team's metadata names the entitlement;
+- custom auth: the bearer key → its tenant, from the keys in the tokenpools config; with
+  LiteLLM's own virtual keys instead, a `tokenpools_tenant` in the key's or team's metadata, or
+  the key's team (its id or alias), names the tenant (a `tokenpools_entitlement`, or a team
+  named as an entitlement, names that one entitlement, as before tenants); the request's
+  model then picks the pool and the tenant's entitlements there (its layers);
 - `async_pre_call_hook`: admission, before LiteLLM's router, so a refusal is never retried by it;
   a refusal is a ProxyException, which LiteLLM answers with our status and headers;
 - `async_post_call_success_hook`: settles a whole response on its usage;
@@ -42,6 +44,7 @@ from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 from tokenpools.admission import AdmissionRuntime, Admitted
 from tokenpools.admission.config_file import ConfigFile
 from tokenpools.control.decisions import Reject
+from tokenpools.control.tenancy import Caller
 from tokenpools.model.config import load_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.openai_api import (
@@ -58,7 +61,11 @@ from tokenpools.openai_api.refusals import ratelimit_headers, refusal
 from tokenpools.openai_api.usage import usage_from
 
 CONFIG_ENV = "TOKENPOOLS_CONFIG"
-ENTITLEMENT_METADATA = "tokenpools_entitlement"
+# What a LiteLLM key's or team's metadata may carry (our custom auth writes them for our keys)
+TENANT_METADATA = "tokenpools_tenant"
+ENTITLEMENT_METADATA = "tokenpools_entitlement"  # a key reaching one entitlement only
+MODELS_METADATA = "tokenpools_models"  # a key's model allow-list
+CREDENTIAL_METADATA = "tokenpools_key"  # a key's label
 # LiteLLM's call types that reach an engine, and the OpenAI endpoint each one is
 CALL_PATHS = {
     "completion": CHAT,
@@ -144,15 +151,28 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         if self._admission is not None and self._admission.running:
             await self._admission.stop()
 
-    def entitlement_of(self, auth: UserAPIKeyAuth) -> str | None:
-        known = self.admission.core.entitlements
+    def caller_of(self, auth: UserAPIKeyAuth) -> Caller | None:
+        """The tenant a LiteLLM key or team names, or the one entitlement it names (the key's
+        metadata first, then the team's, then the team's id and alias); None: nothing known."""
+        tenants, entitlements = self.admission.directory.tenants, self.admission.core.entitlements
+        key_meta = auth.metadata or {}
+        team_meta = getattr(auth, "team_metadata", None) or {}
+        models = key_meta.get(MODELS_METADATA)
+        allowed = frozenset(models) if isinstance(models, list) else None
+        credential = str(key_meta.get(CREDENTIAL_METADATA) or "litellm")
         named = (
-            (auth.metadata or {}).get(ENTITLEMENT_METADATA),
-            (getattr(auth, "team_metadata", None) or {}).get(ENTITLEMENT_METADATA),
-            auth.team_id,
-            getattr(auth, "team_alias", None),
+            (key_meta.get(TENANT_METADATA), key_meta.get(ENTITLEMENT_METADATA)),
+            (team_meta.get(TENANT_METADATA), team_meta.get(ENTITLEMENT_METADATA)),
+            (auth.team_id, auth.team_id),
+            (getattr(auth, "team_alias", None), getattr(auth, "team_alias", None)),
         )
-        return next((name for name in named if isinstance(name, str) and name in known), None)
+        for tenant, entitlement in named:
+            if isinstance(tenant, str) and tenant in tenants:
+                return Caller(tenant, credential, allowed)
+            if isinstance(entitlement, str) and entitlement in entitlements:
+                tenant = entitlements[entitlement].ent.tenant_id
+                return Caller(tenant, credential, allowed, entitlement)
+        return None
 
     async def async_pre_call_hook(
         self, user_api_key_dict: UserAPIKeyAuth, cache: Any, data: dict[str, Any], call_type: str
@@ -169,13 +189,13 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
                 "call_type_not_governed",
             )
         admission = await self.started()
-        entitlement = self.entitlement_of(user_api_key_dict)
-        if entitlement is None:
+        caller = self.caller_of(user_api_key_dict)
+        if caller is None:
             raise _error(
-                401, "this key maps to no tokenpools entitlement", "auth_error", "invalid_api_key"
+                401, "this key maps to no tokenpools tenant", "auth_error", "invalid_api_key"
             )
-        pool = admission.pool_for(entitlement, data.get("model"))
-        if pool is None:
+        route = admission.route(caller, data.get("model"))
+        if route is None:
             raise _error(
                 404,
                 f"model {data.get('model')!r} does not exist or this key has no access to it",
@@ -187,8 +207,9 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             requested = 0 if path == EMBEDDINGS else max_tokens(data)
         except BadRequest as exc:
             raise _error(400, str(exc), "invalid_request_error", "invalid_request") from None
-        prompt_tokens = await admission.counters[pool].count(data, path)
-        decision = await admission.admit(entitlement, RequestCost(prompt_tokens, requested, count))
+        prompt_tokens = await admission.counters[route.pool].count(data, path)
+        cost = RequestCost(prompt_tokens, requested, count)
+        decision = await admission.admit(route.entitlements, cost)
         if isinstance(decision, Reject):
             r = refusal(decision)
             # LiteLLM writes the status as the body's `code`: the reason goes in a header too
@@ -284,11 +305,23 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
 
 
 async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:
-    """LiteLLM's custom auth: a key of the tokenpools config → its entitlement, as the team."""
-    entitlement = proxy_handler_instance.admission.entitlement_for_key(api_key)
-    if entitlement is None:
+    """LiteLLM's custom auth: a key of the tokenpools config → its tenant, as the team (with the
+    key's label, model allow-list and, for a key written on an entitlement, that entitlement
+    in the key's metadata)."""
+    admission = proxy_handler_instance.admission
+    key = admission.directory.key(api_key)
+    if key is None:
         raise _error(401, "invalid API key", "auth_error", "invalid_api_key")
-    return UserAPIKeyAuth(api_key=api_key, team_id=entitlement, team_alias=entitlement)
+    if key.expires_at is not None and admission.clock() >= key.expires_at:
+        raise _error(401, f"API key {key.label!r} has expired", "auth_error", "expired_api_key")
+    metadata: dict[str, Any] = {TENANT_METADATA: key.tenant, CREDENTIAL_METADATA: key.label}
+    if key.models is not None:
+        metadata[MODELS_METADATA] = sorted(key.models)
+    if key.entitlement is not None:
+        metadata[ENTITLEMENT_METADATA] = key.entitlement
+        del metadata[TENANT_METADATA]
+    team = key.entitlement or key.tenant
+    return UserAPIKeyAuth(api_key=api_key, team_id=team, team_alias=team, metadata=metadata)
 
 
 proxy_handler_instance = TokenPoolsHook()

@@ -5,7 +5,7 @@ errors that name the field, into the frozen `Config` the rest of the code sees.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from tokenpools.model.config_schema import ConfigSpec
 from tokenpools.model.entitlement import BindingState, Entitlement
+from tokenpools.model.identity import JwtSettings, Tenant, TrustedHeaderSettings
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
 
@@ -29,6 +30,8 @@ class GatewaySettings:
     chars_per_token: float = 4.0
     max_sequences: int = 8  # the most sequences (`n`, `best_of`) one request may ask for
     tokenize_timeout_s: float = 0.5  # a pool's `tokenizer: backend` waits this long, then estimates
+    jwt: JwtSettings | None = None
+    trusted_header: TrustedHeaderSettings | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,9 @@ class Config:
     entitlements: dict[str, Entitlement]
     gateway: GatewaySettings = GatewaySettings()
     state: StateSettings = StateSettings()
+    # Tenants named in `tenants` with their keys; a tenant named only by its entitlements'
+    # tenantId has no entry (and no keys but those written on its entitlements).
+    tenants: dict[str, Tenant] = field(default_factory=dict)
     # Binding decided outside the core (kube-scheduler, read from the operator's status);
     # None: the core binds (file mode, simulator).
     bindings: dict[str, BindingState] | None = None
@@ -69,12 +75,15 @@ def parse_config(data: Any) -> Config:
         policy=spec.policy.to_policy(),
         pools=pools,
         entitlements=entitlements,
+        tenants={t.id: t.to_tenant() for t in spec.tenants},
         gateway=GatewaySettings(
             tuple(g.adminKeys),
             g.maxBodyBytes,
             g.charsPerToken,
             g.maxSequences,
             g.tokenizeTimeoutMs / 1000,
+            None if g.jwt is None else g.jwt.to_settings(),
+            None if g.trustedHeader is None else g.trustedHeader.to_settings(),
         ),
         state=StateSettings(
             backend=st.backend,

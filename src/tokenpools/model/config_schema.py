@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from tokenpools.model.entitlement import Entitlement
+from tokenpools.model.identity_schema import TenantSpec
 from tokenpools.model.keys import is_key_hash
 from tokenpools.model.pool import Backend, CapacityFeedback, Pool
 from tokenpools.model.profile import BUILTIN_PROFILES, ModelProfile
@@ -225,6 +226,7 @@ class ConfigSpec(Strict):
     state: StateSpec = StateSpec()
     pools: list[PoolSpec]
     entitlements: list[EntitlementSpec] = []
+    tenants: list[TenantSpec] = []  # keys by tenant (docs/identity.md)
 
     @model_validator(mode="after")
     def _cross_check(self) -> ConfigSpec:
@@ -241,30 +243,51 @@ class ConfigSpec(Strict):
                         f"{served[model]!r}; a model name maps to one pool"
                     )
                 served.setdefault(model, pool.name)
-        seen_keys: dict[str, str] = {}
         for i, ent in enumerate(self.entitlements):
             if ent.pool not in pools:
                 problems.append(
                     f"entitlements[{i}].pool: unknown pool {ent.pool!r} "
                     f"(entitlement {ent.name!r}; pools: {', '.join(sorted(pools)) or 'none'})"
                 )
-            for key in ent.apiKeys:
-                if key in seen_keys:
-                    problems.append(
-                        f"entitlements[{i}].apiKeys: key {key[:15]}... is also used by "
-                        f"entitlement {seen_keys[key]!r}; a key maps to one entitlement"
-                    )
-                seen_keys.setdefault(key, ent.name)
+        problems += _duplicates("tenants", [t.id for t in self.tenants], "id")
+        problems += _key_problems(self, served)
         if problems:
             raise ValueError("\n".join(problems))
         return self
 
 
-def _duplicates(section: str, names: list[str]) -> list[str]:
+def _duplicates(section: str, names: list[str], field: str = "name") -> list[str]:
     seen: set[str] = set()
     out = []
     for i, name in enumerate(names):
         if name in seen:
-            out.append(f"{section}[{i}].name: duplicate name {name!r}")
+            out.append(f"{section}[{i}].{field}: duplicate {field} {name!r}")
         seen.add(name)
     return out
+
+
+def _key_problems(spec: ConfigSpec, served: dict[str, str]) -> list[str]:
+    """A key belongs to one tenant (once), and its models are models some pool serves."""
+    problems: list[str] = []
+    owner: dict[str, str] = {}
+
+    def claim(key: str, where: str, who: str) -> None:
+        if key in owner:
+            problems.append(
+                f"{where}: key {key[:15]}... is also {owner[key]}; a key belongs to one tenant, "
+                "once"
+            )
+        owner.setdefault(key, who)
+
+    for i, tenant in enumerate(spec.tenants):
+        for j, key in enumerate(tenant.keys):
+            claim(key.hash, f"tenants[{i}].keys[{j}].hash", f"a key of tenant {tenant.id!r}")
+            for model in key.models or []:
+                if model not in served:
+                    problems.append(
+                        f"tenants[{i}].keys[{j}].models: no pool serves model {model!r}"
+                    )
+    for i, ent in enumerate(spec.entitlements):
+        for key_hash in ent.apiKeys:
+            claim(key_hash, f"entitlements[{i}].apiKeys", f"the key of entitlement {ent.name!r}")
+    return problems

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from tokenpools.model.identity_schema import JwtSpec, TrustedHeaderSpec
 from tokenpools.model.keys import is_key_hash
 from tokenpools.model.policy import Policy
 from tokenpools.model.schema_base import Fraction, NonNeg, Pos, Strict
@@ -71,6 +72,8 @@ class GatewaySpec(Strict):
     charsPerToken: Pos = 4.0  # prompt-token estimate without a tokenizer
     maxSequences: Annotated[int, Field(ge=1, le=128)] = 8  # the most `n` / `best_of` asks for
     tokenizeTimeoutMs: Annotated[float, Field(gt=0, le=10000)] = 500.0  # `tokenizer: backend`
+    jwt: JwtSpec | None = None  # bearer JWTs from an identity provider (docs/identity.md)
+    trustedHeader: TrustedHeaderSpec | None = None  # the tenant named by an auth proxy
 
     @model_validator(mode="after")
     def _check(self) -> GatewaySpec:

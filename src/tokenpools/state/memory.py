@@ -134,6 +134,15 @@ class MemoryStore:
             return self._admitted(Outcome(None, overcommit=True), lease, now)
         return self._after(Outcome(short), lease, now)
 
+    def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
+        tried = []
+        for reservation in reservations:
+            outcome = self.admit(reservation, now)
+            tried.append(outcome)
+            if outcome.shortfall is None:
+                break
+        return tried
+
     def _admitted(self, outcome: Outcome, lease: Lease, now: float) -> Outcome:
         return self._after(outcome, lease, now) if self.counters_on_admit else outcome
 

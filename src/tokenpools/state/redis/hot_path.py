@@ -130,17 +130,21 @@ class RedisHotPath:
         """One admission, awaited. Whatever keeps its reply from this caller (a timeout, a
         lost connection, the caller cancelled, even after the reply came), the admission is
         given up, and Redis is owed its end (`RedisLink.given_up`)."""
-        pool, store = reservation.lease.pool, self.store
-        args = wire.admit_args(reservation, now)
+        return (await self.admit_first((reservation,), now))[-1]
+
+    async def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
+        """A request's layers (`Store.admit_first`), awaited as `admit` is: one call."""
+        first, store = reservations[0].lease, self.store
+        args = wire.layers_args(reservations, now)
         for retry in (False, True):
-            with store.booking(reservation.lease, now):
-                decided = await self._together("admit", pool, now, args)
-            outcome = store.admitted(reservation, decided)
+            with store.booking(first, now):
+                decided = await self._together("admit", first.pool, now, args)
+            tried = store.layers_admitted(reservations, decided)
             # A refusal decided while we owed Redis lease ends may have counted a booking we
             # had given up (an admission sent just before the one that gave up reached Redis
             # ahead of its end): decided once more, after those ends, which go first.
-            if outcome.shortfall is None or retry or not self.owes:
-                return outcome
+            if tried[-1].shortfall is None or retry or not self.owes:
+                return tried
         raise AssertionError("unreachable")
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -124,6 +124,20 @@ class RedisStore(RedisLink):
         with self.booking(reservation.lease, now):
             (decided,) = self._call(pool, "admit", now, wire.admit_args(reservation, now))
         return self.admitted(reservation, decided)
+
+    def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
+        first = reservations[0].lease
+        with self.booking(first, now):
+            (decided,) = self._call(first.pool, "admit", now, wire.layers_args(reservations, now))
+        return self.layers_admitted(reservations, decided)
+
+    def layers_admitted(self, reservations: Sequence[Reservation], decided: Any) -> list[Outcome]:
+        """Read the reply to a request's layers: an outcome per layer tried."""
+        if len(reservations) == 1:
+            return [self.admitted(reservations[0], decided)]
+        if isinstance(decided, redis.ResponseError):
+            return [self.admitted(reservations[0], decided)]
+        return [self.admitted(r, reply) for r, reply in zip(reservations, decided, strict=False)]
 
     def admitted(self, reservation: Reservation, decided: Any) -> Outcome:
         """Read one admission's reply and book what it did in this replica's view."""

@@ -30,8 +30,9 @@ HEADER = ("op", "epoch", "now", "owner")
 LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre")
 # One admission: how many arguments it has (this one included), when it is decided, the lease,
 # its own numbers; then the plan's numbers, then the victims' names. Several may follow each
-# other in one call, decided in that order.
-ADMIT_GROUP = ("size", "at", *LEASE_ARGS, "demand", "may_overcommit")
+# other in one call, decided in that order. `more`: the next group is this request's next
+# layer (another entitlement of its tenant in the pool), tried only if this one is refused.
+ADMIT_GROUP = ("size", "at", *LEASE_ARGS, "demand", "may_overcommit", "more")
 PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
 FINISH_GROUP = ("id", "used", "observed", "at", "keep")
 # Each operation's own arguments, after the header.
@@ -87,7 +88,8 @@ LEASE_ROW = {
     "drew_own": "own",
 }
 # The admit reply: status ('ok' or a Shortfall), the three flags, the entitlement counters and
-# the pool counters (both empty when admitted), and the evicted leases' rows.
+# the pool counters, and the evicted leases' rows. For layers (groups joined by `more`): a list
+# of those replies, one per layer tried, the last one the admission if any.
 ADMIT_FLAGS = ("reserved", "own", "overcommit")
 
 
@@ -195,7 +197,7 @@ def lease_args(lease: Lease) -> list[str]:
     return [values[name] for name in LEASE_ARGS]
 
 
-def admit_args(reservation: Reservation, now: float) -> list[str]:
+def admit_args(reservation: Reservation, now: float, more: bool = False) -> list[str]:
     """One admission's group of the admit operation, in ADMIT_GROUP order, then the plan's
     numbers and the victims' names (several groups may go in one call)."""
     group = [
@@ -203,7 +205,14 @@ def admit_args(reservation: Reservation, now: float) -> list[str]:
         *lease_args(reservation.lease),
         num(reservation.demand),
         "1" if reservation.may_overcommit else "0",
+        "1" if more else "0",
         *plan_args(reservation.plan),
         *reservation.victims[: reservation.victim_count],
     ]
     return [str(len(group) + 1), *group]
+
+
+def layers_args(reservations: Sequence[Reservation], now: float) -> list[str]:
+    """A request's layers as groups joined by `more`: Redis tries them in order, in one step."""
+    last = len(reservations) - 1
+    return [a for i, r in enumerate(reservations) for a in admit_args(r, now, more=i < last)]

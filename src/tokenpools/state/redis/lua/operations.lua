@@ -200,9 +200,23 @@ end
 if op == 'admit' then
   -- Admissions, one group of arguments each, decided in order against the pool read once; an
   -- unknown entitlement or a duplicate request id is an error for its admission only.
+  -- Layers (groups joined by `more`) answer as one list: each is tried only while the ones
+  -- before it were refused.
   local decided, o = {}, 0
   while A.size + o <= #ARGV do
-    decided[#decided + 1] = admit(p, o)
+    local reply = admit(p, o)
+    if ARGV[o + A.more] == '1' then
+      local tried = { reply }
+      while ARGV[o + A.more] == '1' do
+        o = o + tonumber(ARGV[A.size + o])
+        if reply.err == nil and reply[1] ~= 'ok' then
+          reply = admit(p, o)
+          tried[#tried + 1] = reply
+        end
+      end
+      reply = tried
+    end
+    decided[#decided + 1] = reply
     o = o + tonumber(ARGV[A.size + o])
   end
   save(P, p, POOL_FIELDS)

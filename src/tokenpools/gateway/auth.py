@@ -1,0 +1,91 @@
+"""Who a request is: the tenant named by a trusted auth proxy's header, or by the bearer
+credential — an API key (looked up by its hash) or a JWT from the configured identity
+provider. Each refusal is a 401 (or a 403 for a tenant with nothing here) naming the problem.
+
+A trusted header from anywhere but the proxy (its addresses, or its shared secret) is ignored:
+the request is judged by its other credentials, and a 401 says why the header did not count.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from tokenpools.control.tenancy import Caller, Directory
+from tokenpools.gateway.jwt_auth import JwtVerifier, TokenRefused, looks_like_jwt
+from tokenpools.gateway.responses import bearer
+from tokenpools.model.config import GatewaySettings
+from tokenpools.model.keys import hash_key
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    status: int
+    code: str  # the OpenAI error's code, and the unauthorized metric's reason
+    message: str
+
+
+class Authenticator:
+    def __init__(self, settings: GatewaySettings, clock: Callable[[], float] = time.time) -> None:
+        self.settings, self.clock = settings, clock
+        self.jwt = None if settings.jwt is None else JwtVerifier(settings.jwt, clock)
+        trusted = settings.trusted_header
+        self._networks = [
+            ipaddress.ip_network(c, strict=False) for c in (trusted.from_cidrs if trusted else ())
+        ]
+
+    def adopt(self, settings: GatewaySettings) -> Authenticator:
+        """The authenticator for new settings; the JWKS cache is kept when `jwt` is unchanged."""
+        fresh = Authenticator(settings, self.clock)
+        if self.jwt is not None and settings.jwt == self.settings.jwt:
+            fresh.jwt = self.jwt
+        return fresh
+
+    async def caller(self, request: web.Request, directory: Directory) -> Caller | Refused:
+        trusted, ignored = self.settings.trusted_header, ""
+        if trusted is not None and trusted.name in request.headers:
+            if self._trusts(request):
+                return _known(Caller(request.headers[trusted.name], "header"), directory)
+            ignored = f" (header {trusted.name} is honoured only from the auth proxy)"
+        token = bearer(request)
+        if token is None:
+            return Refused(401, "invalid_api_key", "no API key or token" + ignored)
+        key = directory.key(token)
+        if key is not None:
+            if key.expires_at is not None and self.clock() >= key.expires_at:
+                return Refused(401, "expired_api_key", f"API key {key.label!r} has expired")
+            return directory.key_caller(key)
+        if self.jwt is not None and looks_like_jwt(token):
+            try:
+                claims = await self.jwt.verify(token)
+            except TokenRefused as exc:
+                return Refused(401, "invalid_token", str(exc))
+            caller = Caller(claims.tenant, "jwt", claims.models, subject=claims.subject)
+            return _known(caller, directory)
+        return Refused(401, "invalid_api_key", "invalid API key" + ignored)
+
+    def _trusts(self, request: web.Request) -> bool:
+        trusted = self.settings.trusted_header
+        assert trusted is not None
+        if trusted.secret_header is not None and trusted.secret_hash is not None:
+            secret = request.headers.get(trusted.secret_header)
+            if secret is not None and hmac.compare_digest(hash_key(secret), trusted.secret_hash):
+                return True
+        if not self._networks or request.remote is None:
+            return False
+        try:
+            peer = ipaddress.ip_address(request.remote)
+        except ValueError:  # a Unix socket: no address to trust
+            return False
+        return any(peer in net for net in self._networks)
+
+
+def _known(caller: Caller, directory: Directory) -> Caller | Refused:
+    if caller.tenant in directory.tenants:
+        return caller
+    return Refused(403, "unknown_tenant", f"tenant {caller.tenant!r} has no entitlements here")

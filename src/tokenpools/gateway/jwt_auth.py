@@ -1,0 +1,178 @@
+"""Bearer JWTs from an identity provider, verified with PyJWT against the provider's public keys
+(a JWKS from a URL or a file).
+
+Keys are cached by `kid`. A token whose key is cached never waits on the provider: a JWKS that
+has grown stale is fetched again in the background. An unknown `kid` fetches it at once (a
+rotated key), but at most once per `refresh_min_interval_s`, and concurrent requests share one
+fetch, so a storm of forged kids cannot hammer the provider. The time a token is judged by is
+the gateway's clock (injected), not PyJWT's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jwt
+
+from tokenpools.model.identity import JwtSettings
+
+log = logging.getLogger("tokenpools.gateway")
+
+
+class TokenRefused(Exception):
+    """Why a token is refused; the message is the 401's."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    tenant: str
+    subject: str | None
+    models: frozenset[str] | None
+
+
+def looks_like_jwt(token: str) -> bool:
+    return token.count(".") == 2 and token.startswith("eyJ")
+
+
+class JwtVerifier:
+    def __init__(self, settings: JwtSettings, clock: Callable[[], float] = time.time) -> None:
+        self.settings, self.clock = settings, clock
+        self._keys: dict[str | None, jwt.PyJWK] = {}
+        self._fetched_at = -float("inf")  # when the keys in hand were read
+        self._tried_at = -float("inf")  # when a fetch was last started
+        self._fetching: asyncio.Task[None] | None = None
+        self.fetches = 0  # fetches started (what a storm of unknown kids would drive up)
+        if settings.jwks_file is not None:
+            self._adopt(_read_file(settings.jwks_file))
+
+    async def verify(self, token: str) -> Claims:
+        s = self.settings
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.DecodeError:
+            raise TokenRefused("malformed token: not a JWT") from None
+        alg, kid = header.get("alg"), header.get("kid")
+        if alg not in s.algorithms:
+            allowed = ", ".join(s.algorithms)
+            raise TokenRefused(f"token algorithm {alg!r} is not allowed ({allowed})")
+        key = await self._key(kid if isinstance(kid, str) else None)
+        try:
+            claims = jwt.decode(
+                token,
+                key.key,
+                algorithms=[alg],
+                audience=list(s.audience),
+                issuer=s.issuer,
+                options={"verify_exp": False, "verify_nbf": False, "verify_iat": False},
+            )
+        except jwt.InvalidSignatureError:
+            raise TokenRefused("bad token signature") from None
+        except jwt.InvalidAudienceError:
+            raise TokenRefused(f"wrong token audience (expected {', '.join(s.audience)})") from None
+        except jwt.InvalidIssuerError:
+            raise TokenRefused(f"wrong token issuer (expected {s.issuer})") from None
+        except jwt.MissingRequiredClaimError as exc:
+            raise TokenRefused(f"the token has no {exc.claim!r} claim") from None
+        except (jwt.InvalidTokenError, jwt.PyJWKError) as exc:
+            raise TokenRefused(f"invalid token: {exc}") from None
+        self._check_times(claims)
+        return self._claims(claims)
+
+    def _check_times(self, claims: dict[str, Any]) -> None:
+        now, leeway = self.clock(), self.settings.leeway_s
+        exp, nbf = claims.get("exp"), claims.get("nbf")
+        if not isinstance(exp, int | float) or isinstance(exp, bool):
+            raise TokenRefused("the token has no numeric 'exp' claim")
+        if now > exp + leeway:
+            raise TokenRefused("token expired")
+        if nbf is not None and (not _is_number(nbf) or now < nbf - leeway):
+            raise TokenRefused("token not yet valid (nbf)")
+
+    def _claims(self, claims: dict[str, Any]) -> Claims:
+        s = self.settings
+        tenant = claims.get(s.tenant_claim)
+        if not isinstance(tenant, str) or not tenant:
+            raise TokenRefused(f"the token has no {s.tenant_claim!r} claim naming a tenant")
+        models: frozenset[str] | None = None
+        if s.models_claim is not None and s.models_claim in claims:
+            value = claims[s.models_claim]
+            if isinstance(value, str):
+                value = value.split()
+            if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+                raise TokenRefused(f"the token's {s.models_claim!r} claim is not a list of models")
+            models = frozenset(value)
+        subject = claims.get("sub")
+        return Claims(tenant, subject if isinstance(subject, str) else None, models)
+
+    # -- keys ----------------------------------------------------------------------------
+
+    async def _key(self, kid: str | None) -> jwt.PyJWK:
+        now = self.clock()
+        key = self._pick(kid)
+        if key is not None:
+            if now - self._fetched_at > self.settings.cache_ttl_s:
+                self._start_fetch(now)  # in the background: this token goes on
+            return key
+        if now - self._tried_at >= self.settings.refresh_min_interval_s:
+            self._start_fetch(now)
+        if self._fetching is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._fetching)
+        key = self._pick(kid)
+        if key is None:
+            raise TokenRefused(f"unknown token key id (kid {kid!r})")
+        return key
+
+    def _pick(self, kid: str | None) -> jwt.PyJWK | None:
+        if kid is None and len(self._keys) == 1:
+            return next(iter(self._keys.values()))
+        return self._keys.get(kid)
+
+    def _start_fetch(self, now: float) -> None:
+        if self._fetching is not None and not self._fetching.done():
+            return
+        self._tried_at = now
+        self.fetches += 1
+        self._fetching = asyncio.get_running_loop().create_task(self._fetch())
+
+    async def _fetch(self) -> None:
+        s = self.settings
+        try:
+            if s.jwks_file is not None:
+                data = await asyncio.to_thread(_read_file, s.jwks_file)
+            else:
+                assert s.jwks_url is not None
+                data = await _download(s.jwks_url, s.timeout_s)
+            self._adopt(data)
+        except Exception as exc:  # the keys in hand stay; the next unknown kid tries again
+            log.warning("JWKS from %s: %s", s.jwks_url or s.jwks_file, exc)
+
+    def _adopt(self, data: Any) -> None:
+        keys = jwt.PyJWKSet.from_dict(data).keys  # unusable keys are skipped
+        self._keys = {k.key_id: k for k in keys}
+        self._fetched_at = self.clock()
+
+
+async def _download(url: str, timeout_s: float) -> Any:
+    # A session of its own: nothing of the gateway's (backend keys) ever goes to the provider.
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession() as session, session.get(url, timeout=timeout) as r:
+        r.raise_for_status()
+        return json.loads(await r.read())
+
+
+def _read_file(path: str) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
