@@ -168,6 +168,37 @@ class SameLedger(RuleBasedStateMachine):
             self.live = [x for x in self.live if x not in gone]
 
     @precondition(lambda self: len(self.configured & {"a", "b", "c"}) >= 2)
+    @rule(
+        data=st.data(),
+        tokens=st.sampled_from([1.0, 40.0, 300.0]),
+        layer_plans=st.lists(st.one_of(plans(), tight_plans()), min_size=3, max_size=3),
+        burst=st.integers(1, 4),
+    )
+    def admit_layers(
+        self, data: Any, tokens: float, layer_plans: list[ReservePlan], burst: int
+    ) -> None:
+        """One request tried on several entitlements of pool p in one step (a tenant's
+        layers): both stores admit it on the same layer, or refuse it on every one alike."""
+        names = data.draw(st.permutations(sorted(self.configured & {"a", "b", "c"})))
+        names = names[: data.draw(st.integers(2, len(names)))]
+        for _ in range(burst):
+            self.seq += 1
+            layers = [
+                Reservation(
+                    Lease(f"l{self.seq}", "p", n, tokens, 1.0, self.now, self.now + 30, False),
+                    plan, tokens, [], 0, False,
+                )
+                for n, plan in zip(names, layer_plans, strict=False)
+            ]  # fmt: skip
+            a, b = (s.admit_first([replace(r, lease=replace(r.lease)) for r in layers], self.now)
+                    for s in self.stores)  # fmt: skip
+            assert [o.shortfall for o in a] == [o.shortfall for o in b]
+            assert all(o.shortfall is not None for o in a[:-1])
+            REACHED[f"layer {len(a)} of {len(layers)}"] += a[-1].shortfall is None
+            if a[-1].shortfall is None:
+                self.live.append(f"l{self.seq}")
+
+    @precondition(lambda self: len(self.configured & {"a", "b", "c"}) >= 2)
     @rule(data=st.data(), overcommit=st.booleans())
     def crowd_out(self, data: Any, overcommit: bool) -> None:
         """Preemptible work fills pool p; then a request needs its room: by evicting it, or
@@ -255,5 +286,6 @@ def test_memory_and_redis_stores_agree_on_every_operation(redis_url: str) -> Non
     # The comparison proves little unless the steps reached the outcomes that matter (check 5's
     # refusal needs scores and refusals lined up: the core-level differential test reaches it).
     for what in ("admitted", "evicting", "overcommit", "expired", "pool_kv",
-                 "entitlement_concurrency", "reserved_concurrency"):  # fmt: skip
+                 "entitlement_concurrency", "reserved_concurrency", "layer 1 of 2",
+                 "layer 2 of 2", "layer 2 of 3", "layer 3 of 3"):  # fmt: skip
         assert REACHED[what] > 0, (what, REACHED)
