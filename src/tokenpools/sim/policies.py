@@ -10,6 +10,8 @@ from dataclasses import replace
 
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
+from tokenpools.control.layers import admit_layers
+from tokenpools.control.tenancy import Directory
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.request import RequestCost, Usage
@@ -176,8 +178,22 @@ class TokenPools(AdmissionPolicy):
 
     name = "tokenpools"
 
-    def __init__(self, config: Config, now: float, absent: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        config: Config,
+        now: float,
+        absent: frozenset[str] = frozenset(),
+        layered: frozenset[str] = frozenset(),
+    ) -> None:
+        """`layered`: entitlements whose requests go to all of their tenant's entitlements in
+        the pool, in layer order (control/layers.py), as the gateway sends a tenant's."""
         self.config = config
+        directory = Directory(config)
+        self.layers = {
+            name: directory.layers(config.entitlements[name].tenant_id)[ent.pool]
+            for name in layered
+            if (ent := config.entitlements[name])
+        }
         self.absent = set(absent)  # entitlements not created yet
         self.core = DecisionCore(self._current(), MemoryStore(), now=now)
         self.pool = next(iter(config.pools))
@@ -203,9 +219,12 @@ class TokenPools(AdmissionPolicy):
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
         self.tenant_of[req.entitlement] = req.tenant
-        decision = self.core.admit(
-            req.entitlement, RequestCost(req.prompt_tokens, req.max_tokens), now, req.req_id
-        )
+        cost = RequestCost(req.prompt_tokens, req.max_tokens)
+        names = self.layers.get(req.entitlement)
+        if names is None:
+            decision = self.core.admit(req.entitlement, cost, now, req.req_id)
+        else:
+            decision = admit_layers(self.core, names, cost, now, req.req_id)
         if isinstance(decision, Admit):
             return Send([lease.lease_id for lease in decision.evict])
         return Refuse(decision.reason.value, decision.retry_after_s)
@@ -299,6 +318,7 @@ def make_policy(
     cluster: Cluster,
     now: float,
     absent: frozenset[str] = frozenset(),
+    layered: frozenset[str] = frozenset(),
 ) -> AdmissionPolicy:
     factories: dict[str, Callable[[], AdmissionPolicy]] = {
         "none": NoAdmissionControl,
@@ -307,7 +327,7 @@ def make_policy(
         "concurrency": lambda: StaticConcurrency(limits),
         "priority-shed": lambda: PriorityShed(limits, cluster),
         "vtc": VirtualTokenCounter,
-        "tokenpools": lambda: TokenPools(config, now, absent),
+        "tokenpools": lambda: TokenPools(config, now, absent, layered),
     }
     if name not in factories:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

@@ -107,6 +107,10 @@ class Limits(_Strict):
 class Tenant(_Strict):
     name: str
     entitlement: str | None = None  # defaults to the tenant's name
+    # tokenpools sends each request to every entitlement of the entitlement's tenantId in its
+    # pool, as layers (the first with room admits it), as the gateway does for one tenant's key;
+    # the baselines know only `entitlement`
+    layered: bool = False
     workload: Workload
     retry: Retry = Retry()
     slo_ttft_s: Pos | None = None  # goodput threshold; default: the entitlement's sloTargetMs

@@ -71,8 +71,9 @@ class Simulation:
         self._joining = {
             t.name: t.entitlement or t.name for t in scenario.tenants if t.entitlement_while_active
         }
+        layered = frozenset(t.entitlement or t.name for t in scenario.tenants if t.layered)
         self.policy: AdmissionPolicy = make_policy(
-            policy, self.config, limits, self, 0.0, frozenset(self._joining.values())
+            policy, self.config, limits, self, 0.0, frozenset(self._joining.values()), layered
         )
         self.policy_name = policy
         self.now = 0.0
