@@ -225,3 +225,17 @@ def test_the_trusted_header_is_honoured_from_the_proxy_only(
         assert nobody.status_code == 403 and nobody.json()["error"]["code"] == "unknown_tenant"
     finally:
         server.stop()
+
+
+def test_the_admin_api_groups_by_tenant_and_never_shows_a_key(gateway: ServerThread) -> None:
+    charged(gateway, "sk-acme", CODER)
+    r = httpx.get(f"{gateway.url}/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"})
+    tenants = r.json()
+    assert sorted(tenants) == ["acme", "other"]
+    acme = tenants["acme"]
+    assert [e["entitlement"] for e in acme["pools"]["chat"]] == ["acme-gold", "acme-spot"]
+    assert [e["class"] for e in acme["pools"]["chat"]] == ["guaranteed", "spot"]
+    assert [k["label"] for k in acme["keys"]] == ["laptop", "ci", "old"]
+    assert acme["keys"][1]["models"] == [CODER]
+    assert "sha256" not in r.text
+    assert httpx.get(f"{gateway.url}/admin/tenants").status_code == 401

@@ -1,5 +1,5 @@
-"""The admin API (`/admin/pools`, `/admin/entitlements`): admin keys only; the store's
-counters, scores and the core's views as JSON, read off the event loop."""
+"""The admin API (`/admin/pools`, `/admin/entitlements`, `/admin/tenants`): admin keys only;
+the store's counters, scores and the core's views as JSON, read off the event loop."""
 
 from __future__ import annotations
 
@@ -91,5 +91,41 @@ def admin_entitlements(gw: Gateway) -> dict[str, Any]:
             "debt": e.debt,
             "burst": e.burst,
             "priority": e.priority,
+        }
+    return out
+
+
+@admin_only
+def admin_tenants(gw: Gateway) -> dict[str, Any]:
+    """Each tenant: its entitlements by pool in layer order (with their state and what they
+    hold now), the models it may use, and its keys by label (never a hash)."""
+    directory = gw.admission.directory
+    ents = snapshot(gw.core, gw.clock()).entitlements
+    out: dict[str, Any] = {}
+    for tenant in sorted(directory.tenants):
+        layers = directory.layers(tenant)
+        keys = gw.config.tenants[tenant].keys if tenant in gw.config.tenants else ()
+        out[tenant] = {
+            "in_flight": sum(ents[n].in_flight for names in layers.values() for n in names),
+            "pools": {
+                pool: [
+                    {
+                        "entitlement": n,
+                        "class": ents[n].service_class,
+                        "state": ents[n].state,
+                        "in_flight": ents[n].in_flight,
+                    }
+                    for n in names
+                ]
+                for pool, names in layers.items()
+            },
+            "keys": [
+                {
+                    "label": k.label,
+                    "expires_at": k.expires_at,
+                    "models": None if k.models is None else sorted(k.models),
+                }
+                for k in keys
+            ],
         }
     return out

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from tokenpools.gateway import dashboard
-from tokenpools.gateway.admin import admin_entitlements, admin_pools
+from tokenpools.gateway.admin import admin_entitlements, admin_pools, admin_tenants
 from tokenpools.gateway.auth import Refused
 from tokenpools.gateway.inference import inference
 from tokenpools.gateway.responses import error, openai_errors, refused
@@ -109,6 +109,7 @@ def make_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/pools", admin_pools)
     app.router.add_get("/admin/entitlements", admin_entitlements)
+    app.router.add_get("/admin/tenants", admin_tenants)
     dashboard.add_routes(app)
 
     async def background(app: web.Application) -> AsyncIterator[None]:
