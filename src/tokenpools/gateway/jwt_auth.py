@@ -6,6 +6,10 @@ has grown stale is fetched again in the background. An unknown `kid` fetches it 
 rotated key), but at most once per `refresh_min_interval_s`, and concurrent requests share one
 fetch, so a storm of forged kids cannot hammer the provider. The time a token is judged by is
 the gateway's clock (injected), not PyJWT's.
+
+A verified token is remembered (up to `VERIFIED_CACHE` of them) until its `exp`, so a client
+that sends the same token with each request pays for one signature check, not one per request;
+a new key set (a rotation) forgets them all.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +31,7 @@ import jwt
 from tokenpools.model.identity import JwtSettings
 
 log = logging.getLogger("tokenpools.gateway")
+VERIFIED_CACHE = 4096
 
 
 class TokenRefused(Exception):
@@ -51,10 +57,17 @@ class JwtVerifier:
         self._tried_at = -float("inf")  # when a fetch was last started
         self._fetching: asyncio.Task[None] | None = None
         self.fetches = 0  # fetches started (what a storm of unknown kids would drive up)
+        self._verified: OrderedDict[str, tuple[Claims, float, float | None]] = OrderedDict()
         if settings.jwks_file is not None:
             self._adopt(_read_file(settings.jwks_file))
 
     async def verify(self, token: str) -> Claims:
+        known = self._verified.get(token)
+        if known is not None:
+            verified, exp, nbf = known
+            self._check_times({"exp": exp, "nbf": nbf})
+            self._verified.move_to_end(token)
+            return verified
         s = self.settings
         try:
             header = jwt.get_unverified_header(token)
@@ -85,7 +98,11 @@ class JwtVerifier:
         except (jwt.InvalidTokenError, jwt.PyJWKError) as exc:
             raise TokenRefused(f"invalid token: {exc}") from None
         self._check_times(claims)
-        return self._claims(claims)
+        verified = self._claims(claims)
+        self._verified[token] = (verified, claims["exp"], claims.get("nbf"))
+        if len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
+        return verified
 
     def _check_times(self, claims: dict[str, Any]) -> None:
         now, leeway = self.clock(), self.settings.leeway_s
@@ -158,7 +175,12 @@ class JwtVerifier:
 
     def _adopt(self, data: Any) -> None:
         keys = jwt.PyJWKSet.from_dict(data).keys  # unusable keys are skipped
-        self._keys = {k.key_id: k for k in keys}
+        fresh = {k.key_id: k for k in keys}
+        if set(fresh) != set(self._keys) or any(
+            fresh[kid].key != self._keys[kid].key for kid in fresh
+        ):
+            self._verified.clear()  # a withdrawn key's tokens are checked again, and refused
+        self._keys = fresh
         self._fetched_at = self.clock()
 
 
