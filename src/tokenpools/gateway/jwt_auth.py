@@ -67,6 +67,7 @@ class JwtVerifier:
             verified, exp, nbf = known
             self._check_times({"exp": exp, "nbf": nbf})
             self._verified.move_to_end(token)
+            self._refresh_if_stale()
             return verified
         s = self.settings
         try:
@@ -136,8 +137,7 @@ class JwtVerifier:
         now = self.clock()
         key = self._pick(kid)
         if key is not None:
-            if now - self._fetched_at > self.settings.cache_ttl_s:
-                self._start_fetch(now)  # in the background: this token goes on
+            self._refresh_if_stale()
             return key
         if now - self._tried_at >= self.settings.refresh_min_interval_s:
             self._start_fetch(now)
@@ -148,6 +148,11 @@ class JwtVerifier:
         if key is None:
             raise TokenRefused(f"unknown token key id (kid {kid!r})")
         return key
+
+    def _refresh_if_stale(self) -> None:
+        now = self.clock()
+        if now - self._fetched_at > self.settings.cache_ttl_s:
+            self._start_fetch(now)  # in the background: the token in hand goes on
 
     def _pick(self, kid: str | None) -> jwt.PyJWK | None:
         if kid is None and len(self._keys) == 1:
