@@ -224,3 +224,24 @@ def test_render_cli_prints_the_resources_and_refuses_a_tenant_that_is_no_namespa
     bad.write_text(yaml.safe_dump(document))
     out = CliRunner().invoke(app, ["k8s", "render", str(bad)])
     assert out.exit_code != 0 and "tenantId 'Team_A' is not a valid namespace name" in out.output
+
+
+def test_render_keeps_tenants_in_the_gateways_config_and_says_so(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tokenpools.cli import app
+    from tokenpools.model.keys import hash_key
+
+    document = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    tenant = document["entitlements"][0]["tenantId"]
+    document["tenants"] = [{"id": tenant, "keys": [{"hash": hash_key("sk-x"), "label": "x"}]}]
+    path = tmp_path / "tenants.yaml"
+    path.write_text(yaml.safe_dump(document))
+    out = CliRunner().invoke(app, ["k8s", "render", str(path)])
+    assert out.exit_code == 0, out.output
+    assert "tenants and gateway stay in the gateway's own config" in out.stderr
+    assert hash_key("sk-x") not in out.stdout  # no custom resource carries a tenant key
+    document["tenants"][0]["id"] = "Team_A"
+    path.write_text(yaml.safe_dump(document))
+    out = CliRunner().invoke(app, ["k8s", "render", str(path)])
+    assert out.exit_code != 0 and "tenant 'Team_A' is not a valid namespace name" in out.output

@@ -37,11 +37,20 @@ def k8s_render(
         load_config(config)  # the same validation as `check-config`
     except ConfigError as exc:
         fail(str(exc))
+    document = yaml.safe_load(config.read_text())
     try:
-        objects = render(yaml.safe_load(config.read_text()))
+        objects = render(document)
     except ValueError as exc:
         fail(str(exc))
     typer.echo(dump_all(objects), nl=False)
+    kept = [section for section in ("tenants", "gateway") if section in document]
+    if kept:  # platform settings, never a tenant's to write: no custom resource holds them
+        typer.echo(
+            f"note: {' and '.join(kept)} stay in the gateway's own config (tokenpools serve "
+            "--kubernetes --config FILE); in a cluster a tenant is its namespace "
+            "(docs/identity.md)",
+            err=True,
+        )
 
 
 def operator(

@@ -220,6 +220,12 @@ def render(document: Mapping[str, Any]) -> list[dict[str, Any]]:
                 f"entitlement {ent['name']!r}: tenantId {ent['tenantId']!r} is not a valid "
                 "namespace name (lower-case letters, digits and '-', at most 63)"
             )
+    for tenant in document.get("tenants", []):
+        if not _DNS_LABEL.match(tenant["id"]):
+            raise ValueError(
+                f"tenant {tenant['id']!r} is not a valid namespace name (lower-case letters, "
+                "digits and '-', at most 63): in a cluster a tenant is its namespace"
+            )
     for pool in document.get("pools", []):
         spec = {k: v for k, v in pool.items() if k not in ("name", "backends", "tokenizer")}
         tenants = sorted({e["tenantId"] for e in ents if e["pool"] == pool["name"]})
