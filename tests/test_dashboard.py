@@ -97,7 +97,7 @@ def test_top_prints_the_pools_and_entitlements_once(gateway: ServerThread) -> No
         app, ["top", "--url", gateway.url, "--admin-key", KEYS["admin"], "--once"]
     )
     assert cli.exit_code == 0, cli.output
-    for name in ("pool", "gold", "spot", "batch", "guaranteed", "preemptible"):
+    for name in ("pool", "gold", "spot", "batch", "guaranteed", "preemptible", "tenant"):
         assert name in cli.output
     bad = CliRunner().invoke(app, ["top", "--url", gateway.url, "--admin-key", "sk-x", "--once"])
     assert bad.exit_code == 1 and "admin key" in bad.output

@@ -48,10 +48,10 @@ def render(history: dict[str, Any]) -> Group:
     for column in ("pool", "replicas", "slots in flight", "held back", "KV tokens", "backends"):
         pools.add_column(column, justify="left" if column == "pool" else "right")
     ents = Table()
-    columns = ["entitlement", "pool", "class", "state", "in flight", "priority", "debt"]
+    columns = ["tenant", "entitlement", "pool", "class", "state", "in flight", "priority", "debt"]
     columns += ["admitted/s", "refused/s", "refused", "TTFT p99"]
     for column in columns:
-        ents.add_column(column, justify="left" if column in columns[:4] else "right")
+        ents.add_column(column, justify="left" if column in columns[:5] else "right")
     if not samples:
         return Group(pools, "no sample yet: the gateway takes one per update period")
     latest = samples[-1]
@@ -66,9 +66,11 @@ def render(history: dict[str, Any]) -> Group:
             f"{p['reserved']['kv_tokens']:g} of {p['capacity']['kv_tokens']:g}",
             f"{healthy} of {len(backends)} healthy",
         )
-    for name, e in sorted(latest["entitlements"].items()):
+    by_tenant = sorted(latest["entitlements"].items(), key=lambda i: (i[1].get("tenant", ""), i[0]))
+    for name, e in by_tenant:  # a tenant's entitlements together
         refused = sum(v or 0.0 for v in e["refused_per_s"].values())
         ents.add_row(
+            e.get("tenant", "-"),
             name,
             e["pool"],
             e["class"],

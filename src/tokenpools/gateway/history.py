@@ -51,6 +51,7 @@ def _entitlement_sample(e: EntitlementSnapshot, c: _Counts, seconds: float) -> d
     ttfts = list(c.ttfts)
     c.ttfts.clear()
     sample = {
+        "tenant": e.tenant,
         "pool": e.pool,
         "class": e.service_class,
         "state": e.state,
