@@ -189,11 +189,10 @@ class TokenPools(AdmissionPolicy):
         the pool, in layer order (control/layers.py), as the gateway sends a tenant's."""
         self.config = config
         directory = Directory(config)
-        self.layers = {
-            name: directory.layers(config.entitlements[name].tenant_id)[ent.pool]
-            for name in layered
-            if (ent := config.entitlements[name])
-        }
+        self.layers: dict[str, tuple[str, ...]] = {}
+        for name in layered:
+            ent = config.entitlements[name]
+            self.layers[name] = directory.layers(ent.tenant_id)[ent.pool]
         self.absent = set(absent)  # entitlements not created yet
         self.core = DecisionCore(self._current(), MemoryStore(), now=now)
         self.pool = next(iter(config.pools))
