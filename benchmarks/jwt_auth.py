@@ -21,7 +21,7 @@ import jwt
 from aiohttp.test_utils import make_mocked_request
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
-from tokenpools.control.tenancy import Directory
+from tokenpools.control.tenancy import Caller, Directory
 from tokenpools.gateway.auth import Authenticator
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
@@ -56,7 +56,7 @@ async def per_request_us(auth: Authenticator, directory: Directory, bearers: lis
     ]
     started = time.process_time()
     for request in requests:
-        assert not hasattr(await auth.caller(request, directory), "status")
+        assert isinstance(await auth.caller(request, directory), Caller)
     return (time.process_time() - started) / len(requests) * 1e6
 
 

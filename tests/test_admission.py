@@ -332,13 +332,13 @@ def test_removed_entitlement_returns_its_leases_for_the_host_to_end() -> None:
 
 
 def test_api_key_lookup_uses_hashes() -> None:
-    from tokenpools.control.tenancy import Directory
+    from tokenpools.control.tenancy import Caller, Directory
     from tokenpools.model.keys import hash_key
 
     directory = Directory(make_config([{**SPOT, "apiKeys": [hash_key("sk-secret")]}]))
-    key = directory.key("sk-secret")
-    assert key is not None and key.entitlement == "spot"  # a key on an entitlement: that one
-    assert directory.key("sk-other") is None
+    key = directory.by_key("sk-secret", 0.0)
+    assert isinstance(key, Caller) and key.entitlement == "spot"  # on an entitlement: that one
+    assert directory.by_key("sk-other", 0.0) is None
 
 
 def test_reload_moving_an_entitlement_to_another_pool_ends_its_leases() -> None:

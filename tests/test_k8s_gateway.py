@@ -11,7 +11,7 @@ import httpx
 
 from tests.kube.harness import NS, PLATFORM, Bench, bench, ent, pool
 from tests.servers import wait_until
-from tokenpools.control.tenancy import Directory
+from tokenpools.control.tenancy import Caller, Directory
 from tokenpools.k8s.api import ENTITLEMENTS, POOLS, SECRETS
 from tokenpools.k8s.informer import Informer
 from tokenpools.k8s.source import ClusterSource, cluster_config
@@ -44,8 +44,8 @@ def test_the_gateway_takes_the_binding_the_operator_wrote(bench: Bench) -> None:
     source = ClusterSource(kube, PLATFORM, {}).start()
     core = DecisionCore(source.config(), MemoryStore(), now=0.0)
     source.stop()
-    key = Directory(core.config).key("sk-gold")
-    assert key is not None and key.entitlement == f"{NS}/gold" and key.tenant == NS
+    key = Directory(core.config).by_key("sk-gold", 0.0)
+    assert isinstance(key, Caller) and key.entitlement == f"{NS}/gold" and key.tenant == NS
     cost = RequestCost(input_tokens=64, max_output_tokens=64)
     assert isinstance(core.admit(f"{NS}/gold", cost, now=0.0), Admit)
     refused = core.admit(f"{NS}/chat", cost, now=0.0)

@@ -41,22 +41,20 @@ class StoreDriver:
         if shared is not None:
             core.fallback.hand_over_on_tick = False  # `hand_over` does it, on the loop
 
-    async def admit(self, entitlement: str, cost: RequestCost, now: float) -> Decision:
-        if self.shared is None:
-            return self.core.admit(entitlement, cost, now)
-        step = self.core.prepare(entitlement, cost, now)
-        if isinstance(step, Reject):
-            return step
-        try:
-            outcome: Outcome | None = await self.shared.admit(step, now)
-        except StoreUnavailable:
-            outcome = None
-        return self.core.decide(step, outcome, now)
-
-    async def admit_layers(self, names: Sequence[str], cost: RequestCost, now: float) -> Decision:
-        """A request of several layers (control/layers.py), one store step for all of them."""
+    async def admit(self, names: Sequence[str], cost: RequestCost, now: float) -> Decision:
+        """A request of one entitlement, or of several layers (control/layers.py): one store
+        step either way."""
         if self.shared is None:
             return layers.admit_layers(self.core, names, cost, now)
+        if len(names) == 1:
+            step = self.core.prepare(names[0], cost, now)
+            if isinstance(step, Reject):
+                return step
+            try:
+                outcome: Outcome | None = await self.shared.admit(step, now)
+            except StoreUnavailable:
+                outcome = None
+            return self.core.decide(step, outcome, now)
         steps = layers.prepare_layers(self.core, names, cost, now)
         if isinstance(steps, Reject):
             return steps

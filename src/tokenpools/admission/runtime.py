@@ -20,6 +20,7 @@ from typing import Any
 from tokenpools.admission.admitted import Admitted
 from tokenpools.admission.driver import StoreDriver, open_driver
 from tokenpools.control.decisions import Admit, Decision
+from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.control.tenancy import Caller, Directory, Route
@@ -63,19 +64,12 @@ class AdmissionRuntime:
         """Decide, tell the listeners, and end the preemptible requests an admission evicts.
         Several entitlements: the request's layers, in order (control/layers.py); the one that
         admits it is charged (`decision.lease.entitlement`), a refusal is counted on the first."""
+        names = (entitlement,) if isinstance(entitlement, str) else entitlement
         now = self.clock()
-        if isinstance(entitlement, str):
-            decision = await self.driver.admit(entitlement, cost, now)
-        elif len(entitlement) == 1:
-            entitlement = entitlement[0]
-            decision = await self.driver.admit(entitlement, cost, now)
-        else:
-            decision = await self.driver.admit_layers(entitlement, cost, now)
-            entitlement = entitlement[0]
-        if isinstance(decision, Admit):
-            entitlement = decision.lease.entitlement
+        decision = await self.driver.admit(names, cost, now)
+        charged = charged_to(decision, names)
         for listener in self.listeners:
-            listener(entitlement, decision, now)
+            listener(charged, decision, now)
         if isinstance(decision, Admit):
             for victim in decision.evict:
                 self.evict(victim.lease_id)

@@ -57,6 +57,11 @@ def decide_layers(
     return soonest([core.decide(s, o, now) for s, o in zip(steps, tried, strict=False)])
 
 
+def charged_to(decision: Decision, names: Sequence[str]) -> str:
+    """The entitlement a decision counts on: the layer that admitted it, else the first."""
+    return decision.lease.entitlement if isinstance(decision, Admit) else names[0]
+
+
 def soonest(decisions: Sequence[Decision]) -> Decision:
     """The refusal to answer with: the one whose retry is expected soonest (the first layer's
     among equals; one that can never succeed only if all are such)."""
@@ -79,8 +84,10 @@ def admit_layers(
     now: float,
     request_id: str | None = None,
 ) -> Decision:
-    """Decide on a request of several layers with the core's own store (the synchronous path,
-    as `DecisionCore.admit`)."""
+    """Decide on a request of one or several layers with the core's own store (the synchronous
+    path; one layer is `DecisionCore.admit`)."""
+    if len(names) == 1:
+        return core.admit(names[0], cost, now, request_id)
     steps = prepare_layers(core, names, cost, now, request_id)
     if isinstance(steps, Reject):
         return steps

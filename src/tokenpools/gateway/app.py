@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from tokenpools.control.tenancy import Refused
 from tokenpools.gateway import dashboard
 from tokenpools.gateway.admin import admin_entitlements, admin_pools, admin_tenants
-from tokenpools.gateway.auth import Refused
 from tokenpools.gateway.inference import inference
 from tokenpools.gateway.responses import error, openai_errors, refused
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, READY_CHECKS, Gateway

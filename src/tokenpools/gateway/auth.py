@@ -12,22 +12,14 @@ import hmac
 import ipaddress
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from tokenpools.control.tenancy import Caller, Directory
+from tokenpools.control.tenancy import Caller, Directory, Refused
 from tokenpools.gateway.jwt_auth import JwtVerifier, TokenRefused, looks_like_jwt
 from tokenpools.gateway.responses import bearer
 from tokenpools.model.config import GatewaySettings
 from tokenpools.model.keys import hash_key
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    status: int
-    code: str  # the OpenAI error's code, and the unauthorized metric's reason
-    message: str
 
 
 class Authenticator:
@@ -50,24 +42,23 @@ class Authenticator:
         trusted, ignored = self.settings.trusted_header, ""
         if trusted is not None and trusted.name in request.headers:
             if self._trusts(request):
-                return _known(Caller(request.headers[trusted.name], "header"), directory)
+                return directory.known(Caller(request.headers[trusted.name], "header"))
             ignored = f" (header {trusted.name} is honoured only from the auth proxy)"
         token = bearer(request)
         if token is None:
-            return Refused(401, "invalid_api_key", "no API key or token" + ignored)
-        key = directory.key(token)
-        if key is not None:
-            if key.expires_at is not None and self.clock() >= key.expires_at:
-                return Refused(401, "expired_api_key", f"API key {key.label!r} has expired")
-            return directory.key_caller(key)
+            return Refused("invalid_api_key", "no API key or token" + ignored)
+        keyed = directory.by_key(token, self.clock())
+        if keyed is not None:
+            return keyed
         if self.jwt is not None and looks_like_jwt(token):
             try:
                 claims = await self.jwt.verify(token)
             except TokenRefused as exc:
-                return Refused(401, "invalid_token", str(exc))
-            caller = Caller(claims.tenant, "jwt", claims.models, subject=claims.subject)
-            return _known(caller, directory)
-        return Refused(401, "invalid_api_key", "invalid API key" + ignored)
+                return Refused("invalid_token", str(exc))
+            return directory.known(
+                Caller(claims.tenant, "jwt", claims.models, subject=claims.subject)
+            )
+        return Refused("invalid_api_key", "invalid API key" + ignored)
 
     def _trusts(self, request: web.Request) -> bool:
         trusted = self.settings.trusted_header
@@ -83,9 +74,3 @@ class Authenticator:
         except ValueError:  # a Unix socket: no address to trust
             return False
         return any(peer in net for net in self._networks)
-
-
-def _known(caller: Caller, directory: Directory) -> Caller | Refused:
-    if caller.tenant in directory.tenants:
-        return caller
-    return Refused(403, "unknown_tenant", f"tenant {caller.tenant!r} has no entitlements here")

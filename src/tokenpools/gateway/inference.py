@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from tokenpools.control.decisions import Reject
-from tokenpools.gateway.auth import Refused
+from tokenpools.control.tenancy import Refused
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.request_log import RequestRecord
 from tokenpools.gateway.responses import charged_headers, error, refused, rejection, too_large
@@ -107,7 +107,7 @@ async def _answer(
     prompt_tokens = record.counted_prompt_tokens = await gw.prompt_tokens(pool_name, body, path)
     requested = 0 if path == EMBEDDINGS else max_tokens(body)
     decision = await gw.admit(route.entitlements, RequestCost(prompt_tokens, requested, count))
-    record.decided(decision, route.entitlements[0])
+    record.decided(decision, route.entitlements)
     if isinstance(decision, Reject):
         return rejection(decision)
     admitted = gw.admission.hold(decision, asyncio.current_task())

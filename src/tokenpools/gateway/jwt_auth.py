@@ -56,7 +56,6 @@ class JwtVerifier:
         self._fetched_at = -float("inf")  # when the keys in hand were read
         self._tried_at = -float("inf")  # when a fetch was last started
         self._fetching: asyncio.Task[None] | None = None
-        self.fetches = 0  # fetches started (what a storm of unknown kids would drive up)
         self._verified: OrderedDict[str, tuple[Claims, float, float | None]] = OrderedDict()
         if settings.jwks_file is not None:
             self._adopt(_read_file(settings.jwks_file))
@@ -163,7 +162,6 @@ class JwtVerifier:
         if self._fetching is not None and not self._fetching.done():
             return
         self._tried_at = now
-        self.fetches += 1
         self._fetching = asyncio.get_running_loop().create_task(self._fetch())
 
     async def _fetch(self) -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokenpools.control.decisions import Admit, Decision
+from tokenpools.control.layers import charged_to
 from tokenpools.control.tenancy import Caller
 
 if TYPE_CHECKING:
@@ -52,11 +54,11 @@ class RequestRecord:
         self.tenant, self.credential = caller.tenant, caller.credential
         self.subject = caller.subject
 
-    def decided(self, decision: Decision, first_layer: str) -> None:
+    def decided(self, decision: Decision, layers: Sequence[str]) -> None:
+        self.entitlement = charged_to(decision, layers)
         if isinstance(decision, Admit):
-            self.decision, self.entitlement = "admitted", decision.lease.entitlement
+            self.decision = "admitted"
         else:
-            self.entitlement = first_layer
             self.decision, self.reason = "rejected", decision.reason.value
             self.retry_after_s = decision.retry_after_s
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ from tokenpools.openai_api import error_body
 from tokenpools.openai_api.refusals import refusal
 
 if TYPE_CHECKING:
-    from tokenpools.gateway.auth import Refused
+    from tokenpools.control.tenancy import Refused
 
 log = logging.getLogger("tokenpools.gateway")
 
@@ -50,18 +51,24 @@ def rejection(decision: Reject) -> web.Response:
 
 def refused(why: Refused) -> web.Response:
     """A credential refused (gateway/auth.py): 401, or 403 for a tenant with nothing here."""
-    kind = "invalid_request_error" if why.status == 401 else "permission_error"
-    headers = {"WWW-Authenticate": "Bearer"} if why.status == 401 else None
-    return error(why.status, why.message, kind, why.code, headers=headers)
+    if why.forbidden:
+        return error(403, why.message, "permission_error", why.code)
+    headers = {"WWW-Authenticate": "Bearer"}
+    return error(401, why.message, "invalid_request_error", why.code, headers=headers)
 
 
 def charged_headers(entitlements: Mapping[str, EntitlementView], name: str) -> dict[str, str]:
     """What an admitted request is charged to: the entitlement (one of its tenant's layers)."""
     view = entitlements.get(name)
     return {
-        "x-tokenpools-entitlement": quote(name, safe="/:@._-"),
+        "x-tokenpools-entitlement": _header_value(name),
         "x-tokenpools-service-class": "" if view is None else view.ent.service_class.value,
     }
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_value(name: str) -> str:  # once per entitlement name, not once per request
+    return quote(name, safe="/:@._-")
 
 
 def too_large(limit: int) -> web.Response:

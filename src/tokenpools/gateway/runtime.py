@@ -21,8 +21,8 @@ from tokenpools.admission.runtime import replica_name
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision
 from tokenpools.control.feedback import next_fraction
-from tokenpools.control.tenancy import Caller
-from tokenpools.gateway.auth import Authenticator, Refused
+from tokenpools.control.tenancy import Caller, Refused
+from tokenpools.gateway.auth import Authenticator
 from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History

@@ -44,7 +44,7 @@ from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 from tokenpools.admission import AdmissionRuntime, Admitted
 from tokenpools.admission.config_file import ConfigFile
 from tokenpools.control.decisions import Reject
-from tokenpools.control.tenancy import Caller
+from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.model.config import load_config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.openai_api import (
@@ -309,18 +309,19 @@ async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:
     key's label, model allow-list and, for a key written on an entitlement, that entitlement
     in the key's metadata)."""
     admission = proxy_handler_instance.admission
-    key = admission.directory.key(api_key)
-    if key is None:
+    caller = admission.directory.by_key(api_key, admission.clock())
+    if caller is None:
         raise _error(401, "invalid API key", "auth_error", "invalid_api_key")
-    if key.expires_at is not None and admission.clock() >= key.expires_at:
-        raise _error(401, f"API key {key.label!r} has expired", "auth_error", "expired_api_key")
-    metadata: dict[str, Any] = {TENANT_METADATA: key.tenant, CREDENTIAL_METADATA: key.label}
-    if key.models is not None:
-        metadata[MODELS_METADATA] = sorted(key.models)
-    if key.entitlement is not None:
-        metadata[ENTITLEMENT_METADATA] = key.entitlement
-        del metadata[TENANT_METADATA]
-    team = key.entitlement or key.tenant
+    if isinstance(caller, Refused):
+        raise _error(401, caller.message, "auth_error", caller.code)
+    metadata: dict[str, Any] = {CREDENTIAL_METADATA: caller.credential}
+    if caller.models is not None:
+        metadata[MODELS_METADATA] = sorted(caller.models)
+    if caller.entitlement is not None:
+        metadata[ENTITLEMENT_METADATA] = caller.entitlement
+    else:
+        metadata[TENANT_METADATA] = caller.tenant
+    team = caller.entitlement or caller.tenant
     return UserAPIKeyAuth(api_key=api_key, team_id=team, team_alias=team, metadata=metadata)
 
 

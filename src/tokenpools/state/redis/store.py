@@ -120,10 +120,7 @@ class RedisStore(RedisLink):
     # -- the atomic step -----------------------------------------------------------------
 
     def admit(self, reservation: Reservation, now: float) -> Outcome:
-        pool = reservation.lease.pool
-        with self.booking(reservation.lease, now):
-            (decided,) = self._call(pool, "admit", now, wire.admit_args(reservation, now))
-        return self.admitted(reservation, decided)
+        return self.admit_first((reservation,), now)[-1]
 
     def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
         first = reservations[0].lease
@@ -132,10 +129,9 @@ class RedisStore(RedisLink):
         return self.layers_admitted(reservations, decided)
 
     def layers_admitted(self, reservations: Sequence[Reservation], decided: Any) -> list[Outcome]:
-        """Read the reply to a request's layers: an outcome per layer tried."""
-        if len(reservations) == 1:
-            return [self.admitted(reservations[0], decided)]
-        if isinstance(decided, redis.ResponseError):
+        """Read the reply to a request's layers: an outcome per layer tried (one layer, or an
+        error for the whole call: the reply itself)."""
+        if len(reservations) == 1 or isinstance(decided, redis.ResponseError):
             return [self.admitted(reservations[0], decided)]
         return [self.admitted(r, reply) for r, reply in zip(reservations, decided, strict=False)]
 
