@@ -27,7 +27,7 @@ import yaml
 
 from tokenpools.model.keys import hash_key
 from tokenpools.openai_api import vllm_gauges
-from tokenpools.processes import free_port, redis_server, spawn, start_redis, stop, wait_ready
+from tokenpools.processes import redis_server, spawn_server, start_redis, stop
 
 MODEL = "m"
 SLOTS = 8
@@ -126,25 +126,28 @@ def gateways(
     timeout_s: float = TIMEOUT_S,
 ) -> Iterator[Cluster]:
     """An emulator and three `tokenpools serve` processes on the Redis at `redis_url`."""
-    emu_port = free_port()
-    backend = f"http://127.0.0.1:{emu_port}"
     path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(backend, redis_url, timeout_s)))
-    emulator = spawn(
-        ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "1", "--port", str(emu_port)]
-    )
-    ports = [free_port() for _ in range(3)]
-    procs = [spawn(["serve", "--config", str(path), "--port", str(p)]) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    c = Cluster(port, redis_proc, backend, urls, procs, client=client)
 
-    async def ready() -> None:
-        await wait_ready(f"{backend}/health", emulator)
-        for url, proc in zip(urls, procs, strict=True):
-            await wait_ready(f"{url}/readyz", proc)
+    async def start() -> list[tuple[subprocess.Popen[bytes], str]]:
+        emulate = ["emulate", "--profile", "h100-llama3.1-8b", "--speed", "1", "--port"]
+        emulator = await spawn_server(lambda p: [*emulate, str(p)], "/health")
+        path.write_text(yaml.safe_dump(gateway_config(emulator[1], redis_url, timeout_s)))
+        serve = await asyncio.gather(
+            *(spawn_server(lambda p: ["serve", "--config", str(path), "--port", str(p)], "/readyz")
+              for _ in range(3)),
+            return_exceptions=True,
+        )  # fmt: skip
+        started = [emulator, *(s for s in serve if not isinstance(s, BaseException))]
+        failed = [s for s in serve if isinstance(s, BaseException)]
+        if failed:
+            stop(*(proc for proc, _ in started))
+            raise failed[0]
+        return started
 
+    (emulator, backend), *served = asyncio.run(start())
+    procs = [proc for proc, _ in served]
+    c = Cluster(port, redis_proc, backend, [url for _, url in served], procs, client=client)
     try:
-        asyncio.run(ready())
         yield c
     finally:
         stop(emulator, *(p for p in procs if p.poll() is None))

@@ -26,7 +26,7 @@ from tokenpools.gateway.runtime import Gateway
 from tokenpools.loadgen import LoadRun, Target
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
-from tokenpools.processes import free_port, spawn, stop, wait_ready
+from tokenpools.processes import spawn_server, stop
 from tokenpools.sim.experiments import write_figures
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.records import RunResult
@@ -40,11 +40,10 @@ MODEL = "demo-model"
 async def _emulator(profile: str, speed: float) -> tuple[subprocess.Popen[bytes], str]:
     """An emulated backend in its own process, so its steps keep time whatever the load
     generator and the gateway do in this one."""
-    port = free_port()
-    proc = spawn(["emulate", "--profile", profile, "--speed", str(speed), "--port", str(port)])
-    url = f"http://127.0.0.1:{port}"
-    await wait_ready(f"{url}/health", proc)
-    return proc, url
+    return await spawn_server(
+        lambda port: ["emulate", "--profile", profile, "--speed", str(speed), "--port", str(port)],
+        "/health",
+    )
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:

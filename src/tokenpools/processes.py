@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import aiohttp
 
@@ -31,6 +31,10 @@ def spawn(args: list[str]) -> subprocess.Popen[bytes]:
     )
 
 
+class ExitedEarly(RuntimeError):
+    """The child process ended before it answered."""
+
+
 async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
     """Poll `url` until it answers 200; fail early if the process has died."""
     async with aiohttp.ClientSession() as session:
@@ -42,10 +46,32 @@ async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float =
             except aiohttp.ClientError:
                 pass
             if proc.poll() is not None:
-                break
+                raise ExitedEarly(
+                    f"{url}: the process exited ({proc.returncode}) before it answered"
+                )
             await asyncio.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"{url} did not come up")
+
+
+async def spawn_server(
+    args: Callable[[int], list[str]], ready_path: str, timeout_s: float = 15.0, tries: int = 3
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`tokenpools ARGS(port)` on a free loopback port, once it answers `ready_path`: its URL.
+    A port is free when chosen, not when the child binds it (another process may take it in
+    between), so a child that exits before it answers is started again on another port."""
+    for attempt in range(tries):
+        port = free_port()
+        proc = spawn(args(port))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await wait_ready(url + ready_path, proc, timeout_s)
+        except ExitedEarly:
+            if attempt == tries - 1:
+                raise
+            continue
+        return proc, url
+    raise AssertionError("unreachable")
 
 
 def stop(*procs: subprocess.Popen[bytes]) -> None:
