@@ -179,24 +179,43 @@ class SameLedger(RuleBasedStateMachine):
     ) -> None:
         """One request tried on several entitlements of pool p in one step (a tenant's
         layers): both stores admit it on the same layer, or refuse it on every one alike."""
-        names = data.draw(st.permutations(sorted(self.configured & {"a", "b", "c"})))
-        names = names[: data.draw(st.integers(2, len(names)))]
+        names = self.draw_layers(data)
         for _ in range(burst):
-            self.seq += 1
-            layers = [
-                Reservation(
-                    Lease(f"l{self.seq}", "p", n, tokens, 1.0, self.now, self.now + 30, False),
-                    plan, tokens, [], 0, False,
-                )
-                for n, plan in zip(names, layer_plans, strict=False)
-            ]  # fmt: skip
-            a, b = (s.admit_first([replace(r, lease=replace(r.lease)) for r in layers], self.now)
-                    for s in self.stores)  # fmt: skip
-            assert [o.shortfall for o in a] == [o.shortfall for o in b]
-            assert all(o.shortfall is not None for o in a[:-1])
-            REACHED[f"layer {len(a)} of {len(layers)}"] += a[-1].shortfall is None
-            if a[-1].shortfall is None:
-                self.live.append(f"l{self.seq}")
+            self.admit_layers_both(names, tokens, layer_plans)
+
+    @precondition(lambda self: len(self.configured & {"a", "b", "c"}) >= 2)
+    @rule(data=st.data())
+    def fall_through(self, data: Any) -> None:
+        """The upper layers full (each at its in-flight ceiling): the request lands on the
+        first layer with room, in both stores."""
+        names = self.draw_layers(data)
+        full = data.draw(st.integers(1, len(names) - 1))
+        ceilings = [
+            replace(OPEN, ent_concurrency=self.memory.entitlement_counters(n, self.now).concurrency)
+            for n in names[:full]
+        ]
+        self.admit_layers_both(names, 1.0, [*ceilings, *[OPEN] * (len(names) - full)])
+
+    def draw_layers(self, data: Any) -> list[str]:
+        names: list[str] = data.draw(st.permutations(sorted(self.configured & {"a", "b", "c"})))
+        return names[: data.draw(st.integers(2, len(names)))]
+
+    def admit_layers_both(self, names: list[str], tokens: float, plans: Any) -> None:
+        self.seq += 1
+        layers = [
+            Reservation(
+                Lease(f"l{self.seq}", "p", n, tokens, 1.0, self.now, self.now + 30, False),
+                plan, tokens, [], 0, False,
+            )
+            for n, plan in zip(names, plans, strict=False)
+        ]  # fmt: skip
+        a, b = (s.admit_first([replace(r, lease=replace(r.lease)) for r in layers], self.now)
+                for s in self.stores)  # fmt: skip
+        assert [o.shortfall for o in a] == [o.shortfall for o in b]
+        assert all(o.shortfall is not None for o in a[:-1])
+        REACHED[f"layer {len(a)} of {len(layers)}"] += a[-1].shortfall is None
+        if a[-1].shortfall is None:
+            self.live.append(f"l{self.seq}")
 
     @precondition(lambda self: len(self.configured & {"a", "b", "c"}) >= 2)
     @rule(data=st.data(), overcommit=st.booleans())
