@@ -51,7 +51,10 @@ def test_counters_and_lease_rows_map_every_field_to_a_stored_one() -> None:
     assert set(wire.POOL_COUNTERS.values()) <= set(_lua_list("POOL_FIELDS"))
     assert set(wire.ENTITLEMENT_COUNTERS.values()) <= set(_lua_list("ENT_FIELDS"))
     # every stored field travels back in a lease row, but its owner (Redis's own bookkeeping)
-    assert [*wire.LEASE_ROW.values(), "owner"] == _lua_list("LEASE_FIELDS")
+    # and its meter (the budgets and ledger bucket its lease ends charge, in METER_ARGS order)
+    meter = ["bucket", "w_in", "w_out", "w_cost", "holds"]
+    assert meter == list(wire.METER_ARGS)
+    assert [*wire.LEASE_ROW.values(), "owner", *meter] == _lua_list("LEASE_FIELDS")
 
 
 def test_the_generated_prelude_is_what_the_script_starts_with() -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from tokenpools.control import plans
 from tokenpools.control.backfill import BORROWERS, lendable
 from tokenpools.control.binding import bind, external_states
+from tokenpools.control.budgets import Budgets
 from tokenpools.control.eviction import may_evict
 from tokenpools.control.priority import priority, slo_reference
 from tokenpools.control.store import BucketSpec, Lease, ReservePlan, Scores, Store, StoreUnavailable
@@ -78,6 +79,7 @@ class Catalog:
         leases of removed entitlements: the host must end those requests."""
         self.config = config
         self.policy = config.policy
+        self.budgets = Budgets(config)
         ended: list[Lease] = []
         for name, view in list(self._ents.items()):
             new = config.entitlements.get(name)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.backfill import recent_peaks
+from tokenpools.control.budgets import tightest
 from tokenpools.control.catalog import EntitlementView, PoolView
 from tokenpools.control.decisions import (
     SHORTFALL_REJECTS,
@@ -39,6 +40,7 @@ from tokenpools.control.store import (
     Outcome,
     Reservation,
     Scores,
+    Shortfall,
     Store,
     StoreUnavailable,
 )
@@ -56,6 +58,7 @@ class Pending(Reservation):
     view: EntitlementView
     pool_view: PoolView
     max_tokens: int  # the request's max_tokens, the entitlement's default if it set none
+    sequences: int = 1
 
 
 class DecisionCore(Endings):
@@ -136,6 +139,7 @@ class DecisionCore(Endings):
             return self._too_big(view, pool_view, tokens, kv)
 
         lease_id = self.new_lease_id() if request_id is None else request_id
+        account = cost.account
         lease = Lease(
             lease_id,
             pool.name,
@@ -145,6 +149,9 @@ class DecisionCore(Endings):
             now,
             now + self.policy.lease_ttl_s,
             view.preemptible,
+            meter=None
+            if account is None
+            else self.budgets.meter(account, ent, pool, cost.input_tokens, out, now),
         )
         # Who this request may evict: the pool's preemptible entitlements strictly below it,
         # if the pool owes it capacity.
@@ -155,7 +162,16 @@ class DecisionCore(Endings):
         )
         order = pool_view.preemptible_order
         return Pending(
-            lease, view.plan, tokens, order, count, view.protected, view, pool_view, max_out
+            lease,
+            view.plan,
+            tokens,
+            order,
+            count,
+            view.protected,
+            view,
+            pool_view,
+            max_out,
+            cost.sequences,
         )
 
     def new_lease_id(self) -> str:
@@ -166,6 +182,14 @@ class DecisionCore(Endings):
         unreachable, and the outage policy decides)."""
         view, lease = step.view, step.lease
         if outcome is None:
+            if lease.meter is not None and lease.meter.holds:
+                return Reject(
+                    Reason.STORE_UNAVAILABLE,
+                    Check.BUDGET,
+                    "the shared state store is unreachable; requests charged to a budget are "
+                    "refused until it is back (a budget is never overspent)",
+                    self.fallback.retry_after_s,
+                )
             if lease.lease_id in self.fallback.leases:
                 raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
             decision = self.fallback.admit(view.ent, view.own_bucket, view.priority, lease, now)
@@ -181,8 +205,22 @@ class DecisionCore(Endings):
                 step.max_tokens,
                 # only where the host asked the store for counters after an admission
                 None if outcome.entitlement is None else quota(view, step.pool_view, outcome),
+                tightest(lease.meter, outcome.budget_left),
             )
+        if outcome.shortfall == Shortfall.BUDGET:
+            return self._over_budget(step, outcome, now)
         return self._reject(outcome, step, now)
+
+    def _over_budget(self, step: Pending, outcome: Outcome, now: float) -> Reject:
+        meter, left = step.lease.meter, outcome.budget_left
+        assert meter is not None
+        refusal = self.budgets.refusal(
+            meter, outcome.budget_refused, left[outcome.budget_refused], now
+        )
+        refusal.max_tokens_fit = self.budgets.fitting_output(
+            meter, left, step.pool_view.pool, step.sequences
+        )
+        return refusal
 
     def _too_big(
         self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float

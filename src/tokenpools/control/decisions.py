@@ -27,6 +27,7 @@ class Reason(StrEnum):
     LOW_PRIORITY = "low_priority"
     POOL_FULL = "pool_full"
     STORE_UNAVAILABLE = "store_unavailable"  # the shared store is unreachable: fail closed
+    INSUFFICIENT_QUOTA = "insufficient_quota"  # a budget cannot take the request (OpenAI's code)
 
 
 class Check(StrEnum):
@@ -39,6 +40,7 @@ class Check(StrEnum):
     KV = "kv"
     PRIORITY = "priority"  # paper check 5
     CAPACITY = "capacity"  # room in the pool, after eviction and overcommit
+    BUDGET = "budget"  # a budget's window (control/budgets.py), checked before the rest
 
 
 # What each failed comparison of the store's reserve means to a client.
@@ -131,6 +133,10 @@ class Admit:
     overcommit: bool = False
     max_tokens: int = 0  # what the reservation assumed: the request's, or the default
     quota: Quota | None = None  # from the counters the store read in the same step
+    # the tightest budget after the admission: (name, what is left, its window's end; INF for
+    # a lifetime budget); None when no budget applies
+    budget: tuple[str, float, float] | None = None
+    lowered: bool = False  # max_tokens was lowered to fit a budget: the host must send it
 
     admitted = True
 
@@ -143,6 +149,8 @@ class Reject:
     retry_after_s: float | None = None  # None: retrying the same request cannot succeed
     dimension: str | None = None  # for pool_full: concurrency, kv_tokens or throughput
     quota: Quota | None = None  # for a refusal of room; read from the store in the same step
+    budget: str | None = None  # for insufficient_quota: the budget that refused
+    max_tokens_fit: int = 0  # > 0: the budgets allow this request with max_tokens lowered to it
 
     admitted = False
 

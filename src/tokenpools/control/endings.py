@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenpools.control import budgets
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.fallback import LocalFallback
-from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
+from tokenpools.control.store import Charge, Lease, Scores, Store, StoreUnavailable
 from tokenpools.model.request import Usage
 
 
@@ -25,6 +26,7 @@ class Ending:
     charged: float | None
     refund: bool
     local: bool  # held by this process's fallback budget, not by the store
+    charge: Charge | None = None  # a metered lease's usage in every measure
 
 
 class Endings(Catalog):
@@ -32,7 +34,8 @@ class Endings(Catalog):
 
     def prepare_end(self, lease: Lease, usage: Usage | None, refund: bool = True) -> Ending:
         charged = None if usage is None else self.used_tokens(lease, usage)
-        return Ending(lease, charged, refund, lease.lease_id in self.fallback.leases)
+        charge = None if usage is None else self.charge(lease, usage)
+        return Ending(lease, charged, refund, lease.lease_id in self.fallback.leases, charge)
 
     def end_on_store(self, ending: Ending, now: float) -> bool:
         """Run an ending on the store the core was given (the fallback for a local lease);
@@ -42,7 +45,7 @@ class Endings(Catalog):
             if charged is None:
                 self._release(lease_id, ending.local, ending.refund, now)
             else:
-                self._holder(ending.local).settle(lease_id, charged, now)
+                self._holder(ending.local).settle(lease_id, charged, now, ending.charge)
         except StoreUnavailable:
             return False
         self.ended(ending, now)
@@ -74,6 +77,12 @@ class Endings(Catalog):
             + pool.output_token_weight * usage.output_tokens
         )
 
+    def charge(self, lease: Lease, usage: Usage) -> Charge | None:
+        """A metered lease's usage in every measure its budgets and ledger count."""
+        if lease.meter is None:
+            return None
+        return budgets.used(self._pools[lease.pool].pool, usage)
+
     def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
         """The request finished; charge what it really used and refund the rest."""
         holder: Store | LocalFallback = (
@@ -83,7 +92,7 @@ class Endings(Catalog):
             lease = holder.get_lease(lease_id, now)
             if lease is None:
                 return None
-            holder.settle(lease_id, self.used_tokens(lease, usage), now)
+            holder.settle(lease_id, self.used_tokens(lease, usage), now, self.charge(lease, usage))
         except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
         self._served(lease, now)

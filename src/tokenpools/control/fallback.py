@@ -17,7 +17,7 @@ from typing import Protocol
 
 from tokenpools.control import plans
 from tokenpools.control.decisions import SHORTFALL_REJECTS, Admit, Check, Decision, Reason, Reject
-from tokenpools.control.store import INF, BucketSpec, Lease, Reservation, ReservePlan, Store
+from tokenpools.control.store import INF, BucketSpec, Charge, Lease, Reservation, ReservePlan, Store
 from tokenpools.model.entitlement import Entitlement
 
 _UNBOUNDED = BucketSpec(INF, INF)
@@ -86,10 +86,12 @@ class LocalFallback:
 
     # The rest is only called for a lease in `leases`, so the store exists.
 
-    def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
+    def settle(
+        self, lease_id: str, used_tokens: float, now: float, charge: Charge | None = None
+    ) -> Lease | None:
         assert self.store is not None
         with self._lock:
-            return self.store.settle(lease_id, used_tokens, now)
+            return self.store.settle(lease_id, used_tokens, now, charge)
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         assert self.store is not None

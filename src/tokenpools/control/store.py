@@ -37,6 +37,61 @@ class Shortfall(StrEnum):
     POOL_CONCURRENCY = "pool_concurrency"  # the pool itself is full
     POOL_KV = "pool_kv"
     POOL_THROUGHPUT = "pool_throughput"
+    BUDGET = "budget"  # a budget's window cannot hold the request's worst case (checked first)
+
+
+# A Charge's fields, in order: what a request reserved or used, in every unit a budget counts
+# (model/budgets.py Measure) and the ledger records. The wire to Redis lists them in this order.
+MEASURES = ("input", "output", "cached", "tokens", "cost")
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    input: float = 0.0  # prompt tokens
+    output: float = 0.0  # generated tokens
+    cached: float = 0.0  # prompt tokens served from the engine's prefix cache
+    tokens: float = 0.0  # the pool's weighted total, as the throughput buckets count it
+    cost: float = 0.0  # micro-units
+
+
+NO_CHARGE = Charge()
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetHold:
+    """One budget a request reserves against, in its current window."""
+
+    key: str  # the window's counter: "<budget>@<window start>"
+    measure: str  # the Charge field it counts
+    limit: float
+    until: float  # the window's end (INF: a lifetime budget); its counter may go after it
+    # The pool whose Redis hash slot keeps the counter, when every request the budget covers
+    # is in that pool; "" when it spans pools (one Redis, not a Redis Cluster, then).
+    home: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Meter:
+    """What a lease is charged against besides capacity: its budgets (each holds `worst`
+    until the lease ends, then the charge) and its usage-ledger bucket."""
+
+    holds: tuple[BudgetHold, ...]
+    bucket: str  # "<tenant>\x1f<entitlement>\x1f<key label>\x1f<model>"
+    worst: Charge
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """One usage-ledger bucket's totals: an hour (its start, epoch seconds) of one bucket, as
+    one ledger (`source`: a memory store's life, or a Redis pool's) counted them. The version
+    grows with every change, so a writer never replaces newer totals with older; rows of
+    different sources add up."""
+
+    source: str
+    hour: int
+    bucket: str
+    values: Mapping[str, float]  # requests, input, output, cached, cost, evicted, expired,
+    version: int  # and "refused:<reason>" per refusal reason
 
 
 @dataclass(slots=True)
@@ -53,6 +108,7 @@ class Lease:
     preemptible: bool
     reserved_path: bool = False  # booked against its protected baseline (set by reserve)
     drew_own: bool = False  # took its tokens from the entitlement's own bucket (set by reserve)
+    meter: Meter | None = None  # budgets and usage ledger; None: neither
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +232,10 @@ class Outcome:
     pool: PoolCounters | None = None
     evicted: tuple[Lease, ...] = ()  # preemptible leases ended to admit this one
     overcommit: bool = False
+    # For a metered lease: each hold's limit minus what is used and held after the step; on a
+    # BUDGET refusal, the first hold that could not take the worst case.
+    budget_left: tuple[float, ...] = ()
+    budget_refused: int = -1
 
 
 ADMITTED = Outcome(None)  # a plain admission without counters, shared: treat it as read-only
@@ -212,9 +272,17 @@ class Store(Protocol):
         Returns the outcomes of those tried; the last is the admission, if any."""
         ...
 
-    def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None: ...
+    def settle(
+        self, lease_id: str, used_tokens: float, now: float, charge: Charge | None = None
+    ) -> Lease | None:
+        """End a lease on what it used: `used_tokens` of its buckets, and `charge` (default:
+        those tokens alone) against its budgets and ledger bucket."""
+        ...
 
-    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None: ...
+    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
+        """End a lease without usage: refunded (nothing charged), or charged its whole
+        reservation (buckets, budgets and ledger alike), as expiry and eviction charge."""
+        ...
 
     def renew(self, lease_id: str, expires_at: float, now: float) -> bool: ...
 
@@ -233,6 +301,23 @@ class Store(Protocol):
         ...
 
     def take_window(self, name: str, now: float) -> Window: ...
+
+    def take_usage(self, pool: str, now: float) -> list[UsageRow]:
+        """The usage-ledger buckets of a pool's entitlements changed since the last take (by
+        any replica), with their totals; taking again returns nothing new."""
+        ...
+
+    def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
+        """Rows taken but not written anywhere: taken again next time."""
+        ...
+
+    def budget_usage(self, holds: Sequence[BudgetHold], now: float) -> list[tuple[float, float]]:
+        """(used, held) of each budget window's counter; (0, 0) for one never touched."""
+        ...
+
+    def claim_notice(self, hold: BudgetHold, threshold: float, now: float) -> bool:
+        """True once per budget window and threshold, across every replica."""
+        ...
 
     def scores(self, name: str, now: float) -> Scores: ...
 

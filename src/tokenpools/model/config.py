@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from tokenpools.model.budgets import Budget, UsageSettings
 from tokenpools.model.config_schema import ConfigSpec
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.identity import JwtSettings, Tenant, TrustedHeaderSettings
@@ -55,6 +56,8 @@ class Config:
     # Tenants named in `tenants` with their keys; a tenant named only by its entitlements'
     # tenantId has no entry (and no keys but those written on its entitlements).
     tenants: dict[str, Tenant] = field(default_factory=dict)
+    budgets: dict[str, Budget] = field(default_factory=dict)  # by name
+    usage: UsageSettings = field(default_factory=UsageSettings)
     # Binding decided outside the core (kube-scheduler, read from the operator's status);
     # None: the core binds (file mode, simulator).
     bindings: dict[str, BindingState] | None = None
@@ -76,6 +79,8 @@ def parse_config(data: Any) -> Config:
         pools=pools,
         entitlements=entitlements,
         tenants={t.id: t.to_tenant() for t in spec.tenants},
+        budgets={b.name: b.to_budget() for b in spec.budgets},
+        usage=_usage(spec),
         gateway=GatewaySettings(
             tuple(g.adminKeys),
             g.maxBodyBytes,
@@ -95,6 +100,13 @@ def parse_config(data: Any) -> Config:
             replica_timeout_s=st.replicaTimeoutS,
         ),
     )
+
+
+def _usage(spec: ConfigSpec) -> UsageSettings:
+    try:  # the webhook secret is read from the environment here
+        return spec.usage.to_settings()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path) -> Config:

@@ -12,6 +12,8 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from tokenpools.model.budgets import Prices
+from tokenpools.model.budgets_schema import BudgetSpec, PricesSpec, UsageSpec
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.identity_schema import TenantSpec
 from tokenpools.model.keys import is_key_hash
@@ -117,6 +119,7 @@ class PoolSpec(Strict):
     # prompt tokens: estimate (characters), backend (the engine's /tokenize), or a tokenizer file
     # (tokenizer.json or a GGUF model, read with the `tokenizer` extra)
     tokenizer: Annotated[str, Field(min_length=1)] = "estimate"
+    prices: PricesSpec | None = None  # what tokens cost, for budgets in money and the ledger
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
@@ -160,6 +163,7 @@ class PoolSpec(Strict):
             if self.capacityFeedback is None
             else self.capacityFeedback.to_feedback(),
             tokenizer=self.tokenizer,
+            prices=Prices() if self.prices is None else self.prices.to_prices(),
         )
 
 
@@ -227,6 +231,8 @@ class ConfigSpec(Strict):
     pools: list[PoolSpec]
     entitlements: list[EntitlementSpec] = []
     tenants: list[TenantSpec] = []  # keys by tenant (docs/identity.md)
+    budgets: list[BudgetSpec] = []  # docs/budgets.md
+    usage: UsageSpec = UsageSpec()
 
     @model_validator(mode="after")
     def _cross_check(self) -> ConfigSpec:
@@ -251,6 +257,7 @@ class ConfigSpec(Strict):
                 )
         problems += _duplicates("tenants", [t.id for t in self.tenants], "id")
         problems += _key_problems(self, served)
+        problems += _budget_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -290,4 +297,24 @@ def _key_problems(spec: ConfigSpec, served: dict[str, str]) -> list[str]:
     for i, ent in enumerate(spec.entitlements):
         for key_hash in ent.apiKeys:
             claim(key_hash, f"entitlements[{i}].apiKeys", f"the key of entitlement {ent.name!r}")
+    return problems
+
+
+def _budget_problems(spec: ConfigSpec) -> list[str]:
+    """A budget names something that exists: a tenant, an entitlement, a tenant's key."""
+    problems = _duplicates("budgets", [b.name for b in spec.budgets])
+    tenants = {t.id for t in spec.tenants} | {e.tenantId for e in spec.entitlements}
+    ents = {e.name for e in spec.entitlements}
+    keys = {f"{t.id}/{k.label}" for t in spec.tenants for k in t.to_tenant().keys}
+    keys |= {f"{e.tenantId}/{e.name}" for e in spec.entitlements if e.apiKeys}
+    for i, b in enumerate(spec.budgets):
+        if b.tenant is not None and b.tenant not in tenants:
+            problems.append(f"budgets[{i}].tenant: unknown tenant {b.tenant!r}")
+        if b.entitlement is not None and b.entitlement not in ents:
+            problems.append(f"budgets[{i}].entitlement: unknown entitlement {b.entitlement!r}")
+        if b.key is not None and b.key not in keys:
+            problems.append(
+                f"budgets[{i}].key: no key labelled {b.key!r} ('<tenant>/<label>' of a tenant's "
+                "key, or '<tenantId>/<entitlement>' for an entitlement's apiKeys)"
+            )
     return problems

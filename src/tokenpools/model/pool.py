@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from tokenpools.model.budgets import Prices
 from tokenpools.model.profile import ModelProfile
 from tokenpools.model.resources import Resources
 
@@ -49,6 +50,7 @@ class Pool:
     served_models: tuple[str, ...] = ()  # model names clients send; empty: the pool's name
     capacity_feedback: CapacityFeedback | None = None
     tokenizer: str = "estimate"  # how the gateway counts prompt tokens: estimate, backend, a file
+    prices: Prices = field(default_factory=Prices)  # micro-units per million tokens
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import heapq
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tokenpools.control.eviction import choose_victims
 from tokenpools.control.store import (
     ADMITTED,
+    NO_CHARGE,
     BucketSpec,
+    BudgetHold,
+    Charge,
     EntitlementCounters,
     Lease,
     Outcome,
@@ -18,10 +22,12 @@ from tokenpools.control.store import (
     ReservePlan,
     Scores,
     Shortfall,
+    UsageRow,
     Window,
 )
 from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
 from tokenpools.state.checks import first_shortfall
+from tokenpools.state.metering import BudgetBook, UsageBook
 
 _POOL_SHORTFALLS = frozenset(
     {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
@@ -38,6 +44,9 @@ class MemoryStore:
         self._ents: dict[str, EntitlementAccount] = {}
         self._leases: dict[str, Lease] = {}
         self._expiry: list[tuple[float, str]] = []
+        self._budgets = BudgetBook()
+        # This store's life names its ledger rows: a restarted process counts anew beside them.
+        self._usage = UsageBook(f"memory:{secrets.token_hex(6)}")
 
     # -- configuration -------------------------------------------------------------------
 
@@ -96,7 +105,7 @@ class MemoryStore:
             return []
         ended = [lease for lease in self._leases.values() if lease.entitlement == name]
         for lease in ended:
-            self._finish(lease, now, bucket_used=lease.tokens, observed=0.0)
+            self._finish(lease, now, bucket_used=lease.tokens, observed=0.0, how="released")
         p = self._pools[e.pool]
         e.holdback_concurrency = e.holdback_kv = 0.0
         self._update_holdback(e, p)
@@ -109,9 +118,46 @@ class MemoryStore:
     # -- the atomic step -----------------------------------------------------------------
 
     def admit(self, reservation: Reservation, now: float) -> Outcome:
-        lease, plan = reservation.lease, reservation.plan
+        outcome = self._admit_metered(reservation, now)
+        if outcome.shortfall is not None and (meter := reservation.lease.meter) is not None:
+            self._usage.refused(reservation.lease.pool, meter.bucket, outcome.shortfall.value, now)
+        return outcome
+
+    def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
+        tried = []
+        for reservation in reservations:
+            outcome = self._admit_metered(reservation, now)
+            tried.append(outcome)
+            if outcome.shortfall is None:
+                return tried
+        first = reservations[0].lease  # a refusal counts on the first layer, as in metrics
+        if first.meter is not None and tried[0].shortfall is not None:
+            self._usage.refused(first.pool, first.meter.bucket, tried[0].shortfall.value, now)
+        return tried
+
+    def _admit_metered(self, reservation: Reservation, now: float) -> Outcome:
+        """Budgets first (a tenant stopped by its budget is owed nothing: no demand counted),
+        then capacity; an admitted metered lease holds its worst case in every budget."""
+        lease = reservation.lease
         if lease.lease_id in self._leases:
             raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
+        meter = lease.meter
+        if meter is None or not meter.holds:
+            return self._admit(reservation, now)
+        budgets = self._budgets
+        over = budgets.refusing(meter)
+        if over >= 0:
+            outcome = Outcome(
+                Shortfall.BUDGET, budget_left=budgets.left(meter), budget_refused=over
+            )
+            return self._after(outcome, lease, now)
+        outcome = self._admit(reservation, now)
+        if outcome.shortfall is None:
+            budgets.hold(meter)
+        return replace(outcome, budget_left=budgets.left(meter))
+
+    def _admit(self, reservation: Reservation, now: float) -> Outcome:
+        lease, plan = reservation.lease, reservation.plan
         short = self._reserve(lease, plan, now, demand=reservation.demand)
         if short is None:
             return self._after(Outcome(None), lease, now) if self.counters_on_admit else ADMITTED
@@ -133,15 +179,6 @@ class MemoryStore:
         ):
             return self._admitted(Outcome(None, overcommit=True), lease, now)
         return self._after(Outcome(short), lease, now)
-
-    def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
-        tried = []
-        for reservation in reservations:
-            outcome = self.admit(reservation, now)
-            tried.append(outcome)
-            if outcome.shortfall is None:
-                break
-        return tried
 
     def _admitted(self, outcome: Outcome, lease: Lease, now: float) -> Outcome:
         return self._after(outcome, lease, now) if self.counters_on_admit else outcome
@@ -175,7 +212,7 @@ class MemoryStore:
         if short is not None:
             return short
         for victim in victims:
-            self._finish(victim, now, bucket_used=victim.tokens, observed=0.0)
+            self._finish(victim, now, bucket_used=victim.tokens, observed=0.0, how="evicted")
         p.bucket.level -= lease.tokens
         e.admitted += lease.tokens
         self._book(lease, e, p, now)
@@ -207,8 +244,20 @@ class MemoryStore:
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
 
-    def _finish(self, lease: Lease, now: float, bucket_used: float, observed: float) -> None:
+    def _finish(
+        self,
+        lease: Lease,
+        now: float,
+        bucket_used: float,
+        observed: float,
+        charge: Charge | None = None,
+        how: str = "settled",
+    ) -> None:
+        """End a lease: `bucket_used` of its tokens are spent, the rest refunded; `charge` (its
+        whole reservation if None) goes to its budgets and ledger bucket."""
         del self._leases[lease.lease_id]
+        if lease.meter is not None:
+            self._charge(lease, now, charge, how)
         e = self._ents[lease.entitlement]
         p = self._pools[lease.pool]
         e.accumulate(now)
@@ -242,6 +291,18 @@ class MemoryStore:
             if lease.reserved_path:
                 p.protected_bucket.credit(refund, now)
 
+    def _charge(self, lease: Lease, now: float, charge: Charge | None, how: str) -> None:
+        meter = lease.meter
+        assert meter is not None
+        if charge is None:
+            charge = meter.worst
+        if meter.holds:
+            self._budgets.charge(meter, charge)
+        counts = {"requests": 1.0}
+        if how in ("evicted", "expired"):
+            counts[how] = 1.0
+        self._usage.add(lease.pool, meter.bucket, now, charge, **counts)
+
     @staticmethod
     def _update_holdback(e: EntitlementAccount, p: PoolAccount) -> None:
         hold_c = max(0.0, e.holdback_concurrency - e.concurrency)
@@ -252,16 +313,21 @@ class MemoryStore:
 
     # -- ending leases -------------------------------------------------------------------
 
-    def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
+    def settle(
+        self, lease_id: str, used_tokens: float, now: float, charge: Charge | None = None
+    ) -> Lease | None:
         lease = self._leases.get(lease_id)
         if lease is not None:
-            self._finish(lease, now, bucket_used=used_tokens, observed=used_tokens)
+            if charge is None:
+                charge = Charge(tokens=used_tokens)
+            self._finish(lease, now, used_tokens, used_tokens, charge)
         return lease
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         lease = self._leases.get(lease_id)
         if lease is not None:
-            self._finish(lease, now, bucket_used=0.0 if refund else lease.tokens, observed=0.0)
+            used, charge = (0.0, NO_CHARGE) if refund else (lease.tokens, None)
+            self._finish(lease, now, used, 0.0, charge, how="released")
         return lease
 
     def adopt(self, lease: Lease, now: float) -> bool:
@@ -296,10 +362,11 @@ class MemoryStore:
             expires_at, lease_id = heapq.heappop(heap)
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_at == expires_at:
-                self._finish(lease, now, bucket_used=lease.tokens, observed=0.0)
+                self._finish(lease, now, lease.tokens, 0.0, how="expired")
                 ended.append(lease)
         if not self._leases:
             heap.clear()  # drop stale entries of settled leases
+        self._budgets.forget_past(now)
         return ended
 
     def get_lease(self, lease_id: str, now: float) -> Lease | None:
@@ -317,6 +384,18 @@ class MemoryStore:
 
     def take_window(self, name: str, now: float) -> Window:
         return self._ents[name].take_window(now)
+
+    def take_usage(self, pool: str, now: float) -> list[UsageRow]:
+        return self._usage.take(pool, now)
+
+    def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
+        self._usage.put_back(pool, rows)
+
+    def budget_usage(self, holds: Sequence[BudgetHold], now: float) -> list[tuple[float, float]]:
+        return self._budgets.usage([h.key for h in holds])
+
+    def claim_notice(self, hold: BudgetHold, threshold: float, now: float) -> bool:
+        return self._budgets.claim_notice(hold.key, threshold)
 
     def scores(self, name: str, now: float) -> Scores:
         e = self._ents[name]

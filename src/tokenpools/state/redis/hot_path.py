@@ -13,7 +13,14 @@ from typing import Any
 
 import redis
 
-from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
+from tokenpools.control.store import (
+    NO_CHARGE,
+    Charge,
+    Lease,
+    Outcome,
+    Reservation,
+    StoreUnavailable,
+)
 from tokenpools.state.redis import connect as redis_connect
 from tokenpools.state.redis import wire
 from tokenpools.state.redis.link import FAILURES, finish_args, finish_calls
@@ -135,7 +142,7 @@ class RedisHotPath:
     async def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
         """A request's layers (`Store.admit_first`), awaited as `admit` is: one call."""
         first, store = reservations[0].lease, self.store
-        args = wire.layers_args(reservations, now)
+        args = wire.layers_args(reservations, now, store.budget_key)
         for retry in (False, True):
             with store.booking(first, now):
                 decided = await self._together("admit", first.pool, now, args)
@@ -159,15 +166,20 @@ class RedisHotPath:
             reply = await self._call(lease.pool, "adopt", now, wire.lease_args(lease))
         return self.store.adopted(lease, reply)
 
-    async def settle(self, lease: Lease, used_tokens: float, now: float) -> None:
-        await self._finish(lease, now, wire.num(used_tokens), used_tokens)
+    async def settle(
+        self, lease: Lease, used_tokens: float, now: float, charge: Charge | None = None
+    ) -> None:
+        charge = Charge(tokens=used_tokens) if charge is None else charge
+        await self._finish(lease, now, wire.num(used_tokens), used_tokens, charge)
 
     async def release(self, lease: Lease, now: float, refund: bool = True) -> None:
         await self._finish(lease, now, "0.0" if refund else "all", 0.0)
 
-    async def _finish(self, lease: Lease, now: float, used: str, observed: float) -> None:
+    async def _finish(
+        self, lease: Lease, now: float, used: str, observed: float, charge: Charge = NO_CHARGE
+    ) -> None:
         store = self.store
-        args = finish_args(lease.lease_id, used, observed, now)
+        args = finish_args(lease.lease_id, used, observed, now, charge=charge)
         mine = store.forget(lease.lease_id)
         try:
             await self._together("finish", lease.pool, now, args)

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from tokenpools.control.store import Lease, StoreUnavailable
+from tokenpools.control.store import NO_CHARGE, BudgetHold, Charge, Lease, StoreUnavailable
 from tokenpools.state.redis import connect as redis_connect
 from tokenpools.state.redis import wire
 
@@ -88,6 +88,11 @@ class RedisLink:
     def key(self, pool: str) -> str:
         return f"{self._prefix}:{{{pool}}}"
 
+    def budget_key(self, hold: BudgetHold) -> str:
+        """A budget window's counter: in its pool's hash slot when it has one (a Redis Cluster
+        needs that: control/budgets.py), else beside every other budget."""
+        return f"{self._prefix}:{{{hold.home or '~budgets'}}}:b:{hold.key}"
+
     def epoch(self, pool: str) -> str:
         return self._epoch.get(pool, "")
 
@@ -134,6 +139,16 @@ class RedisLink:
             if self._unsent and not self.unsent_on_hot_path:
                 self.send_unsent()
             reply = self._run(pool, op, now, args)
+        except Exception as exc:
+            raise self.went_down(exc) from exc
+        self.answered()
+        return reply
+
+    def command(self, fn: Callable[[Any], Any]) -> Any:
+        """A plain command, outside the script (a read, or a one-key write)."""
+        self.check_available()
+        try:
+            reply = fn(self.client)
         except Exception as exc:
             raise self.went_down(exc) from exc
         self.answered()
@@ -247,7 +262,12 @@ def finish_calls(owed: list[Owed]) -> list[Owed]:
 
 
 def finish_args(
-    lease_id: str, used: str, observed: float, now: float, keep: float = 0.0
+    lease_id: str,
+    used: str,
+    observed: float,
+    now: float,
+    keep: float = 0.0,
+    charge: Charge = NO_CHARGE,
 ) -> list[str]:
     """One lease end's group of the finish operation (several may go in one call)."""
     return wire.args(
@@ -257,4 +277,8 @@ def finish_args(
         observed=wire.num(observed),
         at=wire.num(now),
         keep=wire.num(keep),
+        c_in=wire.num(charge.input),
+        c_out=wire.num(charge.output),
+        c_cached=wire.num(charge.cached),
+        c_cost=wire.num(charge.cost),
     )

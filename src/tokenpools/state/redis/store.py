@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from tokenpools.control.store import (
+    NO_CHARGE,
     BucketSpec,
+    BudgetHold,
+    Charge,
     EntitlementCounters,
     Lease,
     Outcome,
@@ -30,6 +33,7 @@ from tokenpools.control.store import (
     Scores,
     Shortfall,
     StoreUnavailable,
+    UsageRow,
     Window,
 )
 from tokenpools.state.redis import wire
@@ -125,7 +129,8 @@ class RedisStore(RedisLink):
     def admit_first(self, reservations: Sequence[Reservation], now: float) -> list[Outcome]:
         first = reservations[0].lease
         with self.booking(first, now):
-            (decided,) = self._call(first.pool, "admit", now, wire.layers_args(reservations, now))
+            args = wire.layers_args(reservations, now, self.budget_key)
+            (decided,) = self._call(first.pool, "admit", now, args)
         return self.layers_admitted(reservations, decided)
 
     def layers_admitted(self, reservations: Sequence[Reservation], decided: Any) -> list[Outcome]:
@@ -144,25 +149,31 @@ class RedisStore(RedisLink):
                     raise ValueError(message.removeprefix(code))
             raise self.went_down(decided)
         lease = reservation.lease
-        status, flags, ent, pool, rows = decided
+        status, flags, ent, pool, rows, left, refused = decided
         counters = wire.entitlement_counters(ent), wire.pool_counters(pool)
+        budget_left = tuple(map(float, left))
         if status != b"ok":
-            return Outcome(Shortfall(status.decode()), *counters)
+            short = Shortfall(status.decode())
+            return Outcome(short, *counters, budget_left=budget_left, budget_refused=refused - 1)
         reserved, own, overcommit = (f == b"1" for f in flags)
         lease.reserved_path, lease.drew_own = reserved, own
         evicted = tuple(wire.lease(row, lease.pool) for row in rows)
         self._mine[lease.lease_id] = lease
         for victim in evicted:
             self._mine.pop(victim.lease_id, None)
-        return Outcome(None, *counters, evicted=evicted, overcommit=overcommit)
+        return Outcome(
+            None, *counters, evicted=evicted, overcommit=overcommit, budget_left=budget_left
+        )
 
     # -- ending leases -------------------------------------------------------------------
 
-    def _finish(self, lease_id: str, now: float, used: str, observed: float) -> Lease | None:
+    def _finish(
+        self, lease_id: str, now: float, used: str, observed: float, charge: Charge = NO_CHARGE
+    ) -> Lease | None:
         pool = self._pool_of_lease(lease_id, now)
         if pool is None:
             return None
-        args = finish_args(lease_id, used, observed, now)
+        args = finish_args(lease_id, used, observed, now, charge=charge)
         mine = self.forget(lease_id)
         try:
             (row,) = self._call(pool, "finish", now, args)
@@ -170,8 +181,11 @@ class RedisStore(RedisLink):
             return self.unsent(mine, pool, now, args)
         return None if row is None else wire.lease(row, pool)
 
-    def settle(self, lease_id: str, used_tokens: float, now: float) -> Lease | None:
-        return self._finish(lease_id, now, wire.num(used_tokens), used_tokens)
+    def settle(
+        self, lease_id: str, used_tokens: float, now: float, charge: Charge | None = None
+    ) -> Lease | None:
+        charge = Charge(tokens=used_tokens) if charge is None else charge
+        return self._finish(lease_id, now, wire.num(used_tokens), used_tokens, charge)
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         return self._finish(lease_id, now, "0.0" if refund else "all", 0.0)
@@ -254,6 +268,32 @@ class RedisStore(RedisLink):
             peak_k=wire.num(scores.peak_kv),
         )
         self._call(self._ent_pool[name], "set_scores", now, args)
+
+    # -- budgets and the usage ledger ----------------------------------------------------
+
+    def take_usage(self, pool: str, now: float) -> list[UsageRow]:
+        source = f"redis:{self._prefix}:{pool}:{self.epoch(pool)}"
+        return [wire.usage_row(source, row) for row in self._call(pool, "take_usage", now, ())]
+
+    def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
+        if rows:
+            self._call(pool, "put_back_usage", now, [f"{r.hour}:{r.bucket}" for r in rows])
+
+    def budget_usage(self, holds: Sequence[BudgetHold], now: float) -> list[tuple[float, float]]:
+        """Read outside the script: a budget's counter may live outside every pool's slot."""
+        keys = [self.budget_key(hold) for hold in holds]
+
+        def read(client: Any) -> list[tuple[float, float]]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hmget(key, "used", "held")
+            return [(float(u or 0), float(h or 0)) for u, h in pipe.execute()]
+
+        return self.command(read) if keys else []
+
+    def claim_notice(self, hold: BudgetHold, threshold: float, now: float) -> bool:
+        key, field = self.budget_key(hold), f"n:{threshold:g}"
+        return bool(self.command(lambda c: c.hsetnx(key, field, wire.num(now))))
 
     def claim_update(self, pool: str, period: int, now: float) -> bool:
         args = wire.args("claim_update", period=str(period))

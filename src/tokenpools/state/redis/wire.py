@@ -10,18 +10,22 @@ a float survives the round trip exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from importlib.resources import files
 from typing import Any
 
 from tokenpools.control.store import (
+    BudgetHold,
     EntitlementCounters,
     Lease,
     PoolCounters,
     Reservation,
     ReservePlan,
+    UsageRow,
 )
+
+KeyFn = Callable[[BudgetHold], str]
 
 # Every call: ARGV[1] the operation, ARGV[2] the pool epoch the caller knows, ARGV[3] now,
 # ARGV[4] the calling replica (the owner of the leases it books).
@@ -32,9 +36,16 @@ LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre")
 # its own numbers; then the plan's numbers, then the victims' names. Several may follow each
 # other in one call, decided in that order. `more`: the next group is this request's next
 # layer (another entitlement of its tenant in the pool), tried only if this one is refused.
-ADMIT_GROUP = ("size", "at", *LEASE_ARGS, "demand", "may_overcommit", "more")
+# A metered lease (control/store.py Meter): its ledger bucket ("" when none), its worst case
+# (the tokens are the lease's), and how many budget holds follow the plan's numbers, each as
+# HOLD_ARGS; the victims' names come after them.
+METER_ARGS = ("bucket", "w_in", "w_out", "w_cost", "holds")
+HOLD_ARGS = ("key", "measure", "limit", "until")
+ADMIT_GROUP = ("size", "at", *LEASE_ARGS, "demand", "may_overcommit", "more", *METER_ARGS)
 PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
-FINISH_GROUP = ("id", "used", "observed", "at", "keep")
+# A lease end's charge besides the tokens (`used`): ignored when `used` is 'all' (the lease's
+# worst case is charged).
+FINISH_GROUP = ("id", "used", "observed", "at", "keep", "c_in", "c_out", "c_cached", "c_cost")
 # Each operation's own arguments, after the header.
 OPS: dict[str, tuple[str, ...]] = {
     "configure_pool": ("b_rate", "b_depth", "pb_rate", "pb_depth", "new_epoch"),
@@ -57,6 +68,8 @@ OPS: dict[str, tuple[str, ...]] = {
     "claim_update": ("period",),
     "pool_counters": (),
     "entitlement_counters": ("name",),
+    "take_usage": (),  # the ledger buckets changed since the last take, and their totals
+    "put_back_usage": (),  # then the members ("<hour>:<bucket>") to take again
 }
 # Counter dataclass field -> the Lua hash field it is read from, in dataclass order.
 POOL_COUNTERS = {
@@ -88,7 +101,8 @@ LEASE_ROW = {
     "drew_own": "own",
 }
 # The admit reply: status ('ok' or a Shortfall), the three flags, the entitlement counters and
-# the pool counters, and the evicted leases' rows. For layers (groups joined by `more`): a list
+# the pool counters, the evicted leases' rows, what each budget hold has left, and the index
+# (from 1; 0: none) of the hold that refused. For layers (groups joined by `more`): a list
 # of those replies, one per layer tried, the last one the admission if any.
 ADMIT_FLAGS = ("reserved", "own", "overcommit")
 
@@ -114,7 +128,8 @@ def prelude() -> str:
             f"local PLAN_AT = {len(HEADER) + len(ADMIT_GROUP) + 1}  -- ARGV index of the plan",
             f"local PLAN_FIELDS = {_lua_list(PLAN_FIELDS)}",
             f"local FINISH_GROUP = {len(FINISH_GROUP)}  -- finish's arguments per lease end",
-            f"local VICTIMS_AT = {len(HEADER) + len(ADMIT_GROUP) + len(PLAN_FIELDS) + 1}",
+            f"local HOLDS_AT = {len(HEADER) + len(ADMIT_GROUP) + len(PLAN_FIELDS) + 1}",
+            f"local HOLD_ARGS = {len(HOLD_ARGS)}",
             f"local POOL_COUNTERS = {_lua_list(list(POOL_COUNTERS.values()))}",
             f"local ENT_COUNTERS = {_lua_list(list(ENTITLEMENT_COUNTERS.values()))}",
             f"local LEASE_ROW = {_lua_list(list(LEASE_ROW.values()))}",
@@ -124,7 +139,7 @@ def prelude() -> str:
     )
 
 
-LUA_PARTS = ("storage.lua", "leases.lua", "reserve.lua", "operations.lua")
+LUA_PARTS = ("storage.lua", "metering.lua", "leases.lua", "reserve.lua", "operations.lua")
 SCRIPT = prelude() + "\n".join(
     files("tokenpools.state.redis").joinpath("lua", p).read_text() for p in LUA_PARTS
 )
@@ -197,22 +212,53 @@ def lease_args(lease: Lease) -> list[str]:
     return [values[name] for name in LEASE_ARGS]
 
 
-def admit_args(reservation: Reservation, now: float, more: bool = False) -> list[str]:
+def admit_args(
+    reservation: Reservation, now: float, more: bool = False, budget_key: KeyFn = str
+) -> list[str]:
     """One admission's group of the admit operation, in ADMIT_GROUP order, then the plan's
-    numbers and the victims' names (several groups may go in one call)."""
+    numbers, the budget holds and the victims' names (several groups may go in one call).
+    `budget_key` names a hold's counter in Redis."""
+    lease = reservation.lease
+    meter = lease.meter
+    if meter is None:
+        metered = ["", "0", "0", "0", "0"]
+        holds: list[str] = []
+    else:
+        w = meter.worst
+        metered = [meter.bucket, num(w.input), num(w.output), num(w.cost), str(len(meter.holds))]
+        holds = [
+            a for h in meter.holds for a in (budget_key(h), h.measure, num(h.limit), num(h.until))
+        ]
     group = [
         num(now),
-        *lease_args(reservation.lease),
+        *lease_args(lease),
         num(reservation.demand),
         "1" if reservation.may_overcommit else "0",
         "1" if more else "0",
+        *metered,
         *plan_args(reservation.plan),
+        *holds,
         *reservation.victims[: reservation.victim_count],
     ]
     return [str(len(group) + 1), *group]
 
 
-def layers_args(reservations: Sequence[Reservation], now: float) -> list[str]:
+def layers_args(
+    reservations: Sequence[Reservation], now: float, budget_key: KeyFn = str
+) -> list[str]:
     """A request's layers as groups joined by `more`: Redis tries them in order, in one step."""
     last = len(reservations) - 1
-    return [a for i, r in enumerate(reservations) for a in admit_args(r, now, more=i < last)]
+    return [
+        a
+        for i, r in enumerate(reservations)
+        for a in admit_args(r, now, more=i < last, budget_key=budget_key)
+    ]
+
+
+def usage_row(source: str, row: Sequence[Any]) -> UsageRow:
+    """A take_usage row: "<hour>:<bucket>", then field, value pairs ('v': its version)."""
+    member, *pairs = (_text(v) for v in row)
+    hour, bucket = member.split(":", 1)
+    values = {pairs[i]: float(pairs[i + 1]) for i in range(0, len(pairs), 2)}
+    version = int(values.pop("v", 0))
+    return UsageRow(source, int(hour), bucket, values, version)

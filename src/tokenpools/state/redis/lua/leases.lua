@@ -1,4 +1,4 @@
--- Part 2 of the pool ledger script (parts are joined in order; see storage.lua).
+-- Part 3 of the pool ledger script (parts are joined in order; see storage.lua).
 
 -- leases
 
@@ -44,7 +44,7 @@ local function book(id, l, e, p, now)
 end
 
 -- End a lease: `used` tokens of its reservation are spent, the rest goes back to its buckets.
-local function finish(id, l, e, p, now, used, observed)
+local function finish(id, l, e, p, now, used, observed, charge, how)
   redis.call('DEL', lease_key(id))
   redis.call('ZREM', P .. ':exp', id)
   if l.owner then redis.call('SREM', P .. ':o:' .. l.owner, id) end  -- none: booked before owners
@@ -74,23 +74,24 @@ local function finish(id, l, e, p, now, used, observed)
     if l.own == 1 then credit(e, 'o_', refund, now) end
     if l.reserved == 1 then credit(p, 'pb_', refund, now) end
   end
+  meter_end(l, now, charge, how)
 end
 
 -- End lease `id` (loaded: `l`), saving its entitlement; returns the lease.
-local function finish_loaded(id, l, p, now, used_all, used, observed)
+local function finish_loaded(id, l, p, now, used_all, used, observed, charge, how)
   local key = ent_key(l.ent)
   local e = load_ent(key)
   if used_all then used = l.tokens end
-  finish(id, l, e, p, now, used, observed)
+  finish(id, l, e, p, now, used, observed, charge, how)
   save_ent(key, e)
   return l
 end
 
 -- End lease `id` if it exists, saving what it touched; returns the lease or nil.
-local function finish_one(id, p, now, used_all, used, observed)
+local function finish_one(id, p, now, used_all, used, observed, charge, how)
   local l = load_lease(id)
   if l == nil then return nil end
-  return finish_loaded(id, l, p, now, used_all, used, observed)
+  return finish_loaded(id, l, p, now, used_all, used, observed, charge, how)
 end
 
 -- check 5

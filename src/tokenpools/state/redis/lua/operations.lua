@@ -1,4 +1,4 @@
--- Part 4 of the pool ledger script: the other operations and the dispatch.
+-- Part 5 of the pool ledger script: the other operations and the dispatch.
 
 local function configure_pool(now)
   local p = load(P)
@@ -53,7 +53,7 @@ local function remove_entitlement(p, now)
   for _, id in ipairs(redis.call('ZRANGE', P .. ':exp', 0, -1)) do
     local l = load_lease(id)
     if l ~= nil and l.ent == name then
-      finish(id, l, e, p, now, l.tokens, 0.0)
+      finish(id, l, e, p, now, l.tokens, 0.0, nil, 'released')
       ended[#ended + 1] = lease_reply(id, l)
     end
   end
@@ -98,7 +98,8 @@ local function expire(p, now)
   table.sort(due, function(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end)
   local ended = {}
   for _, d in ipairs(due) do
-    ended[#ended + 1] = lease_reply(d[2], finish_loaded(d[2], d[3], p, now, true, 0.0, 0.0))
+    ended[#ended + 1] = lease_reply(d[2],
+      finish_loaded(d[2], d[3], p, now, true, 0.0, 0.0, nil, 'expired'))
   end
   -- A replica not heard from since `stale` is gone (a process killed or restarted under a new
   -- name): its leases end now, charged in full as expiry charges them, not at their expiry.
@@ -110,7 +111,8 @@ local function expire(p, now)
       for _, id in ipairs(redis.call('SMEMBERS', P .. ':o:' .. owner)) do
         local l = load_lease(id)
         if l ~= nil then
-          ended[#ended + 1] = lease_reply(id, finish_loaded(id, l, p, now, true, 0.0, 0.0))
+          ended[#ended + 1] = lease_reply(id,
+            finish_loaded(id, l, p, now, true, 0.0, 0.0, nil, 'expired'))
         end
       end
       redis.call('DEL', P .. ':o:' .. owner)
@@ -204,7 +206,9 @@ if op == 'admit' then
   -- before it were refused.
   local decided, o = {}, 0
   while A.size + o <= #ARGV do
+    local first = o
     local reply = admit(p, o)
+    local refusal = reply.err == nil and reply[1] ~= 'ok' and reply[1]
     if ARGV[o + A.more] == '1' then
       local tried = { reply }
       while ARGV[o + A.more] == '1' do
@@ -214,8 +218,11 @@ if op == 'admit' then
           tried[#tried + 1] = reply
         end
       end
+      if reply.err ~= nil or reply[1] == 'ok' then refusal = nil end
       reply = tried
     end
+    -- a refused request counts in its (first layer's) ledger bucket, as in metrics
+    if refusal then ledger_refused(ARGV[first + A.bucket], refusal, tonumber(ARGV[first + A.at])) end
     decided[#decided + 1] = reply
     o = o + tonumber(ARGV[A.size + o])
   end
@@ -228,8 +235,14 @@ if op == 'finish' then
   local ended = {}
   for at = A.id, #ARGV, FINISH_GROUP do
     local id, used = ARGV[at], ARGV[at + A.used - A.id]
+    local charge = nil  -- 'all': the lease's worst case
+    if used ~= 'all' then
+      local function c(i) return tonumber(ARGV[at + i - A.id]) end
+      charge = { input = c(A.c_in), output = c(A.c_out), cached = c(A.c_cached),
+        tokens = tonumber(used), cost = c(A.c_cost) }
+    end
     local l = finish_one(id, p, tonumber(ARGV[at + A.at - A.id]), used == 'all',
-      tonumber(used) or 0.0, tonumber(ARGV[at + A.observed - A.id]))
+      tonumber(used) or 0.0, tonumber(ARGV[at + A.observed - A.id]), charge, 'settled')
     local keep = tonumber(ARGV[at + A.keep - A.id])
     if l == nil and keep > 0 then
       -- an admission given up before its reply: should it still arrive, it must not book
@@ -239,6 +252,11 @@ if op == 'finish' then
   end
   save(P, p, POOL_FIELDS)
   return ended
+end
+if op == 'take_usage' then return take_usage() end
+if op == 'put_back_usage' then
+  for i = H.owner + 1, #ARGV do redis.call('SADD', P .. ':ud', ARGV[i]) end  -- after the header
+  return 'ok'
 end
 p = load(P)
 if op == 'configure_entitlement' then return configure_entitlement(p, now) end

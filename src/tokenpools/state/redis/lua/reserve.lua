@@ -1,4 +1,4 @@
--- Part 3 of the pool ledger script (parts are joined in order; see storage.lua).
+-- Part 4 of the pool ledger script (parts are joined in order; see storage.lua).
 
 -- admission: a port of MemoryStore.admit and _reserve, state/checks.py and control/eviction.py
 
@@ -79,11 +79,11 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
   for _, victim in ipairs(victims) do
     local vid, v = victim[1], victim[2]
     if v.ent == name then
-      finish(vid, v, e, p, now, v.tokens, 0.0)
+      finish(vid, v, e, p, now, v.tokens, 0.0, nil, 'evicted')
     else
       local vkey = ent_key(v.ent)
       local ve = load_ent(vkey)
-      finish(vid, v, ve, p, now, v.tokens, 0.0)
+      finish(vid, v, ve, p, now, v.tokens, 0.0, nil, 'evicted')
       save_ent(vkey, ve)
     end
   end
@@ -134,7 +134,8 @@ local function admit(p, o)
   local plan = {}
   for i, f in ipairs(PLAN_FIELDS) do plan[f] = tonumber(ARGV[o + PLAN_AT + i - 1]) end
   local order = {}
-  for i = o + VICTIMS_AT, o + A.size + tonumber(ARGV[o + A.size]) - 1 do
+  local victims_at = o + HOLDS_AT + HOLD_ARGS * tonumber(ARGV[o + A.holds])
+  for i = victims_at, o + A.size + tonumber(ARGV[o + A.size]) - 1 do
     order[#order + 1] = ARGV[i]
   end
   local ekey = ent_key(name)
@@ -146,11 +147,38 @@ local function admit(p, o)
   if redis.call('ZSCORE', P .. ':gone', id) then
     return redis.error_reply('TPGONE request id ' .. id .. ' was given up before it was booked')
   end
+  -- budgets first, and no demand counted: a tenant stopped by its budget is owed nothing
+  local holds, w, flat = {}, nil, nil
+  local metered = ARGV[o + A.bucket] ~= ''
+  if metered then
+    holds = read_holds(o)
+    w = { input = tonumber(ARGV[o + A.w_in]), output = tonumber(ARGV[o + A.w_out]), cached = 0.0,
+      tokens = tonumber(ARGV[o + A.tokens]), cost = tonumber(ARGV[o + A.w_cost]) }
+    flat = {}
+    for _, h in ipairs(holds) do
+      flat[#flat + 1] = h[1]
+      flat[#flat + 1] = h[2]
+    end
+    local over = budget_refusing(holds, w)
+    if over > 0 then
+      refill(e, 'o_', now)
+      refill(p, 'b_', now)
+      refill(p, 'pb_', now)
+      local ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
+      save_ent(ekey, e)
+      local flags = { reserved = 0, own = 0, overcommit = 0 }
+      return { 'budget', counters(flags, ADMIT_FLAGS), ent, pool, {}, budget_left(holds), over }
+    end
+  end
   local function new_lease()
-    return { id = id, ent = name, tokens = tonumber(ARGV[o + A.tokens]),
+    local l = { id = id, ent = name, tokens = tonumber(ARGV[o + A.tokens]),
       kv = tonumber(ARGV[o + A.kv]), started = tonumber(ARGV[o + A.started]),
       expires = tonumber(ARGV[o + A.expires]), pre = tonumber(ARGV[o + A.pre]),
       reserved = 0, own = 0 }
+    if metered then
+      l.bucket, l.w_in, l.w_out, l.w_cost, l.holds = ARGV[o + A.bucket], w.input, w.output, w.cost, flat
+    end
+    return l
   end
   e.demand = e.demand + tonumber(ARGV[o + A.demand])
   local l = new_lease()
@@ -180,6 +208,11 @@ local function admit(p, o)
   refill(p, 'pb_', now)
   local ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
   save_ent(ekey, e)  -- the pool is saved once, after every admission of the call
+  local left = {}
+  if metered then
+    if short == nil then budget_hold(holds, w) end
+    left = budget_left(holds)
+  end
   local flags = { reserved = l.reserved, own = l.own, overcommit = overcommit }
-  return { short or 'ok', counters(flags, ADMIT_FLAGS), ent, pool, evicted }
+  return { short or 'ok', counters(flags, ADMIT_FLAGS), ent, pool, evicted, left, 0 }
 end

@@ -1,5 +1,5 @@
--- tokenpools: one pool's ledger in Redis, one script in four parts joined in order (storage,
--- leases, reserve, operations). A line-for-line port of state/memory.py, state/checks.py and
+-- tokenpools: one pool's ledger in Redis, one script in five parts joined in order (storage,
+-- metering, leases, reserve, operations). A line-for-line port of state/memory.py, state/checks.py and
 -- state/accounts.py, so that the same events give the same decisions (tests/test_redis_store.py
 -- and tests/test_store_differential.py check it).
 --
@@ -74,7 +74,7 @@ local ENT_FIELDS = { 'conc', 'kv', 'peak_c', 'peak_k', 'leases', 'protected', 'b
   'hold_c', 'hold_k', 'o_rate', 'o_depth', 'o_level', 'o_t', 't_acc', 'conc_s', 'kv_s', 'settled', 'demand',
   'admitted', 'window_start' }
 local LEASE_FIELDS = { 'ent', 'tokens', 'kv', 'started', 'expires', 'pre', 'reserved', 'own',
-  'owner' }
+  'owner', 'bucket', 'w_in', 'w_out', 'w_cost', 'holds' }
 
 local function ent_key(name) return P .. ':e:' .. name end
 local function lease_key(id) return P .. ':l:' .. id end

@@ -1,0 +1,101 @@
+-- Part 2 of the pool ledger script (parts are joined in order; see storage.lua).
+
+-- budgets and the usage ledger: a port of state/metering.py
+--   <budget key>   hash   one budget window's counter: used, held (named by the caller; in
+--                         the pool's hash slot when the budget has one pool), n:<threshold>
+--   P:u:<hour>:<b> hash   one hour's usage of one ledger bucket: a field per measure and
+--                         count, v its version
+--   P:ud           set    "<hour>:<bucket>" changed since the last take_usage
+
+local HOUR = 3600
+local LEDGER_TTL = 8 * 24 * 3600  -- a bucket is taken (written to SQL) well before this
+
+-- the lease fields that hold its worst case, by measure
+local function worst(l)
+  return { input = l.w_in, output = l.w_out, cached = 0.0, tokens = l.tokens, cost = l.w_cost }
+end
+
+local function budget_counter(key)
+  local c = redis.call('HMGET', key, 'used', 'held')
+  return tonumber(c[1]) or 0.0, tonumber(c[2]) or 0.0
+end
+
+-- The holds of the admission group starting `o` past the first: {key, measure, limit, until}.
+local function read_holds(o)
+  local holds = {}
+  local at = o + HOLDS_AT
+  for _ = 1, tonumber(ARGV[o + A.holds]) do
+    holds[#holds + 1] = { ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2]), tonumber(ARGV[at + 3]) }
+    at = at + HOLD_ARGS
+  end
+  return holds
+end
+
+-- The first hold (from 1) whose window cannot take the worst case `w`; 0 if all can.
+local function budget_refusing(holds, w)
+  for i, h in ipairs(holds) do
+    local used, held = budget_counter(h[1])
+    if used + held + w[h[2]] > h[3] then return i end
+  end
+  return 0
+end
+
+local function budget_hold(holds, w)
+  for _, h in ipairs(holds) do
+    local used, held = budget_counter(h[1])
+    redis.call('HSET', h[1], 'used', fmt(used), 'held', fmt(held + w[h[2]]))
+    if h[4] ~= INF then redis.call('EXPIREAT', h[1], math.ceil(h[4]) + LEDGER_TTL) end
+  end
+end
+
+local function budget_left(holds)
+  local left = {}
+  for _, h in ipairs(holds) do
+    local used, held = budget_counter(h[1])
+    left[#left + 1] = fmt(h[3] - (used + held))
+  end
+  return left
+end
+
+local function ledger_add(bucket, now, values)
+  local member = string.format('%d', math.floor(now / HOUR) * HOUR) .. ':' .. bucket
+  local key = P .. ':u:' .. member
+  for f, amount in pairs(values) do
+    if amount ~= 0 then redis.call('HINCRBYFLOAT', key, f, fmt(amount)) end
+  end
+  redis.call('HINCRBY', key, 'v', 1)
+  redis.call('EXPIRE', key, LEDGER_TTL)
+  redis.call('SADD', P .. ':ud', member)
+end
+
+local function ledger_refused(bucket, reason, now)
+  if bucket ~= nil and bucket ~= '' then ledger_add(bucket, now, { ['refused:' .. reason] = 1 }) end
+end
+
+-- A metered lease ended: its holds go, `charge` (nil: its worst case) is used and recorded.
+local function meter_end(l, now, charge, how)
+  if l.bucket == nil or l.bucket == '' then return end
+  local w = worst(l)
+  charge = charge or w
+  local holds = l.holds or {}
+  for i = 1, #holds, 2 do
+    local key, m = holds[i], holds[i + 1]
+    local used, held = budget_counter(key)
+    redis.call('HSET', key, 'held', fmt(held - w[m]), 'used', fmt(used + charge[m]))
+  end
+  local values = { requests = 1, input = charge.input, output = charge.output,
+    cached = charge.cached, tokens = charge.tokens, cost = charge.cost }
+  if how == 'evicted' or how == 'expired' then values[how] = 1 end
+  ledger_add(l.bucket, now, values)
+end
+
+local function take_usage()
+  local rows = {}
+  for _, member in ipairs(redis.call('SMEMBERS', P .. ':ud')) do
+    local row = { member }
+    for _, v in ipairs(redis.call('HGETALL', P .. ':u:' .. member)) do row[#row + 1] = v end
+    rows[#rows + 1] = row
+  end
+  redis.call('DEL', P .. ':ud')
+  return rows
+end
