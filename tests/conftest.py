@@ -4,6 +4,8 @@ emulator, and a gateway in front of it: tests/gateway_setup.py)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +15,10 @@ from tests.gateway_setup import emulator, gateway
 from tokenpools.processes import redis_server
 
 __all__ = ["emulator", "gateway", "redis_client", "redis_url"]
+
+# Gateways keep their usage ledger in the user's state directory by default: one of the
+# session's own, so tests never write into the home directory.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="tokenpools-state-")
 
 
 @pytest.fixture(scope="session")

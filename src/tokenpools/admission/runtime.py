@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenpools.admission.admitted import Admitted
 from tokenpools.admission.driver import StoreDriver, open_driver
-from tokenpools.control.decisions import Admit, Decision
+from tokenpools.control.decisions import Admit, Decision, Reject
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.store import StoreUnavailable
@@ -28,6 +28,7 @@ from tokenpools.model.config import Config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.tokenizing.counter import PromptCounter
+from tokenpools.usage.flusher import Flusher
 
 log = logging.getLogger("tokenpools.admission")
 DecisionListener = Callable[[str, Decision, float], None]  # entitlement, decision, now
@@ -54,6 +55,8 @@ class AdmissionRuntime:
         self.listeners: list[DecisionListener] = []
         self.samplers: list[Callable[[Snapshot], None]] = []  # one snapshot per update period
         self._next_renewal = self._next_sample = 0.0
+        self._next_flush = clock() + config.usage.flush_interval_s
+        self.ledger = Flusher(self.driver, config.usage.database_url, clock)
         self._ticking: asyncio.Task[None] | None = None
         self.directory = Directory(config)  # who calls, and where their requests go
         self.counters = _counters(config)  # prompt tokens, per pool
@@ -67,6 +70,12 @@ class AdmissionRuntime:
         names = (entitlement,) if isinstance(entitlement, str) else entitlement
         now = self.clock()
         decision = await self.driver.admit(names, cost, now)
+        if isinstance(decision, Reject) and decision.max_tokens_fit > 0:
+            # its budgets allow lowering max_tokens to what they have left: decided again so
+            lowered = replace(cost, max_output_tokens=decision.max_tokens_fit)
+            again = await self.driver.admit(names, lowered, now)
+            if isinstance(again, Admit):
+                again.lowered, decision = True, again
         charged = charged_to(decision, names)
         for listener in self.listeners:
             listener(charged, decision, now)
@@ -132,6 +141,9 @@ class AdmissionRuntime:
                 snap = await self.driver.background(snapshot, self.core, now)
                 for sample in self.samplers:
                     sample(snap)
+        if now >= self._next_flush:  # the usage ledger to SQL
+            self._next_flush = now + self.config.usage.flush_interval_s
+            await self.flush_usage()
         if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
             self._next_renewal = now + self.core.policy.lease_ttl_s / 4
             held = list(self.in_flight.values())
@@ -139,6 +151,13 @@ class AdmissionRuntime:
             for admitted, renewed in zip(held, alive, strict=True):
                 if not renewed:
                     self.evict(admitted.lease.lease_id)
+
+    async def flush_usage(self) -> int:
+        """Write the usage the store counted since the last flush to SQL; rows written."""
+        try:
+            return await self.ledger.flush(list(self.config.pools))
+        except Exception:  # logged by the flusher; taken again next time
+            return 0
 
     @property
     def running(self) -> bool:
@@ -153,7 +172,9 @@ class AdmissionRuntime:
             self._ticking.cancel()
             await asyncio.gather(self._ticking, return_exceptions=True)
             self._ticking = None
+        await self.flush_usage()  # what is in memory; what Redis holds is taken there later
         await self.driver.aclose()
+        await self.ledger.aclose()
 
     async def _tick_every(self, interval_s: float) -> None:
         while True:

@@ -14,9 +14,10 @@ import math
 import zoneinfo
 from collections.abc import Mapping
 from datetime import datetime, timedelta
+from typing import Any, Protocol
 
 from tokenpools.control.decisions import Check, Reason, Reject
-from tokenpools.control.store import INF, BudgetHold, Charge, Meter
+from tokenpools.control.store import INF, BudgetHold, Charge, Meter, Store
 from tokenpools.model.budgets import Budget, Measure, Period, Scope, format_money
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import Entitlement
@@ -194,3 +195,34 @@ def _home(budget: Budget, ents: Mapping[str, Entitlement]) -> str:
         tenant = budget.target.split("/", 1)[0]
         pools = {e.pool for e in ents.values() if e.tenant_id == tenant}
     return next(iter(pools)) if len(pools) == 1 else ""
+
+
+class _HasBudgets(Protocol):
+    budgets: Budgets
+    store: Store
+
+
+def budget_status(core: _HasBudgets, now: float) -> list[dict[str, Any]]:
+    """Every budget's current window as the store counts it: used, held by requests in
+    flight, left, and when it resets (the admin API, metrics, the dashboard, notices)."""
+    budgets = core.budgets
+    holds = [budgets.hold(b, now) for b in budgets.by_name.values()]
+    counted = core.store.budget_usage(holds, now) if holds else []
+    out = []
+    for budget, hold, (used, held) in zip(budgets.by_name.values(), holds, counted, strict=True):
+        out.append(
+            {
+                "name": budget.name,
+                budget.scope.value: budget.target,
+                "measure": budget.measure.value,
+                "window": budget.period.value,
+                "limit": budget.limit,
+                "used": used,
+                "held": held,
+                "left": max(0.0, budget.limit - used - held),
+                "used_ratio": used / budget.limit if budget.limit else 1.0,
+                "resets_at": None if hold.until == INF else hold.until,
+                "key": hold.key,
+            }
+        )
+    return out

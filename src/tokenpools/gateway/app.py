@@ -23,6 +23,7 @@ from tokenpools.gateway.admin import admin_entitlements, admin_pools, admin_tena
 from tokenpools.gateway.inference import inference
 from tokenpools.gateway.responses import error, openai_errors, refused
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, READY_CHECKS, Gateway
+from tokenpools.gateway.usage_api import admin_budgets, admin_usage
 from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
@@ -110,6 +111,8 @@ def make_app(
     app.router.add_get("/admin/pools", admin_pools)
     app.router.add_get("/admin/entitlements", admin_entitlements)
     app.router.add_get("/admin/tenants", admin_tenants)
+    app.router.add_get("/admin/usage", admin_usage)
+    app.router.add_get("/admin/budgets", admin_budgets)
     dashboard.add_routes(app)
 
     async def background(app: web.Application) -> AsyncIterator[None]:

@@ -19,7 +19,7 @@ from tokenpools.gateway.request_log import RequestRecord
 from tokenpools.gateway.responses import charged_headers, error, refused, rejection, too_large
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing
-from tokenpools.model.request import RequestCost
+from tokenpools.model.request import Account, RequestCost
 from tokenpools.openai_api import (
     EMBEDDINGS,
     BadRequest,
@@ -28,7 +28,7 @@ from tokenpools.openai_api import (
     parse_body,
     sequences,
 )
-from tokenpools.openai_api.refusals import ratelimit_headers, retry_after
+from tokenpools.openai_api.refusals import budget_headers, ratelimit_headers, retry_after
 
 # A client's own id is kept when it is a plain token of sane length; otherwise one is made.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
@@ -106,7 +106,9 @@ async def _answer(
     pool_name = record.pool = route.pool
     prompt_tokens = record.counted_prompt_tokens = await gw.prompt_tokens(pool_name, body, path)
     requested = 0 if path == EMBEDDINGS else max_tokens(body)
-    decision = await gw.admit(route.entitlements, RequestCost(prompt_tokens, requested, count))
+    account = Account(caller.tenant, caller.credential, body["model"])
+    cost = RequestCost(prompt_tokens, requested, count, account)
+    decision = await gw.admit(route.entitlements, cost)
     record.decided(decision, route.entitlements)
     if isinstance(decision, Reject):
         return rejection(decision)
@@ -115,6 +117,7 @@ async def _answer(
         "x-request-id": record.request_id,
         **ratelimit_headers(decision.quota),
         **charged_headers(gw.core.entitlements, decision.lease.entitlement),
+        **budget_headers(decision.budget),
     }
     try:
         backend = gw.pools[pool_name].choose()
@@ -129,7 +132,7 @@ async def _answer(
             )
         record.backend = backend.spec.url
         forward: bytes | None = raw  # unchanged bodies go upstream as they came
-        if requested is None:  # the reservation assumed the default: make it true
+        if requested is None or decision.lowered:  # what the reservation assumed: make it true
             body[max_tokens_field(path)] = decision.max_tokens
             forward = None
         exchange = Exchange(gw, admitted, backend, path, prompt_tokens, headers, trace)

@@ -89,6 +89,10 @@ class BudgetSpec(Strict):
                 f"budget {self.name!r}: a token limit is a whole number >= 0, got {self.limit!r}"
             )
         limit = int(self.limit)
+        if limit < 0:
+            raise ValueError(
+                f"budget {self.name!r}: a token limit is a whole number >= 0, got {limit}"
+            )
         if limit >= 2**53:
             raise ValueError(f"budget {self.name!r}: limit {limit} is too large (< 2**53)")
         return limit

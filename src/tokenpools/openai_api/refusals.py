@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from tokenpools.control.decisions import Quota, Reason, Reject
 
@@ -34,6 +35,11 @@ def refusal(decision: Reject) -> Refusal:
     status = NOT_RETRYABLE.get(decision.reason)
     message = f"{decision.message} ({decision.reason.value})"
     code = decision.reason.value
+    if decision.reason == Reason.INSUFFICIENT_QUOTA:  # OpenAI's shape for an exhausted quota
+        headers = {"x-tokenpools-budget": decision.budget or ""}
+        if decision.retry_after_s is not None:  # until the window resets; lifetime: never
+            headers |= retry_after(decision.retry_after_s)
+        return Refusal(429, message, "insufficient_quota", code, None, headers)
     if decision.reason == Reason.STORE_UNAVAILABLE:
         headers = retry_after(decision.retry_after_s or 1.0)
         return Refusal(503, message, "server_error", code, None, headers)
@@ -63,3 +69,16 @@ def ratelimit_headers(q: Quota | None) -> dict[str, str]:
         "x-ratelimit-remaining-tokens": str(int(q.remaining_tokens)),
         "x-ratelimit-reset-tokens": f"{q.reset_tokens_s:.3f}s",
     }
+
+
+def budget_headers(budget: tuple[str, float, float] | None) -> dict[str, str]:
+    """The tightest budget after an admission: its name, what it has left (tokens, or
+    micro-units of money), and when its window resets (RFC 3339; none for a lifetime budget)."""
+    if budget is None:
+        return {}
+    name, left, until = budget
+    headers = {"x-tokenpools-budget": name, "x-tokenpools-budget-remaining": str(int(left))}
+    if math.isfinite(until):
+        reset = datetime.fromtimestamp(until, UTC).isoformat().replace("+00:00", "Z")
+        headers["x-tokenpools-budget-reset"] = reset
+    return headers

@@ -18,6 +18,7 @@ RESPONSE_ENDS = tuple(f'"{t}"'.encode() for t in RESPONSE_END_TYPES)
 # top-level usage, which engines write after the output.
 _PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 def usage_in(text: bytes) -> Usage | None:
@@ -27,7 +28,13 @@ def usage_in(text: bytes) -> Usage | None:
         if not prompts:
             return None
     completions = _COMPLETION.findall(text, max(0, len(text) - 4096)) or _COMPLETION.findall(text)
-    return Usage(int(prompts[-1]), int(completions[-1]) if completions else 0)
+    prompt = int(prompts[-1])
+    cached = _CACHED.findall(text, max(0, len(text) - 4096))
+    return Usage(
+        prompt,
+        int(completions[-1]) if completions else 0,
+        min(prompt, int(cached[-1])) if cached else 0,
+    )
 
 
 def usage_from(usage: Any) -> Usage | None:
@@ -38,7 +45,10 @@ def usage_from(usage: Any) -> Usage | None:
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
     if isinstance(prompt, int) and isinstance(completion, int) and prompt >= 0 <= completion:
-        return Usage(prompt, completion)
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        ok = isinstance(cached, int) and 0 <= cached <= prompt
+        return Usage(prompt, completion, cached if ok else 0)  # type: ignore[arg-type]
     return None
 
 
