@@ -17,7 +17,9 @@ from tokenpools.processes import free_port, wait_port
 
 
 def _binary(name: str) -> str:
-    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))), None)
+    found = shutil.which(name) or next(
+        iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))), None
+    )
     if found is None:
         raise RuntimeError(f"{name} not found: apt-get install postgresql")
     return found

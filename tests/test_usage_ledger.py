@@ -67,7 +67,9 @@ def traffic(core: DecisionCore, seed: int, start: float) -> dict[str, float]:
             totals["requests"] += 1
             totals["input_tokens"] += usage.input_tokens
             totals["output_tokens"] += usage.output_tokens
-            totals["cost_micros"] += -(-(usage.input_tokens * 1_000_000 + usage.output_tokens * 3_000_000) // 1_000_000)
+            totals["cost_micros"] += -(
+                -(usage.input_tokens * 1_000_000 + usage.output_tokens * 3_000_000) // 1_000_000
+            )
     return totals
 
 
@@ -102,7 +104,9 @@ def test_an_older_version_never_replaces_a_newer_one(db: UsageDatabase) -> None:
     assert summed(db)["requests"] == 2
 
 
-def test_two_replicas_flushing_one_redis_count_once(db: UsageDatabase, redis_url: str, redis_client: Any) -> None:
+def test_two_replicas_flushing_one_redis_count_once(
+    db: UsageDatabase, redis_url: str, redis_client: Any
+) -> None:
     from tokenpools.state.redis.store import RedisStore
 
     config = parse_config(CONFIG)
