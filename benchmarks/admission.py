@@ -31,7 +31,7 @@ from tokenpools import core_build
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
 from tokenpools.model.config import Config, parse_config
-from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.request import Account, RequestCost, Usage
 from tokenpools.state.memory import MemoryStore
 
 CLASSES = [
@@ -49,9 +49,10 @@ PROTECTED = ("guaranteed", "dedicated")
 STEP_S = 1 / 300
 
 
-def build_config(n_entitlements: int) -> Config:
+def build_config(n_entitlements: int, budgets: bool = False) -> Config:
     """One pool of 4 replicas (1,024 slots); half of its slots reserved by the protected
-    classes, whatever their number; elastic baselines oversubscribed, as they may be."""
+    classes, whatever their number; elastic baselines oversubscribed, as they may be. With
+    `budgets`: a monthly budget on every entitlement (large enough never to refuse)."""
     replicas, slots = 4, 256
     n_protected = sum(1 for i in range(n_entitlements) if CLASSES[i % len(CLASSES)] in PROTECTED)
     share = min(8.0, replicas * slots * 0.5 / max(1, n_protected))
@@ -87,16 +88,28 @@ def build_config(n_entitlements: int) -> Config:
             ],
             "entitlements": ents,
             "policy": {"elasticOversubscription": 100},
+            "budgets": [
+                {"name": f"b{i}", "entitlement": f"e{i}", "limit": 10**15}
+                for i in range(n_entitlements)
+                if budgets
+            ],
         }
     )
 
 
-def run_core(n_entitlements: int, decisions: int, seed: int) -> dict[str, float]:
+def run_core(
+    n_entitlements: int, decisions: int, seed: int, budgets: bool = False, ledger: bool = False
+) -> dict[str, float]:
+    """With `ledger`, every request counts in a usage-ledger bucket (as the gateway's do);
+    with `budgets`, it is also charged to its entitlement's budget."""
     rng = random.Random(seed)
-    config = build_config(n_entitlements)
+    config = build_config(n_entitlements, budgets)
     core = DecisionCore(config, MemoryStore(), now=0.0)
     names = list(config.entitlements)
-    costs = [RequestCost(rng.randint(32, 1024), rng.randint(16, 512)) for _ in range(4096)]
+    account = Account("t", "key", "model") if budgets or ledger else None
+    costs = [
+        RequestCost(rng.randint(32, 1024), rng.randint(16, 512), 1, account) for _ in range(4096)
+    ]
     picks = [rng.choice(names) for _ in range(4096)]
     usages = [Usage(c.input_tokens, (c.max_output_tokens or 1) // 2) for c in costs]
     inflight: deque[tuple[str, int]] = deque()

@@ -10,6 +10,7 @@ exceeds its limit, whatever the number of replicas."""
 
 from __future__ import annotations
 
+import functools
 import math
 import zoneinfo
 from collections.abc import Mapping
@@ -29,6 +30,15 @@ SEP = "\x1f"  # between a ledger bucket's parts: no name may hold it
 
 def bucket_of(account: Account, entitlement: str) -> str:
     return SEP.join((account.tenant, entitlement, account.key, account.model))
+
+
+_bucket = functools.lru_cache(maxsize=65536)(bucket_of)
+
+
+def _length(hold: BudgetHold) -> float:
+    """How long before its end a hold's window started (its key says when)."""
+    start = hold.key.rsplit("@", 1)[1]
+    return INF if start == "lifetime" else hold.until - int(start)
 
 
 def window(period: Period, zone: zoneinfo.ZoneInfo, now: float) -> tuple[float, float]:
@@ -96,6 +106,9 @@ class Budgets:
         for budget in config.budgets.values():
             self._by.setdefault((budget.scope, budget.target), []).append(budget)
         self._home = {b.name: _home(b, config.entitlements) for b in config.budgets.values()}
+        # Windows change once an hour at most: each request's holds are remembered until the
+        # soonest of their windows ends (the admission path computes no dates).
+        self._holds: dict[tuple[str, str, str], tuple[float, float, tuple[BudgetHold, ...]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.by_name)
@@ -120,8 +133,23 @@ class Budgets:
     def meter(
         self, account: Account, ent: Entitlement, pool: Pool, inp: int, out: int, now: float
     ) -> Meter:
+        return Meter(
+            self.holds(account, ent, now), _bucket(account, ent.name), worst_case(pool, inp, out)
+        )
+
+    def holds(self, account: Account, ent: Entitlement, now: float) -> tuple[BudgetHold, ...]:
+        if not self._by:
+            return ()
+        at = (account.tenant, account.key, ent.name)
+        cached = self._holds.get(at)
+        if cached is not None and cached[0] <= now < cached[1]:
+            return cached[2]
         holds = tuple(self.hold(b, now) for b in self.applying(account, ent))
-        return Meter(holds, bucket_of(account, ent.name), worst_case(pool, inp, out))
+        if len(self._holds) > 65536:
+            self._holds.clear()
+        start = max((h.until - _length(h) for h in holds), default=-INF)
+        self._holds[at] = (start, min((h.until for h in holds), default=INF), holds)
+        return holds
 
     def budget_of(self, hold: BudgetHold) -> Budget:
         return self.by_name[hold.key.rsplit("@", 1)[0]]

@@ -154,7 +154,10 @@ class MemoryStore:
         outcome = self._admit(reservation, now)
         if outcome.shortfall is None:
             budgets.hold(meter)
-        return replace(outcome, budget_left=budgets.left(meter))
+            if outcome is ADMITTED:  # shared: never written to
+                outcome = Outcome(None)
+        outcome.budget_left = budgets.left(meter)
+        return outcome
 
     def _admit(self, reservation: Reservation, now: float) -> Outcome:
         lease, plan = reservation.lease, reservation.plan
