@@ -14,6 +14,7 @@ from tokenpools.commands.common import fail, progress
 from tokenpools.commands.config import CONFIG_COMMANDS
 from tokenpools.commands.k8s import k8s_app, operator
 from tokenpools.commands.top import top
+from tokenpools.commands.usage import usage
 from tokenpools.model.config import ConfigError
 from tokenpools.resources import SCENARIOS, scenario_path
 
@@ -268,6 +269,7 @@ app.add_typer(backend_app, name="backend")
 app.add_typer(k8s_app, name="k8s")
 app.command()(operator)
 app.command()(top)
+app.command()(usage)
 
 if __name__ == "__main__":
     app()

@@ -29,6 +29,7 @@ from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.tokenizing.counter import PromptCounter
 from tokenpools.usage.flusher import Flusher
+from tokenpools.usage.notices import Notifier
 
 log = logging.getLogger("tokenpools.admission")
 DecisionListener = Callable[[str, Decision, float], None]  # entitlement, decision, now
@@ -57,6 +58,7 @@ class AdmissionRuntime:
         self._next_renewal = self._next_sample = 0.0
         self._next_flush = clock() + config.usage.flush_interval_s
         self.ledger = Flusher(self.driver, config.usage.database_url, clock)
+        self.notifier = Notifier()
         self._ticking: asyncio.Task[None] | None = None
         self.directory = Directory(config)  # who calls, and where their requests go
         self.counters = _counters(config)  # prompt tokens, per pool
@@ -144,6 +146,8 @@ class AdmissionRuntime:
         if now >= self._next_flush:  # the usage ledger to SQL
             self._next_flush = now + self.config.usage.flush_interval_s
             await self.flush_usage()
+            webhook = self.config.usage.webhook
+            await self.notifier.check(self.core, self.driver.background, webhook, now)
         if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
             self._next_renewal = now + self.core.policy.lease_ttl_s / 4
             held = list(self.in_flight.values())
@@ -175,6 +179,7 @@ class AdmissionRuntime:
         await self.flush_usage()  # what is in memory; what Redis holds is taken there later
         await self.driver.aclose()
         await self.ledger.aclose()
+        await self.notifier.aclose()
 
     async def _tick_every(self, interval_s: float) -> None:
         while True:

@@ -237,7 +237,9 @@ def budget_status(core: _HasBudgets, now: float) -> list[dict[str, Any]]:
     holds = [budgets.hold(b, now) for b in budgets.by_name.values()]
     counted = core.store.budget_usage(holds, now) if holds else []
     out = []
-    for budget, hold, (used, held) in zip(budgets.by_name.values(), holds, counted, strict=True):
+    for budget, hold, (used, held, refused) in zip(
+        budgets.by_name.values(), holds, counted, strict=True
+    ):
         out.append(
             {
                 "name": budget.name,
@@ -249,8 +251,19 @@ def budget_status(core: _HasBudgets, now: float) -> list[dict[str, Any]]:
                 "held": held,
                 "left": max(0.0, budget.limit - used - held),
                 "used_ratio": used / budget.limit if budget.limit else 1.0,
+                "exhausted": refused,  # a request did not fit this window
                 "resets_at": None if hold.until == INF else hold.until,
                 "key": hold.key,
             }
         )
     return out
+
+
+def crossed(budget: Budget, used: float, held: float, exhausted: bool) -> list[float]:
+    """The notice thresholds a budget's window has reached: what is charged and held (the
+    requests in flight may still use it) against each fraction of the limit; all of them once
+    a request did not fit (an exact budget stops short of its limit)."""
+    if exhausted:
+        return list(budget.notify_at)
+    committed = used + held
+    return [t for t in budget.notify_at if committed >= t * budget.limit]

@@ -311,8 +311,11 @@ class Store(Protocol):
         """Rows taken but not written anywhere: taken again next time."""
         ...
 
-    def budget_usage(self, holds: Sequence[BudgetHold], now: float) -> list[tuple[float, float]]:
-        """(used, held) of each budget window's counter; (0, 0) for one never touched."""
+    def budget_usage(
+        self, holds: Sequence[BudgetHold], now: float
+    ) -> list[tuple[float, float, bool]]:
+        """(used, held, refused) of each budget window's counter (refused: a request did not
+        fit in it); (0, 0, False) for one never touched."""
         ...
 
     def claim_notice(self, hold: BudgetHold, threshold: float, now: float) -> bool:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenpools.control.budgets import budget_status
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
@@ -33,6 +34,9 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 10 ms to 82 s
 
 
+BUDGET = ["budget", "measure", "window"]
+
+
 @dataclass(slots=True)
 class _Bound:
     """One entitlement's children of the labelled metrics."""
@@ -43,6 +47,7 @@ class _Bound:
     duration: Histogram
     prompt_tokens: Counter
     completion_tokens: Counter
+    cost: Counter
     ttft: Histogram
     tpot: Histogram
 
@@ -75,6 +80,12 @@ class GatewayMetrics:
         )
         self.completion_tokens = Counter(
             "tokenpools_completion_tokens", "Tokens generated for clients", LABELS, registry=r
+        )
+        self.cost = Counter(
+            "tokenpools_cost_micros",
+            "What finished requests cost at their pool's prices, in micro-units",
+            LABELS,
+            registry=r,
         )
         self.ttft = Histogram(
             "gen_ai_server_time_to_first_token_seconds",
@@ -119,6 +130,7 @@ class GatewayMetrics:
                 self.duration.labels(*labels),
                 self.prompt_tokens.labels(*labels),
                 self.completion_tokens.labels(*labels),
+                self.cost.labels(*labels),
                 self.ttft.labels(*labels),
                 self.tpot.labels(*labels),
             )
@@ -160,6 +172,8 @@ class GatewayMetrics:
             bound.prompt_tokens.inc(record.prompt_tokens)
         completion = record.completion_tokens or 0
         bound.completion_tokens.inc(completion)
+        if record.cost_micros:
+            bound.cost.inc(record.cost_micros)
         if record.stream and record.ttft_s is not None:
             bound.ttft.observe(record.ttft_s)
             if completion > 1:
@@ -190,6 +204,10 @@ class _StateCollector(Collector):
                 ("replicas", "Replicas the pool's capacity counts", ["pool"]),
                 ("desired_replicas", "Replicas the autoscaling rule asks for", ["pool"]),
                 ("backend_healthy", "1 while the backend passes its health check", ["pool", "url"]),
+                ("budget_used_ratio", "A budget's current window: used / limit", BUDGET),
+                ("budget_used", "A budget's current window: charged", BUDGET),
+                ("budget_held", "A budget's current window: held by requests in flight", BUDGET),
+                ("budget_limit", "A budget's limit (tokens, or micro-units)", BUDGET),
             )
         }
         up = GaugeMetricFamily("tokenpools_store_up", "1 while the state store answers")
@@ -229,6 +247,12 @@ class _StateCollector(Collector):
             families["debt"].add_metric(labels, e.debt)
             families["burst"].add_metric(labels, e.burst)
             families["priority"].add_metric(labels, e.priority)
+        for b in budget_status(self.gateway.core, now):
+            labels = [b["name"], b["measure"], b["window"]]
+            families["budget_used_ratio"].add_metric(labels, b["used_ratio"])
+            families["budget_used"].add_metric(labels, b["used"])
+            families["budget_held"].add_metric(labels, b["held"])
+            families["budget_limit"].add_metric(labels, b["limit"])
         for name, p in snap.pools.items():
             for dim, value in p.capacity.as_dict().items():
                 families["pool_capacity"].add_metric([name, dim], value)

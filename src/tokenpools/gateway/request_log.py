@@ -46,6 +46,8 @@ class RequestRecord:
     counted_prompt_tokens: int | None = None  # what admission reserved for (estimate or tokenizer)
     prompt_tokens: int | None = None  # the engine's count once it answered
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, from the engine's prefix cache
+    cost_micros: int | None = None  # what it cost at its pool's prices (docs/budgets.md)
     evicted: bool = False
     ttft_s: float | None = None  # to the first streamed event, or to the whole answer
     duration_s: float = 0.0
@@ -72,9 +74,14 @@ class RequestRecord:
         )
 
     def exchanged(self, exchange: Exchange) -> None:
-        if exchange.usage is not None:
-            self.prompt_tokens = exchange.usage.input_tokens
-            self.completion_tokens = exchange.usage.output_tokens
+        usage = exchange.usage
+        if usage is not None:
+            self.prompt_tokens = usage.input_tokens
+            self.completion_tokens = usage.output_tokens
+            self.cached_tokens = usage.cached_tokens
+            charge = exchange.gw.core.charge(exchange.admitted.lease, usage)
+            if charge is not None:
+                self.cost_micros = int(charge.cost)
         self.evicted = exchange.admitted.evicted
         if exchange.first_token_at is not None:
             self.ttft_s = exchange.first_token_at - self.started

@@ -394,7 +394,9 @@ class MemoryStore:
     def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
         self._usage.put_back(pool, rows)
 
-    def budget_usage(self, holds: Sequence[BudgetHold], now: float) -> list[tuple[float, float]]:
+    def budget_usage(
+        self, holds: Sequence[BudgetHold], now: float
+    ) -> list[tuple[float, float, bool]]:
         return self._budgets.usage([h.key for h in holds])
 
     def claim_notice(self, hold: BudgetHold, threshold: float, now: float) -> bool:

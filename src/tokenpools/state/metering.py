@@ -23,6 +23,7 @@ class _Counter:
     used: float = 0.0
     held: float = 0.0
     until: float = INF
+    refused: bool = False  # a request did not fit: the window is spent, whatever is left
     notified: set[float] = field(default_factory=set)
 
 
@@ -31,13 +32,17 @@ class BudgetBook:
         self._counters: dict[str, _Counter] = {}
 
     def refusing(self, meter: Meter) -> int:
-        """The first hold whose window cannot take the worst case; -1 if all can."""
+        """The first hold whose window cannot take the worst case (marked refused); -1 if
+        all can."""
         for i, hold in enumerate(meter.holds):
             c = self._counters.get(hold.key)
             need = getattr(meter.worst, hold.measure)
-            if c is not None and c.used + c.held + need > hold.limit:
-                return i
-            if c is None and need > hold.limit:
+            if c is None:
+                if need <= hold.limit:
+                    continue
+                c = self._counters[hold.key] = _Counter(until=hold.until)
+            if c.used + c.held + need > hold.limit:
+                c.refused = True
                 return i
         return -1
 
@@ -62,11 +67,11 @@ class BudgetBook:
             out.append(hold.limit - (0.0 if c is None else c.used + c.held))
         return tuple(out)
 
-    def usage(self, keys: Sequence[str]) -> list[tuple[float, float]]:
+    def usage(self, keys: Sequence[str]) -> list[tuple[float, float, bool]]:
         out = []
         for key in keys:
             c = self._counters.get(key)
-            out.append((0.0, 0.0) if c is None else (c.used, c.held))
+            out.append((0.0, 0.0, False) if c is None else (c.used, c.held, c.refused))
         return out
 
     def claim_notice(self, key: str, threshold: float) -> bool:

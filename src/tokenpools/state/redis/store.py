@@ -279,15 +279,17 @@ class RedisStore(RedisLink):
         if rows:
             self._call(pool, "put_back_usage", now, [f"{r.hour}:{r.bucket}" for r in rows])
 
-    def budget_usage(self, holds: Sequence[BudgetHold], now: float) -> list[tuple[float, float]]:
+    def budget_usage(
+        self, holds: Sequence[BudgetHold], now: float
+    ) -> list[tuple[float, float, bool]]:
         """Read outside the script: a budget's counter may live outside every pool's slot."""
         keys = [self.budget_key(hold) for hold in holds]
 
-        def read(client: Any) -> list[tuple[float, float]]:
+        def read(client: Any) -> list[tuple[float, float, bool]]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.hmget(key, "used", "held")
-            return [(float(u or 0), float(h or 0)) for u, h in pipe.execute()]
+                pipe.hmget(key, "used", "held", "refused")
+            return [(float(u or 0), float(h or 0), r is not None) for u, h, r in pipe.execute()]
 
         return self.command(read) if keys else []
 

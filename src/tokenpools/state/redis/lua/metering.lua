@@ -1,8 +1,9 @@
 -- Part 2 of the pool ledger script (parts are joined in order; see storage.lua).
 
 -- budgets and the usage ledger: a port of state/metering.py
---   <budget key>   hash   one budget window's counter: used, held (named by the caller; in
---                         the pool's hash slot when the budget has one pool), n:<threshold>
+--   <budget key>   hash   one budget window's counter: used, held, refused (named by the
+--                         caller; in the pool's hash slot when the budget has one pool), and
+--                         n:<threshold> once its notice is claimed
 --   P:u:<hour>:<b> hash   one hour's usage of one ledger bucket: a field per measure and
 --                         count, v its version
 --   P:ud           set    "<hour>:<bucket>" changed since the last take_usage
@@ -31,11 +32,16 @@ local function read_holds(o)
   return holds
 end
 
--- The first hold (from 1) whose window cannot take the worst case `w`; 0 if all can.
+-- The first hold (from 1) whose window cannot take the worst case `w` (marked refused: the
+-- window is spent, whatever is left); 0 if all can.
 local function budget_refusing(holds, w)
   for i, h in ipairs(holds) do
     local used, held = budget_counter(h[1])
-    if used + held + w[h[2]] > h[3] then return i end
+    if used + held + w[h[2]] > h[3] then
+      redis.call('HSET', h[1], 'refused', 1)
+      if h[4] ~= INF then redis.call('EXPIREAT', h[1], math.ceil(h[4]) + LEDGER_TTL) end
+      return i
+    end
   end
   return 0
 end
