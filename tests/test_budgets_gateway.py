@@ -152,17 +152,17 @@ def test_a_budget_through_the_gateway_its_ledger_and_its_notices(setup: Any, web
         assert headers["x-tokenpools-signature"] == f"sha256={expected}"
 
     # the ledger: requests, tokens, cost and the refusal, per tenant and key
-    rows = httpx.get(
-        f"{server.url}/admin/usage", params={"by": "tenant,key", "per": "all", "from": "2026-12-01"},
-        headers=ADMIN,
-    ).json()["rows"]  # fmt: skip
+    query = {"by": "tenant,key", "per": "all", "from": "2026-12-01"}
+    rows = httpx.get(f"{server.url}/admin/usage", params=query, headers=ADMIN).json()["rows"]
     acme = next(r for r in rows if r["tenant"] == "acme")
     assert (acme["key"], acme["requests"]) == ("app", admitted)
     assert acme["input_tokens"] + acme["output_tokens"] == used
     cost = -(-(acme["input_tokens"] * 2_500_000 + acme["output_tokens"] * 10_000_000) // 10**6)
     assert abs(acme["cost_micros"] - cost) <= admitted  # rounded up per request
     assert acme["refusals"] == {"budget": 1}
-    csv = httpx.get(f"{server.url}/admin/usage", params={"format": "csv", "per": "day"}, headers=ADMIN)
+    csv = httpx.get(
+        f"{server.url}/admin/usage", params={"format": "csv", "per": "day"}, headers=ADMIN
+    )
     assert csv.text.splitlines()[0].startswith("period,tenant,requests,")
     assert "2026-12-01,acme," in csv.text
     bad = httpx.get(f"{server.url}/admin/usage", params={"per": "decade"}, headers=ADMIN)
@@ -170,7 +170,10 @@ def test_a_budget_through_the_gateway_its_ledger_and_its_notices(setup: Any, web
     assert httpx.get(f"{server.url}/admin/usage").status_code == 401
 
     metrics = httpx.get(f"{server.url}/metrics").text
-    assert f'tokenpools_budget_used{{budget="acme-day",measure="tokens",window="day"}} {float(used)}' in metrics
+    assert (
+        f'tokenpools_budget_used{{budget="acme-day",measure="tokens",window="day"}} {float(used)}'
+        in metrics
+    )
     assert "tokenpools_cost_micros_total{" in metrics
 
     out = CliRunner().invoke(cli, ["usage", "--database", database, "--per", "all", "--csv",

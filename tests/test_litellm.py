@@ -40,7 +40,8 @@ pytestmark = pytest.mark.litellm
 
 ROOT = Path(__file__).resolve().parent.parent
 LITELLM = Path(os.environ.get("TOKENPOOLS_LITELLM", ROOT / ".venv-litellm/bin/litellm"))
-KEYS = {"gold": "sk-gold-1", "spot": "sk-spot-1", "batch": "sk-batch-1"}
+KEYS = {"gold": "sk-gold-1", "spot": "sk-spot-1", "batch": "sk-batch-1", "capped": "sk-capped-1"}
+CAPPED_LIMIT = 120  # tokens, for the lifetime of the capped entitlement
 ENTITLEMENTS = ("gold", "spot", "batch")
 UPDATE_PERIOD_S = 3600
 PREFIX = "litellm-tests"  # its own keys on the session's Redis: other tests leave theirs
@@ -70,8 +71,13 @@ def tokenpools_config(redis_url: str) -> dict[str, Any]:
             ent("gold", "guaranteed", sloTargetMs=1000, concurrency=4),
             ent("spot", "spot"),
             ent("batch", "preemptible"),
+            ent("capped", "elastic", concurrency=2),
         ],
-    }
+        "budgets": [
+            {"name": "capped-total", "entitlement": "capped", "limit": CAPPED_LIMIT,
+             "window": "lifetime"},
+        ],
+    }  # fmt: skip
 
 
 def documented_config() -> dict[str, Any]:
@@ -406,3 +412,26 @@ def test_a_preempted_whole_answer_is_cut_and_its_lease_ends(lite: Stack) -> None
 def test_calls_tokenpools_does_not_govern_are_refused(lite: Stack) -> None:
     with pytest.raises(openai.PermissionDeniedError, match="not governed"):
         lite.client("gold").images.generate(model=MODEL, prompt="a pool of tokens")
+
+
+def test_a_budget_is_enforced_inside_litellm_as_at_the_gateway(lite: Stack) -> None:
+    """The same budget, the same exactness: admitted answers say what is left; the request
+    that does not fit is a 429 insufficient_quota naming it; Redis holds used ≤ the limit."""
+    client = lite.client("capped")
+    raw = client.chat.completions.with_raw_response.create(**_chat(20))
+    assert raw.headers["x-tokenpools-budget"] == "capped-total"
+    assert int(raw.headers["x-tokenpools-budget-remaining"]) < CAPPED_LIMIT
+    refused = None
+    for _ in range(10):
+        try:
+            client.chat.completions.create(**_chat(20))
+        except openai.RateLimitError as exc:
+            refused = exc
+            break
+    assert refused is not None
+    assert refused.response.headers["x-tokenpools-reason"] == "insufficient_quota"
+    assert "capped-total" in refused.message
+    wait_until(lambda: lite.in_flight() == 0)
+    key = f"{PREFIX}:{{p}}:b:capped-total@lifetime"
+    used, held = (float(v or 0) for v in lite.store.client.hmget(key, "used", "held"))
+    assert 0 < used <= CAPPED_LIMIT and held == 0

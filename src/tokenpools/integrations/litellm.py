@@ -46,7 +46,7 @@ from tokenpools.admission.config_file import ConfigFile
 from tokenpools.control.decisions import Reject
 from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.model.config import load_config
-from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.request import Account, RequestCost, Usage
 from tokenpools.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -57,7 +57,7 @@ from tokenpools.openai_api import (
     max_tokens_field,
     sequences,
 )
-from tokenpools.openai_api.refusals import ratelimit_headers, refusal
+from tokenpools.openai_api.refusals import budget_headers, ratelimit_headers, refusal
 from tokenpools.openai_api.usage import usage_from
 
 CONFIG_ENV = "TOKENPOOLS_CONFIG"
@@ -208,7 +208,8 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         except BadRequest as exc:
             raise _error(400, str(exc), "invalid_request_error", "invalid_request") from None
         prompt_tokens = await admission.counters[route.pool].count(data, path)
-        cost = RequestCost(prompt_tokens, requested, count)
+        account = Account(caller.tenant, caller.credential, str(data.get("model")))
+        cost = RequestCost(prompt_tokens, requested, count, account)  # budgets and the ledger
         decision = await admission.admit(route.entitlements, cost)
         if isinstance(decision, Reject):
             r = refusal(decision)
@@ -216,7 +217,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             raise _error(
                 r.status, r.message, r.kind, r.code, **r.headers, **{"x-tokenpools-reason": r.code}
             )
-        if requested is None:  # the reservation assumed the default: make it true
+        if requested is None or decision.lowered:  # what the reservation assumed: make it true
             data[max_tokens_field(path)] = decision.max_tokens
         stream = bool(data.get("stream"))
         if stream and path in (CHAT, COMPLETIONS):  # LiteLLM drops the usage chunk if unasked
@@ -226,7 +227,9 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         admitted = admission.hold(decision, None if stream else task)
         call_id = data.setdefault("litellm_call_id", decision.lease.lease_id)
         self.held[call_id] = Held(admitted, prompt_tokens, stream)
-        self.answer_headers[call_id] = ratelimit_headers(decision.quota)
+        self.answer_headers[call_id] = ratelimit_headers(decision.quota) | budget_headers(
+            decision.budget
+        )
         if task is not None:
             task.add_done_callback(lambda _: self._forget(call_id))
         return data
