@@ -14,7 +14,7 @@ from tokenpools.control.layers import admit_layers
 from tokenpools.control.tenancy import Directory
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import Entitlement
-from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.request import Account, RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.policy import (
@@ -198,6 +198,13 @@ class TokenPools(AdmissionPolicy):
         self.pool = next(iter(config.pools))
         self.per_replica = config.pools[self.pool].per_replica
         self.tenant_of: dict[str, str] = {}  # entitlement → tenant
+        # With budgets in the config, requests are charged to them as the gateway charges a
+        # tenant's (its key: `sim`, the model: the pool); without, nothing is metered.
+        self.accounts = (
+            {n: Account(e.tenant_id, "sim", e.pool) for n, e in config.entitlements.items()}
+            if config.budgets
+            else {}
+        )
 
     def _current(self) -> Config:
         ents = {k: v for k, v in self.config.entitlements.items() if k not in self.absent}
@@ -218,7 +225,7 @@ class TokenPools(AdmissionPolicy):
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
         self.tenant_of[req.entitlement] = req.tenant
-        cost = RequestCost(req.prompt_tokens, req.max_tokens)
+        cost = RequestCost(req.prompt_tokens, req.max_tokens, 1, self.accounts.get(req.entitlement))
         names = self.layers.get(req.entitlement)
         if names is None:
             decision = self.core.admit(req.entitlement, cost, now, req.req_id)
