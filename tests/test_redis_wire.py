@@ -83,3 +83,17 @@ def test_an_admission_and_a_refusal_each_cost_one_round_trip(redis_url: str, red
     assert isinstance(second, Reject) and second.quota is not None
     assert second.quota.remaining_requests == 0
     assert after_refusal - before == 1
+
+
+def test_a_budget_measure_names_a_charge_field_and_the_script_knows_every_one() -> None:
+    """One declaration: a budget's measure is a Charge field's name, in Python and in Lua."""
+    from tokenpools.control.store import Charge
+    from tokenpools.model.budgets import Measure
+
+    charge = [f.name for f in fields(Charge)]
+    assert {m.value for m in Measure} <= set(charge)
+    script = wire.SCRIPT
+    worst = script.split("local function worst(l)", 1)[1].split("end", 1)[0]
+    assert [
+        part.split("=")[0].strip() for part in worst.split("{")[1].split("}")[0].split(",")
+    ] == charge

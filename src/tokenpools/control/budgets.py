@@ -10,7 +10,6 @@ exceeds its limit, whatever the number of replicas."""
 
 from __future__ import annotations
 
-import functools
 import math
 import zoneinfo
 from collections.abc import Mapping
@@ -30,9 +29,6 @@ SEP = "\x1f"  # between a ledger bucket's parts: no name may hold it
 
 def bucket_of(account: Account, entitlement: str) -> str:
     return SEP.join((account.tenant, entitlement, account.key, account.model))
-
-
-_bucket = functools.lru_cache(maxsize=65536)(bucket_of)
 
 
 def _length(hold: BudgetHold) -> float:
@@ -65,12 +61,10 @@ def window(period: Period, zone: zoneinfo.ZoneInfo, now: float) -> tuple[float, 
 def worst_case(pool: Pool, input_tokens: int, output_tokens: int) -> Charge:
     """The most a request may cost: its prompt uncached, every sequence at its ceiling."""
     p = pool.prices
-    return Charge(
-        input=float(input_tokens),
-        output=float(output_tokens),
-        tokens=pool.input_token_weight * input_tokens + pool.output_token_weight * output_tokens,
-        cost=float(_micros(input_tokens * p.input + output_tokens * p.output)),
-    )
+    tokens = pool.input_token_weight * input_tokens + pool.output_token_weight * output_tokens
+    price = input_tokens * p.input + output_tokens * p.output
+    cost = float(-(-price // 1_000_000)) if price else 0.0
+    return Charge(float(input_tokens), float(output_tokens), 0.0, tokens, cost)
 
 
 def used(pool: Pool, usage: Usage) -> Charge:
@@ -108,7 +102,9 @@ class Budgets:
         self._home = {b.name: _home(b, config.entitlements) for b in config.budgets.values()}
         # Windows change once an hour at most: each request's holds are remembered until the
         # soonest of their windows ends (the admission path computes no dates).
-        self._holds: dict[tuple[str, str, str], tuple[float, float, tuple[BudgetHold, ...]]] = {}
+        self._holds: dict[
+            tuple[Account, str], tuple[float, float, tuple[BudgetHold, ...], str]
+        ] = {}
 
     def __bool__(self) -> bool:
         return bool(self.by_name)
@@ -133,23 +129,26 @@ class Budgets:
     def meter(
         self, account: Account, ent: Entitlement, pool: Pool, inp: int, out: int, now: float
     ) -> Meter:
-        return Meter(
-            self.holds(account, ent, now), _bucket(account, ent.name), worst_case(pool, inp, out)
-        )
+        holds, bucket = self.holds(account, ent, now)
+        return Meter(holds, bucket, worst_case(pool, inp, out))
 
-    def holds(self, account: Account, ent: Entitlement, now: float) -> tuple[BudgetHold, ...]:
-        if not self._by:
-            return ()
-        at = (account.tenant, account.key, ent.name)
+    def holds(
+        self, account: Account, ent: Entitlement, now: float
+    ) -> tuple[tuple[BudgetHold, ...], str]:
+        """A caller's budget holds at `now` and its ledger bucket, remembered (one lookup per
+        request) until the soonest of those windows ends."""
+        at = (account, ent.name)
         cached = self._holds.get(at)
         if cached is not None and cached[0] <= now < cached[1]:
-            return cached[2]
+            return cached[2], cached[3]
         holds = tuple(self.hold(b, now) for b in self.applying(account, ent))
         if len(self._holds) > 65536:
             self._holds.clear()
         start = max((h.until - _length(h) for h in holds), default=-INF)
-        self._holds[at] = (start, min((h.until for h in holds), default=INF), holds)
-        return holds
+        end = min((h.until for h in holds), default=INF)
+        bucket = bucket_of(account, ent.name)
+        self._holds[at] = (start, end, holds, bucket)
+        return holds, bucket
 
     def budget_of(self, hold: BudgetHold) -> Budget:
         return self.by_name[hold.key.rsplit("@", 1)[0]]

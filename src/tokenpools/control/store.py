@@ -40,13 +40,11 @@ class Shortfall(StrEnum):
     BUDGET = "budget"  # a budget's window cannot hold the request's worst case (checked first)
 
 
-# A Charge's fields, in order: what a request reserved or used, in every unit a budget counts
-# (model/budgets.py Measure) and the ledger records. The wire to Redis lists them in this order.
-MEASURES = ("input", "output", "cached", "tokens", "cost")
-
-
 @dataclass(frozen=True, slots=True)
 class Charge:
+    """What a request reserved or used, in every unit a budget counts (a budget's measure,
+    model/budgets.py, names one of these fields) and the ledger records."""
+
     input: float = 0.0  # prompt tokens
     output: float = 0.0  # generated tokens
     cached: float = 0.0  # prompt tokens served from the engine's prefix cache

@@ -152,11 +152,12 @@ class MemoryStore:
             )
             return self._after(outcome, lease, now)
         outcome = self._admit(reservation, now)
-        if outcome.shortfall is None:
-            budgets.hold(meter)
-            if outcome is ADMITTED:  # shared: never written to
-                outcome = Outcome(None)
-        outcome.budget_left = budgets.left(meter)
+        if outcome.shortfall is not None:
+            outcome.budget_left = budgets.left(meter)
+            return outcome
+        if outcome is ADMITTED:  # shared: never written to
+            outcome = Outcome(None)
+        outcome.budget_left = budgets.hold(meter)
         return outcome
 
     def _admit(self, reservation: Reservation, now: float) -> Outcome:
@@ -301,10 +302,7 @@ class MemoryStore:
             charge = meter.worst
         if meter.holds:
             self._budgets.charge(meter, charge)
-        counts = {"requests": 1.0}
-        if how in ("evicted", "expired"):
-            counts[how] = 1.0
-        self._usage.add(lease.pool, meter.bucket, now, charge, **counts)
+        self._usage.ended(lease.pool, meter.bucket, now, charge, how)
 
     @staticmethod
     def _update_holdback(e: EntitlementAccount, p: PoolAccount) -> None:

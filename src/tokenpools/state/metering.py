@@ -7,15 +7,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenpools.control.store import INF, MEASURES, Charge, Meter, UsageRow
+from tokenpools.control.store import INF, Charge, Meter, UsageRow
 
 HOUR = 3600
-# Ledger values besides the Charge's measures; a refusal adds "refused:<reason>".
-COUNTS = ("requests", "evicted", "expired")
+# A bucket's values: requests, the Charge's measures, evicted, expired, and per refusal
+# reason "refused:<reason>" (as the Redis script writes them).
 
 
-def hour_of(now: float) -> int:
-    return int(now // HOUR) * HOUR
+_REFUSED: dict[str, str] = {}  # reason -> its ledger field, made once
 
 
 @dataclass(slots=True)
@@ -46,12 +45,16 @@ class BudgetBook:
                 return i
         return -1
 
-    def hold(self, meter: Meter) -> None:
+    def hold(self, meter: Meter) -> tuple[float, ...]:
+        """Hold the worst case in every window; returns what each then has left."""
+        left = []
         for hold in meter.holds:
             c = self._counters.get(hold.key)
             if c is None:
                 c = self._counters[hold.key] = _Counter(until=hold.until)
             c.held += getattr(meter.worst, hold.measure)
+            left.append(hold.limit - (c.used + c.held))
+        return tuple(left)
 
     def charge(self, meter: Meter, charge: Charge) -> None:
         """A lease ended: its holds go, its charge is used."""
@@ -89,7 +92,8 @@ class BudgetBook:
 
 
 class UsageBook:
-    """Usage buckets by (pool, hour, bucket): the Redis script keeps each pool's in its slot."""
+    """Usage buckets by (pool, hour, bucket): the Redis script keeps each pool's in its slot.
+    Written on every lease end and refusal: plain dict increments, no generic loops."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -97,23 +101,36 @@ class UsageBook:
         self._versions: dict[tuple[str, int, str], int] = {}
         self._dirty: set[tuple[str, int, str]] = set()
 
-    def add(
-        self, pool: str, bucket: str, now: float, charge: Charge | None, **counts: float
-    ) -> None:
-        key = (pool, hour_of(now), bucket)
-        values = self._buckets.setdefault(key, {})
-        if charge is not None:
-            for measure in MEASURES:
-                amount = getattr(charge, measure)
-                if amount:
-                    values[measure] = values.get(measure, 0.0) + amount
-        for name, amount in counts.items():
-            values[name] = values.get(name, 0.0) + amount
-        self._versions[key] = self._versions.get(key, 0) + 1
+    def _values(self, pool: str, bucket: str, now: float) -> dict[str, float]:
+        key = (pool, int(now // HOUR) * HOUR, bucket)
+        values = self._buckets.get(key)
+        if values is None:
+            values = self._buckets[key] = {}
+            self._versions[key] = 0
+        self._versions[key] += 1
         self._dirty.add(key)
+        return values
+
+    def ended(self, pool: str, bucket: str, now: float, charge: Charge, how: str) -> None:
+        """A lease ended, charged `charge`; `how`: settled, released, evicted or expired."""
+        v = self._values(pool, bucket, now)
+        v["requests"] = v.get("requests", 0.0) + 1.0
+        for measure, amount in (
+            ("input", charge.input),
+            ("output", charge.output),
+            ("cached", charge.cached),
+            ("tokens", charge.tokens),
+            ("cost", charge.cost),
+        ):
+            if amount:
+                v[measure] = v.get(measure, 0.0) + amount
+        if how == "evicted" or how == "expired":
+            v[how] = v.get(how, 0.0) + 1.0
 
     def refused(self, pool: str, bucket: str, reason: str, now: float) -> None:
-        self.add(pool, bucket, now, None, **{f"refused:{reason}": 1.0})
+        v = self._values(pool, bucket, now)
+        name = _REFUSED.get(reason) or _REFUSED.setdefault(reason, f"refused:{reason}")
+        v[name] = v.get(name, 0.0) + 1.0
 
     def take(self, pool: str, now: float) -> list[UsageRow]:
         rows = []
@@ -123,7 +140,7 @@ class UsageBook:
                 UsageRow(self.source, key[1], key[2], dict(self._buckets[key]), self._versions[key])
             )
         # Hours before the last are complete once taken: keep only what may still change.
-        current = hour_of(now) - HOUR
+        current = int(now // HOUR) * HOUR - HOUR
         for key in [k for k in self._buckets if k[1] < current and k not in self._dirty]:
             del self._buckets[key]
             del self._versions[key]
