@@ -31,12 +31,6 @@ def bucket_of(account: Account, entitlement: str) -> str:
     return SEP.join((account.tenant, entitlement, account.key, account.model))
 
 
-def _length(hold: BudgetHold) -> float:
-    """How long before its end a hold's window started (its key says when)."""
-    start = hold.key.rsplit("@", 1)[1]
-    return INF if start == "lifetime" else hold.until - int(start)
-
-
 def window(period: Period, zone: zoneinfo.ZoneInfo, now: float) -> tuple[float, float]:
     """The window holding `now`: [start, end) in epoch seconds, aligned in `zone` (days start
     at local midnight, weeks on Monday, months on the 1st; a DST change is a 23/25-hour day)."""
@@ -121,16 +115,24 @@ class Budgets:
 
     def hold(self, budget: Budget, now: float) -> BudgetHold:
         start, end = window(budget.period, self.zone, now)
-        key = f"{budget.name}@{'lifetime' if end == INF else int(start)}"
-        return BudgetHold(
-            key, budget.measure.value, float(budget.limit), end, self._home[budget.name]
-        )
+        if end == INF:
+            key, start = f"{budget.name}@lifetime", -INF
+        else:
+            key = f"{budget.name}@{int(start)}"
+        measure, limit, home = budget.measure.value, float(budget.limit), self._home[budget.name]
+        return BudgetHold(key, measure, limit, end, start, budget.name, home)
 
     def meter(
         self, account: Account, ent: Entitlement, pool: Pool, inp: int, out: int, now: float
     ) -> Meter:
         holds, bucket = self.holds(account, ent, now)
-        return Meter(holds, bucket, worst_case(pool, inp, out))
+        worst = worst_case(pool, inp, out)
+        if not holds:
+            return Meter(holds, bucket, worst)
+        needs = []
+        for hold in holds:
+            needs.append(getattr(worst, hold.measure))
+        return Meter(holds, bucket, worst, tuple(needs))
 
     def holds(
         self, account: Account, ent: Entitlement, now: float
@@ -144,14 +146,14 @@ class Budgets:
         holds = tuple(self.hold(b, now) for b in self.applying(account, ent))
         if len(self._holds) > 65536:
             self._holds.clear()
-        start = max((h.until - _length(h) for h in holds), default=-INF)
+        start = max((h.start for h in holds), default=-INF)
         end = min((h.until for h in holds), default=INF)
         bucket = bucket_of(account, ent.name)
         self._holds[at] = (start, end, holds, bucket)
         return holds, bucket
 
     def budget_of(self, hold: BudgetHold) -> Budget:
-        return self.by_name[hold.key.rsplit("@", 1)[0]]
+        return self.by_name[hold.budget]
 
     def refusal(self, meter: Meter, index: int, left: float, now: float) -> Reject:
         """429 insufficient_quota naming the budget; Retry-After until its window resets (a
@@ -198,9 +200,12 @@ def tightest(meter: Meter | None, left: tuple[float, ...]) -> tuple[str, float, 
     its limit): its name, what is left, and when its window resets."""
     if meter is None or not left:
         return None
-    best = min(range(len(left)), key=lambda i: left[i] / max(meter.holds[i].limit, 1.0))
-    hold = meter.holds[best]
-    return hold.key.rsplit("@", 1)[0], max(0.0, left[best]), hold.until
+    holds, best = meter.holds, 0
+    for i in range(1, len(left)):  # a loop, not min(key=...): once per admitted request
+        if left[i] / max(holds[i].limit, 1.0) < left[best] / max(holds[best].limit, 1.0):
+            best = i
+    hold = holds[best]
+    return hold.budget, max(0.0, left[best]), hold.until
 
 
 def describe(budget: Budget) -> str:

@@ -63,6 +63,8 @@ class BudgetHold:
     measure: str  # the Charge field it counts
     limit: float
     until: float  # the window's end (INF: a lifetime budget); its counter may go after it
+    start: float  # the window's start (-INF: a lifetime budget)
+    budget: str  # its name
     # The pool whose Redis hash slot keeps the counter, when every request the budget covers
     # is in that pool; "" when it spans pools (one Redis, not a Redis Cluster, then).
     home: str = ""
@@ -76,6 +78,7 @@ class Meter:
     holds: tuple[BudgetHold, ...]
     bucket: str  # "<tenant>\x1f<entitlement>\x1f<key label>\x1f<model>"
     worst: Charge
+    needs: tuple[float, ...] = ()  # the worst case in each hold's measure
 
 
 @dataclass(frozen=True, slots=True)

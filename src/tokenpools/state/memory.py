@@ -152,8 +152,7 @@ class MemoryStore:
             )
             return self._after(outcome, lease, now)
         outcome = self._admit(reservation, now)
-        if outcome.shortfall is not None:
-            outcome.budget_left = budgets.left(meter)
+        if outcome.shortfall is not None:  # refused for room: the budgets are not the news
             return outcome
         if outcome is ADMITTED:  # shared: never written to
             outcome = Outcome(None)

@@ -33,9 +33,10 @@ class BudgetBook:
     def refusing(self, meter: Meter) -> int:
         """The first hold whose window cannot take the worst case (marked refused); -1 if
         all can."""
-        for i, hold in enumerate(meter.holds):
+        holds, needs = meter.holds, meter.needs
+        for i in range(len(holds)):
+            hold, need = holds[i], needs[i]
             c = self._counters.get(hold.key)
-            need = getattr(meter.worst, hold.measure)
             if c is None:
                 if need <= hold.limit:
                     continue
@@ -48,19 +49,23 @@ class BudgetBook:
     def hold(self, meter: Meter) -> tuple[float, ...]:
         """Hold the worst case in every window; returns what each then has left."""
         left = []
-        for hold in meter.holds:
+        holds, needs = meter.holds, meter.needs
+        for i in range(len(holds)):
+            hold, need = holds[i], needs[i]
             c = self._counters.get(hold.key)
             if c is None:
                 c = self._counters[hold.key] = _Counter(until=hold.until)
-            c.held += getattr(meter.worst, hold.measure)
+            c.held += need
             left.append(hold.limit - (c.used + c.held))
         return tuple(left)
 
     def charge(self, meter: Meter, charge: Charge) -> None:
         """A lease ended: its holds go, its charge is used."""
-        for hold in meter.holds:
+        holds, needs = meter.holds, meter.needs
+        for i in range(len(holds)):
+            hold = holds[i]
             c = self._counters[hold.key]
-            c.held -= getattr(meter.worst, hold.measure)
+            c.held -= needs[i]
             c.used += getattr(charge, hold.measure)
 
     def left(self, meter: Meter) -> tuple[float, ...]:
@@ -91,25 +96,40 @@ class BudgetBook:
             del self._counters[key]
 
 
+@dataclass(slots=True)
+class _Hour:
+    """One hour of one ledger bucket, as counted here."""
+
+    pool: str
+    hour: int
+    values: dict[str, float] = field(default_factory=dict)
+    version: int = 0
+
+    def row(self, source: str, bucket: str) -> UsageRow:
+        return UsageRow(source, self.hour, bucket, dict(self.values), self.version)
+
+
 class UsageBook:
-    """Usage buckets by (pool, hour, bucket): the Redis script keeps each pool's in its slot.
-    Written on every lease end and refusal: plain dict increments, no generic loops."""
+    """Usage buckets: each bucket's latest hour is open (one lookup per event, by the bucket's
+    name, which names its entitlement and so its pool); a bucket's earlier hours wait, closed,
+    until taken. Written on every lease end and refusal: plain dict increments."""
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self._buckets: dict[tuple[str, int, str], dict[str, float]] = {}
-        self._versions: dict[tuple[str, int, str], int] = {}
-        self._dirty: set[tuple[str, int, str]] = set()
+        self._open: dict[str, _Hour] = {}  # bucket -> its latest hour
+        self._closed: list[tuple[str, _Hour]] = []  # earlier hours changed since the last take
+        self._dirty: set[str] = set()  # buckets whose open hour changed since the last take
 
     def _values(self, pool: str, bucket: str, now: float) -> dict[str, float]:
-        key = (pool, int(now // HOUR) * HOUR, bucket)
-        values = self._buckets.get(key)
-        if values is None:
-            values = self._buckets[key] = {}
-            self._versions[key] = 0
-        self._versions[key] += 1
-        self._dirty.add(key)
-        return values
+        hour = int(now // HOUR) * HOUR
+        h = self._open.get(bucket)
+        if h is None or hour > h.hour:
+            if h is not None and bucket in self._dirty:
+                self._closed.append((bucket, h))
+            h = self._open[bucket] = _Hour(pool, hour)
+        h.version += 1
+        self._dirty.add(bucket)
+        return h.values
 
     def ended(self, pool: str, bucket: str, now: float, charge: Charge, how: str) -> None:
         """A lease ended, charged `charge`; `how`: settled, released, evicted or expired."""
@@ -133,23 +153,21 @@ class UsageBook:
         v[name] = v.get(name, 0.0) + 1.0
 
     def take(self, pool: str, now: float) -> list[UsageRow]:
-        rows = []
-        for key in [k for k in self._dirty if k[0] == pool]:
-            self._dirty.discard(key)
-            rows.append(
-                UsageRow(self.source, key[1], key[2], dict(self._buckets[key]), self._versions[key])
-            )
-        # Hours before the last are complete once taken: keep only what may still change.
-        current = int(now // HOUR) * HOUR - HOUR
-        for key in [k for k in self._buckets if k[1] < current and k not in self._dirty]:
-            del self._buckets[key]
-            del self._versions[key]
+        """The pool's hours changed since the last take; hours that can no longer change
+        (not a bucket's latest) are forgotten once taken."""
+        rows = [h.row(self.source, b) for b, h in self._closed if h.pool == pool]
+        self._closed = [(b, h) for b, h in self._closed if h.pool != pool]
+        for bucket in [b for b in self._dirty if self._open[b].pool == pool]:
+            self._dirty.discard(bucket)
+            rows.append(self._open[bucket].row(self.source, bucket))
         return rows
 
     def put_back(self, pool: str, rows: Sequence[UsageRow]) -> None:
+        """Rows taken but not written: taken again (the newest totals of each hour)."""
         for row in rows:
-            key = (pool, row.hour, row.bucket)
-            if key not in self._buckets:  # dropped meanwhile: restore it as taken
-                self._buckets[key] = dict(row.values)
-                self._versions[key] = row.version
-            self._dirty.add(key)
+            h = self._open.get(row.bucket)
+            if h is not None and h.hour == row.hour:
+                self._dirty.add(row.bucket)  # its newest totals are still here
+            elif not any(b == row.bucket and c.hour == row.hour for b, c in self._closed):
+                again = _Hour(pool, row.hour, dict(row.values), row.version)
+                self._closed.append((row.bucket, again))

@@ -209,8 +209,8 @@ local function admit(p, o)
   local ent, pool = counters(e, ENT_COUNTERS), counters(p, POOL_COUNTERS)
   save_ent(ekey, e)  -- the pool is saved once, after every admission of the call
   local left = {}
-  if metered then
-    if short == nil then budget_hold(holds, w) end
+  if metered and short == nil then  -- refused for room: the budgets are not the news
+    budget_hold(holds, w)
     left = budget_left(holds)
   end
   local flags = { reserved = l.reserved, own = l.own, overcommit = overcommit }
