@@ -165,3 +165,36 @@ def test_a_watch_without_answers_makes_the_source_unready(bench: Bench) -> None:
         assert any("tokenentitlements" in s for s in source.stale())
     finally:
         source.stop()
+
+
+def test_budgets_in_the_gateways_config_apply_to_cluster_tenants_once_they_exist(
+    bench: Bench,
+) -> None:
+    """Budgets are the platform's: they live in the gateway's own config beside the cluster's
+    objects. One naming a namespace or entitlement not there yet is set aside (the cluster's
+    config stays valid) and applies once it is."""
+    from tokenpools.control.core import DecisionCore
+    from tokenpools.control.decisions import Admit, Reject
+    from tokenpools.model.request import Account, RequestCost
+    from tokenpools.state.memory import MemoryStore
+
+    kube = bench.kube
+    kube.create(POOLS, None, pool(replicas=2))
+    kube.create(ENTITLEMENTS, NS, _keyed("gold", "guaranteed", 6))
+    bench.settle()
+    base = {"budgets": [
+        {"name": "ns-day", "tenant": NS, "limit": 1000, "window": "day"},
+        {"name": "gold-life", "entitlement": f"{NS}/gold", "limit": 5000, "window": "lifetime"},
+        {"name": "later", "tenant": "team-not-yet", "limit": 10},
+        {"name": "later-ent", "entitlement": f"{NS}/not-yet", "limit": 10},
+    ]}  # fmt: skip
+    source = ClusterSource(kube, PLATFORM, base).start()
+    config = source.config()
+    source.stop()
+    assert sorted(config.budgets) == ["gold-life", "ns-day"]
+    core = DecisionCore(config, MemoryStore(), now=0.0)
+    account = Account(NS, f"{NS}/gold", "m")
+    first = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
+    assert isinstance(first, Admit) and first.budget is not None and first.budget[0] == "ns-day"
+    refused = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
+    assert isinstance(refused, Reject) and refused.budget == "ns-day"

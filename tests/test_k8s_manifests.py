@@ -235,12 +235,17 @@ def test_render_keeps_tenants_in_the_gateways_config_and_says_so(tmp_path: Path)
     document = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     tenant = document["entitlements"][0]["tenantId"]
     document["tenants"] = [{"id": tenant, "keys": [{"hash": hash_key("sk-x"), "label": "x"}]}]
+    document["budgets"] = [{"name": "team-month", "tenant": tenant, "limit": 1000}]
+    document["pools"][0]["prices"] = {"inputPerMillion": "0.25", "outputPerMillion": 1}
     path = tmp_path / "tenants.yaml"
     path.write_text(yaml.safe_dump(document))
     out = CliRunner().invoke(app, ["k8s", "render", str(path)])
     assert out.exit_code == 0, out.output
-    assert "tenants and gateway stay in the gateway's own config" in out.stderr
+    assert "tenants, gateway, budgets stay in the gateway's own config" in out.stderr
     assert hash_key("sk-x") not in out.stdout  # no custom resource carries a tenant key
+    assert "team-month" not in out.stdout  # nor a budget: the platform's, not a tenant's
+    pools = [o for o in yaml.safe_load_all(out.stdout) if o["kind"] == "TokenPool"]
+    assert pools[0]["spec"]["prices"] == {"inputPerMillion": "0.25", "outputPerMillion": 1}
     document["tenants"][0]["id"] = "Team_A"
     path.write_text(yaml.safe_dump(document))
     out = CliRunner().invoke(app, ["k8s", "render", str(path)])

@@ -43,12 +43,12 @@ def k8s_render(
     except ValueError as exc:
         fail(str(exc))
     typer.echo(dump_all(objects), nl=False)
-    kept = [section for section in ("tenants", "gateway") if section in document]
+    kept = [s for s in ("tenants", "gateway", "budgets", "usage") if s in document]
     if kept:  # platform settings, never a tenant's to write: no custom resource holds them
         typer.echo(
-            f"note: {' and '.join(kept)} stay in the gateway's own config (tokenpools serve "
-            "--kubernetes --config FILE); in a cluster a tenant is its namespace "
-            "(docs/identity.md)",
+            f"note: {', '.join(kept)} stay in the gateway's own config (tokenpools serve "
+            "--kubernetes --config FILE); in a cluster a tenant is its namespace and an "
+            "entitlement is <namespace>/<name> (docs/identity.md, docs/budgets.md)",
             err=True,
         )
 

@@ -14,6 +14,7 @@ object whose current spec is invalid keeps the last spec the operator applied
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from tokenpools.k8s.schema import (
 )
 from tokenpools.model.config import format_errors
 from tokenpools.model.config_schema import EntitlementSpec, PoolSpec
+from tokenpools.model.identity_schema import TenantSpec
 from tokenpools.model.keys import hash_key, is_key_hash
 
 Where = tuple[str, str, str]  # kind, namespace ("" for a pool), name
@@ -110,7 +112,43 @@ def config_data(
             continue
         keys.update((k, spec["name"]) for k in spec["apiKeys"])
         out.data["entitlements"].append(spec)
+    _budgets_in_force(out)
     return out
+
+
+def _budgets_in_force(out: ClusterConfig) -> None:
+    """The base config's budgets whose tenant or entitlement exists in the cluster now: one
+    naming a namespace or an entitlement not (yet) there is set aside, with its problem, so
+    it never makes the cluster's whole config invalid; it applies once its target exists."""
+    budgets = out.data.get("budgets")
+    if not isinstance(budgets, list):
+        return
+    ents = {e["name"]: e["tenantId"] for e in out.data["entitlements"]}
+    keys = {f"{e['tenantId']}/{e['name']}" for e in out.data["entitlements"] if e["apiKeys"]}
+    tenants = set(ents.values())
+    for t in out.data.get("tenants") or []:
+        with contextlib.suppress(ValidationError, TypeError):  # the schema names the problem
+            one = TenantSpec.model_validate(t).to_tenant()
+            tenants.add(one.id)
+            keys |= {f"{one.id}/{k.label}" for k in one.keys}
+    kept = []
+    for budget in budgets:
+        if not isinstance(budget, Mapping):
+            kept.append(budget)  # the schema names the problem
+            continue
+        tenant, ent = budget.get("tenant"), budget.get("entitlement")
+        key = budget.get("key")
+        missing = (
+            (tenant is not None and tenant not in tenants)
+            or (ent is not None and ent not in ents)
+            or (key is not None and key not in keys)
+        )
+        if missing:
+            where = ("Budget", "", str(budget.get("name")))
+            out.problems[where] = "its tenant, entitlement or key is not in the cluster (yet)"
+        else:
+            kept.append(budget)
+    out.data["budgets"] = kept
 
 
 def _refused(
