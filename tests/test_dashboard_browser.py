@@ -51,7 +51,10 @@ def load_scenario(path: Path, seconds: float) -> Path:
 @pytest.fixture
 def served() -> Iterator[ServerThread]:
     emulator = ServerThread(make_emulator(FAST, speed=1.0))
-    gw = Gateway(parse_config(config_data(emulator.url, updatePeriodS=0.5)))
+    data = config_data(emulator.url, updatePeriodS=0.5)
+    tenant = next(e["tenantId"] for e in data["entitlements"] if e["name"] == "batch")
+    data["budgets"] = [{"name": "batch-month", "tenant": tenant, "limit": 200_000}]
+    gw = Gateway(parse_config(data))
     gateway = ServerThread(make_app(gw, health_interval_s=0.2))
     yield gateway
     gateway.stop()
@@ -101,6 +104,15 @@ def test_the_dashboard_shows_the_pool_live_and_nothing_without_the_key(
             assert page.evaluate(drawn) > 0  # slots in flight were drawn
             settled = "() => window.tokenpools.charts['tps-pool'].data[1].filter(v => v > 0).length"
             wait_until(lambda: page.evaluate(settled) > 0, 20)  # tokens/s settled were drawn
+            # batch's budget: a bar that fills as it is charged, and the hourly usage chart
+            budget = page.locator('#budgets tr[data-budget="batch-month"]')
+            expect(budget).to_contain_text("month, tokens")
+            used = budget.locator('td[data-column="used"] .used')
+            wait_until(lambda: used.evaluate("e => parseFloat(e.style.width)") > 0, 20)
+            usage = (
+                "() => (window.tokenpools.charts.usage?.data[1] || []).filter(v => v > 0).length"
+            )
+            wait_until(lambda: page.evaluate(usage) > 0, 30)
             # The table sorts by a column header: priority, highest first, then lowest first.
             first_row = page.locator("#entitlements tbody tr").first
             page.click('#entitlements th:text-is("priority")')

@@ -248,6 +248,8 @@ def budget_status(core: _HasBudgets, now: float) -> list[dict[str, Any]]:
             {
                 "name": budget.name,
                 budget.scope.value: budget.target,
+                "scope": budget.scope.value,
+                "target": budget.target,
                 "measure": budget.measure.value,
                 "window": budget.period.value,
                 "limit": budget.limit,

@@ -18,15 +18,17 @@ PERIODS = ("hour", "day", "month", "all")
 _FIELD = {"tenant": "tenant", "entitlement": "entitlement", "key": "key_label", "model": "model"}
 
 
-def period_start(hour: int, period: str, zone: zoneinfo.ZoneInfo) -> str:
+def period_start(hour: int, period: str, zone: zoneinfo.ZoneInfo) -> tuple[str, float | None]:
+    """The period an hour falls in: its name, and its start in epoch seconds."""
     if period == "all":
-        return ""
+        return "", None
     local = datetime.fromtimestamp(hour, zone)
     if period == "hour":
-        return local.isoformat(timespec="minutes")
+        return local.isoformat(timespec="minutes"), float(hour)
+    day = local.replace(hour=0, minute=0, second=0, microsecond=0)
     if period == "day":
-        return local.date().isoformat()
-    return f"{local.year:04d}-{local.month:02d}"
+        return day.date().isoformat(), day.timestamp()
+    return f"{local.year:04d}-{local.month:02d}", day.replace(day=1).timestamp()
 
 
 def group(
@@ -36,10 +38,11 @@ def group(
     rows: dict[tuple[str, ...], dict[str, Any]] = {}
     for b in buckets:
         names = tuple(getattr(b, _FIELD[d]) for d in by)
-        key = (period_start(b.hour, period, zone), *names)
+        name, start = period_start(b.hour, period, zone)
+        key = (name, *names)
         row = rows.get(key)
         if row is None:
-            row = rows[key] = {"period": key[0], **dict(zip(by, names, strict=True))}
+            row = rows[key] = {"period": name, "start": start, **dict(zip(by, names, strict=True))}
             row.update(dict.fromkeys(TOTALS, 0))
             row["refusals"] = {}
         for column, value in b.totals.items():
@@ -59,7 +62,7 @@ def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     buf = io.StringIO()
     if not rows:
         return ""
-    columns = [c for c in rows[0] if c != "refusals"] + ["refusals"]
+    columns = [c for c in rows[0] if c not in ("refusals", "start")] + ["refusals"]
     writer = csv.writer(buf)
     writer.writerow(columns)
     for row in rows:

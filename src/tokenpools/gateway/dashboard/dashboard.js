@@ -4,6 +4,7 @@
 
 const KEY = "tokenpools-admin-key";
 const POLL_MS = 2000;
+const USAGE_EVERY_MS = 15000;  // /admin/usage flushes the ledger to SQL: not every poll
 // [title, kind, digits]; admitted and refused are this replica's, the rest the pool's
 const COLUMNS = [
   ["entitlement", "text"], ["pool", "text"], ["class", "text"], ["state", "text"],
@@ -14,7 +15,7 @@ const COLUMNS = [
 const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
   "#7f7f7f", "#bcbd22", "#17becf"];
 
-const state = { sortBy: 0, descending: false, timer: null, charts: {} };
+const state = { sortBy: 0, descending: false, timer: null, charts: {}, usageAt: 0 };
 window.tokenpools = state;  // for the end-to-end test and curious operators
 
 const $ = (id) => document.getElementById(id);
@@ -42,6 +43,73 @@ async function poll() {
     return;
   }
   render(await response.json());
+  await pollBudgets(key);
+}
+
+async function admin(path, key) {
+  const response = await fetch(path, { headers: { Authorization: `Bearer ${key}` } });
+  return response.ok ? response.json() : null;
+}
+
+async function pollBudgets(key) {
+  try {
+    const budgets = await admin("/admin/budgets", key);
+    if (budgets) renderBudgets(budgets.budgets);
+    if (Date.now() - state.usageAt >= USAGE_EVERY_MS) {
+      state.usageAt = Date.now();
+      const from = Math.floor(Date.now() / 1000) - 24 * 3600;
+      const usage = await admin(`/admin/usage?per=hour&by=tenant&from=${from}`, key);
+      if (usage) renderUsage(usage.rows);
+    }
+  } catch (err) {
+    $("status").textContent = `budgets unreadable: ${err}`;
+  }
+}
+
+function renderBudgets(budgets) {
+  document.querySelector("#budgets tbody").replaceChildren(...budgets.map((b) => {
+    const tr = document.createElement("tr");
+    tr.dataset.budget = b.name;
+    const pct = (x) => `${Math.min(100, (100 * x) / Math.max(b.limit, 1)).toFixed(1)}%`;
+    const bar = document.createElement("span");
+    bar.className = b.exhausted ? "bar spent" : "bar";
+    for (const [part, value] of [["used", b.used], ["held", b.held]]) {
+      const span = document.createElement("span");
+      span.className = part;
+      span.style.width = pct(value);
+      bar.append(span);
+    }
+    const usedCell = document.createElement("td");
+    usedCell.className = "text";
+    usedCell.dataset.column = "used";
+    usedCell.append(bar, `${pct(b.used)} (${pct(b.held)})`);
+    const cells = [
+      [b.name, "text"], [`${b.scope} ${b.target}`, "text"],
+      [`${b.window}, ${b.measure}`, "text"], null, [fmt(b.left, 0), "num"],
+      [b.resets_at === null ? "never" : new Date(b.resets_at * 1000).toLocaleString(), "text"],
+    ];
+    for (const cell of cells) {
+      if (cell === null) {
+        tr.append(usedCell);
+        continue;
+      }
+      const td = document.createElement("td");
+      td.className = cell[1] === "text" ? "text" : "";
+      td.textContent = cell[0];
+      tr.append(td);
+    }
+    return tr;
+  }));
+}
+
+function renderUsage(rows) {
+  // every hour of the last 24, so the axis is the day even when few hours have usage
+  const last = Math.floor(Date.now() / 3600000) * 3600;
+  const hours = Array.from({ length: 25 }, (_, i) => last - (24 - i) * 3600);
+  const tenants = [...new Set(rows.map((r) => r.tenant))].sort();
+  const samples = hours.map((at) => ({ at, entitlements: Object.fromEntries(
+    rows.filter((r) => r.start === at).map((r) => [r.tenant, r])) }));
+  chart("usage", hours, tenants, samples, (r) => r.weighted_tokens);
 }
 
 function showLogin(message) {
@@ -55,6 +123,8 @@ function showLogin(message) {
   $("pools").replaceChildren();
   document.querySelector("#entitlements tbody").replaceChildren();
   document.querySelector("#refusals tbody").replaceChildren();
+  document.querySelector("#budgets tbody").replaceChildren();
+  state.usageAt = 0;
 }
 
 function start() {
