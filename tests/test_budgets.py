@@ -205,3 +205,48 @@ def test_redis_decides_budgets_as_the_memory_store_does(
     store = RedisStore(redis_url, prefix=f"t{seed}", timeout_s=2.0)
     shared = run_random(DecisionCore(cfg, store, now=now), seed)
     assert shared == memory
+
+
+def test_on_redis_an_admission_and_a_settlement_are_one_call_each_with_budgets(
+    redis_url: str, redis_client: Any
+) -> None:
+    """Budgets and the ledger ride in the same script call: one EVALSHA per admission and one
+    per settlement (INFO commandstats, which also counts the commands the script runs), and
+    no other command from the client (counted where redis-py sends them)."""
+    from tokenpools.state.redis.store import RedisStore
+
+    data = config(limit=10**9)
+    data["budgets"] += [
+        {"name": "a-day", "entitlement": "a", "limit": 10**9, "window": "day"},
+        {"name": "key-hour", "key": "acme/a", "measure": "cost", "limit": "1000", "window": "hour"},
+    ]
+    data["entitlements"][0]["apiKeys"] = ["sha256:" + "0" * 64]
+    cfg = parse_config(data)
+    store = RedisStore(redis_url, prefix="calls", timeout_s=2.0)
+    core = DecisionCore(cfg, store, now=0.0)
+    account = Account("acme", "a", "m")
+    now = 1_800_000_000.0
+    warm = core.admit("a", RequestCost(10, 10, 1, account), now)  # loads the script
+    assert isinstance(warm, Admit) and len(warm.lease.meter.holds) == 3  # type: ignore[union-attr]
+    core.settle(warm.lease.lease_id, Usage(10, 5), now)
+
+    def calls() -> dict[str, int]:
+        stats = redis_client.info("commandstats")
+        return {k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()}
+
+    sent: list[str] = []
+    send = store.client.execute_command
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        sent.append(str(args[0]))
+        return send(*args, **kw)
+
+    store.client.execute_command = counted  # type: ignore[method-assign]
+    before = calls()
+    for i in range(50):
+        d = core.admit("a", RequestCost(10, 10, 1, account), now + i)
+        assert isinstance(d, Admit)
+        core.settle(d.lease.lease_id, Usage(10, 5), now + i)
+    after = calls()
+    assert after["evalsha"] - before["evalsha"] == 100
+    assert sent == ["EVALSHA"] * 100
