@@ -167,6 +167,8 @@ def test_a_budget_is_never_overspent_by_three_replicas(
     assert seen["whole"] and seen["stream"] and seen["hang-up"] and seen["refused"] >= 64
     (row,) = seen["ledger"]
     assert row["weighted_tokens"] == seen["used"]  # the ledger recorded what the budget charged
+    # weights 1: what the budget counts is the engines' input plus output, in every measure
+    assert row["input_tokens"] + row["output_tokens"] == seen["used"]
     assert row["refusals"].get("budget", 0) >= 64
     if not kill:
         # every request's charge is the engine's report, or (hung up) what was streamed

@@ -82,7 +82,7 @@ class StoreDriver:
             if ending.charged is None:
                 await self.shared.release(ending.lease, now, refund=ending.refund)
             else:
-                await self.shared.settle(ending.lease, ending.charged, now)
+                await self.shared.settle(ending.lease, ending.charged, now, ending.charge)
         except StoreUnavailable:  # ours is sent when Redis answers; another's expires there
             return
         self.core.ended(ending, now)
