@@ -250,3 +250,21 @@ def test_on_redis_an_admission_and_a_settlement_are_one_call_each_with_budgets(
     after = calls()
     assert after["evalsha"] - before["evalsha"] == 100
     assert sent == ["EVALSHA"] * 100
+
+
+def test_a_budget_over_several_pools_is_refused_on_a_redis_cluster_only() -> None:
+    from tokenpools.admission.driver import check_cluster_budgets
+
+    data = config()
+    data["pools"].append({**data["pools"][0], "name": "q"})
+    data["entitlements"].append({"name": "a2", "tenantId": "acme", "pool": "q",
+                                 "serviceClass": "elastic"})  # fmt: skip
+    data["budgets"].append({"name": "a-only", "entitlement": "a", "limit": 5})
+    data["state"] = {"backend": "redis", "url": "redis+cluster://127.0.0.1:7000"}
+    with pytest.raises(ConfigError, match="budgets acme-month: their requests go to several"):
+        check_cluster_budgets(parse_config(data))
+    data["budgets"] = data["budgets"][1:]  # one pool's budget: its counter shares the slot
+    check_cluster_budgets(parse_config(data))
+    data["budgets"] = config()["budgets"]
+    data["state"] = {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}
+    check_cluster_budgets(parse_config(data))  # one Redis keeps any key

@@ -16,11 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
 from tokenpools.control import layers
+from tokenpools.control.budgets import Budgets
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision, Reject
 from tokenpools.control.endings import Ending
 from tokenpools.control.store import Lease, Outcome, StoreUnavailable
-from tokenpools.model.config import Config
+from tokenpools.model.config import Config, ConfigError
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.state.memory import MemoryStore
 
@@ -156,6 +157,7 @@ def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
         return StoreDriver(DecisionCore(config, local, now=now, replica=replica))
     from tokenpools.state.redis.store import RedisStore  # redis-py only where it is used
 
+    check_cluster_budgets(config)
     store = RedisStore(
         settings.url,
         timeout_s=settings.timeout_s,
@@ -167,3 +169,17 @@ def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
     # The private store holds what the outage policy admits while Redis is unreachable.
     core = DecisionCore(config, store, now=now, replica=replica, fallback_store=MemoryStore())
     return StoreDriver(core, store.hot_path())
+
+
+def check_cluster_budgets(config: Config) -> None:
+    """On a Redis Cluster a budget's counter must share its pools' hash slot: a budget whose
+    requests go to several pools is a config error there (docs/budgets.md)."""
+    if config.state.backend != "redis" or "+cluster://" not in config.state.url:
+        return
+    spanning = Budgets(config).spanning()
+    if spanning:
+        raise ConfigError(
+            f"budgets {', '.join(spanning)}: their requests go to several pools, whose keys a "
+            "Redis Cluster keeps in different hash slots; give each pool its own budget, or use "
+            "one Redis (or Sentinel)"
+        )

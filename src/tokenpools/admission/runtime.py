@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from tokenpools.admission.admitted import Admitted
-from tokenpools.admission.driver import StoreDriver, open_driver
+from tokenpools.admission.driver import StoreDriver, check_cluster_budgets, open_driver
 from tokenpools.control.decisions import Admit, Decision, Reject
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
@@ -114,6 +114,7 @@ class AdmissionRuntime:
             log.warning("the state section changed: it takes effect at the next restart")
             config = replace(config, state=self.config.state)
         counters = _counters(config)  # first: an unreadable tokenizer file rejects the reload
+        check_cluster_budgets(config)
         for lease in await self.driver.background(self.core.apply_config, config, self.clock()):
             self.evict(lease.lease_id)
         self.config, self.directory, self.counters = config, Directory(config), counters

@@ -103,6 +103,12 @@ class Budgets:
     def __bool__(self) -> bool:
         return bool(self.by_name)
 
+    def spanning(self) -> list[str]:
+        """The budgets whose requests go to several pools (one Redis can keep their counters
+        beside every pool; a Redis Cluster cannot: their counters and pools are in different
+        hash slots)."""
+        return sorted(name for name, home in self._home.items() if not home)
+
     def applying(self, account: Account, ent: Entitlement) -> list[Budget]:
         by = self._by
         if not by:
