@@ -9,7 +9,7 @@ import threading
 
 import httpx
 
-from tests.kube.harness import NS, PLATFORM, Bench, bench, ent, pool
+from tests.kube.harness import NS, PLATFORM, TENANT_LABEL, Bench, bench, ent, pool
 from tests.servers import wait_until
 from tokenpools.control.tenancy import Caller, Directory
 from tokenpools.k8s.api import ENTITLEMENTS, POOLS, SECRETS
@@ -198,3 +198,58 @@ def test_budgets_in_the_gateways_config_apply_to_cluster_tenants_once_they_exist
     assert isinstance(first, Admit) and first.budget is not None and first.budget[0] == "ns-day"
     refused = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
     assert isinstance(refused, Reject) and refused.budget == "ns-day"
+
+
+def test_token_budgets_are_applied_by_the_operator_and_enforced_by_the_gateway(
+    bench: Bench,
+) -> None:
+    """A TokenBudget (cluster-scoped, the platform's): the operator applies a valid one
+    (Ready, its appliedSpec), refuses an invalid one and sets aside one whose tenant is not in
+    the cluster yet, each saying why in its conditions; the gateway enforces what was applied."""
+    from tokenpools.control.core import DecisionCore
+    from tokenpools.control.decisions import Admit, Reject
+    from tokenpools.k8s.api import BUDGETS
+    from tokenpools.k8s.schema import API_VERSION
+    from tokenpools.model.request import Account, RequestCost
+    from tokenpools.state.memory import MemoryStore
+
+    def budget(name: str, **spec: object) -> dict[str, object]:
+        return {"apiVersion": API_VERSION, "kind": "TokenBudget", "metadata": {"name": name},
+                "spec": spec}  # fmt: skip
+
+    def ready(name: str) -> tuple[str, str]:
+        status = bench.kube.get(BUDGETS, None, name).get("status") or {}
+        cond = next(c for c in status.get("conditions", []) if c["type"] == "Ready")
+        return cond["status"], cond["message"]
+
+    kube = bench.kube
+    kube.create(POOLS, None, pool(replicas=2))
+    kube.create(ENTITLEMENTS, NS, _keyed("gold", "guaranteed", 6))
+    kube.create(BUDGETS, None, budget("ns-day", tenant=NS, limit=1000, window="day"))
+    kube.create(BUDGETS, None, budget("gold-life", entitlement=f"{NS}/gold", limit=5000,
+                                      window="lifetime"))  # fmt: skip
+    kube.create(BUDGETS, None, budget("later", tenant="team-x", limit=10))
+    kube.create(BUDGETS, None, budget("both", tenant=NS, entitlement=f"{NS}/gold", limit=5))
+    bench.settle()
+    assert ready("ns-day")[0] == "True" and ready("gold-life")[0] == "True"
+    assert ready("later") == ("False", "its tenant, entitlement or key is not in the cluster (yet)")
+    assert ready("both")[0] == "False" and "exactly one of tenant" in ready("both")[1]
+    applied = kube.get(BUDGETS, None, "ns-day")["status"]["appliedSpec"]
+    assert applied == {"tenant": NS, "limit": 1000, "window": "day"}
+
+    source = ClusterSource(kube, PLATFORM, {}).start()
+    config = source.config()
+    source.stop()
+    assert sorted(config.budgets) == ["gold-life", "ns-day"]
+    core = DecisionCore(config, MemoryStore(), now=0.0)
+    account = Account(NS, f"{NS}/gold", "m")
+    first = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
+    assert isinstance(first, Admit)
+    refused = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
+    assert isinstance(refused, Reject) and refused.budget == "ns-day"
+
+    # the tenant's namespace appears: the budget set aside applies at the next pass
+    bench.namespace("team-x", TENANT_LABEL)
+    kube.create(ENTITLEMENTS, "team-x", _keyed("x", "spot", 0))
+    bench.settle()
+    assert ready("later")[0] == "True"

@@ -226,7 +226,9 @@ def test_render_cli_prints_the_resources_and_refuses_a_tenant_that_is_no_namespa
     assert out.exit_code != 0 and "tenantId 'Team_A' is not a valid namespace name" in out.output
 
 
-def test_render_keeps_tenants_in_the_gateways_config_and_says_so(tmp_path: Path) -> None:
+def test_render_keeps_tenants_in_the_gateways_config_and_makes_budgets_token_budgets(
+    tmp_path: Path,
+) -> None:
     from typer.testing import CliRunner
 
     from tokenpools.cli import app
@@ -235,17 +237,31 @@ def test_render_keeps_tenants_in_the_gateways_config_and_says_so(tmp_path: Path)
     document = yaml.safe_load(EXAMPLE_CONFIG.read_text())
     tenant = document["entitlements"][0]["tenantId"]
     document["tenants"] = [{"id": tenant, "keys": [{"hash": hash_key("sk-x"), "label": "x"}]}]
-    document["budgets"] = [{"name": "team-month", "tenant": tenant, "limit": 1000}]
+    ent = document["entitlements"][0]["name"]
+    document["budgets"] = [
+        {"name": "team-month", "tenant": tenant, "limit": 1000},
+        {"name": "ent-day", "entitlement": ent, "limit": 10, "window": "day"},
+    ]
     document["pools"][0]["prices"] = {"inputPerMillion": "0.25", "outputPerMillion": 1}
     path = tmp_path / "tenants.yaml"
     path.write_text(yaml.safe_dump(document))
     out = CliRunner().invoke(app, ["k8s", "render", str(path)])
     assert out.exit_code == 0, out.output
-    assert "tenants, gateway, budgets stay in the gateway's own config" in out.stderr
+    assert "tenants, gateway stay in the gateway's own config" in out.stderr
     assert hash_key("sk-x") not in out.stdout  # no custom resource carries a tenant key
-    assert "team-month" not in out.stdout  # nor a budget: the platform's, not a tenant's
-    pools = [o for o in yaml.safe_load_all(out.stdout) if o["kind"] == "TokenPool"]
+    objects = list(yaml.safe_load_all(out.stdout))
+    pools = [o for o in objects if o["kind"] == "TokenPool"]
     assert pools[0]["spec"]["prices"] == {"inputPerMillion": "0.25", "outputPerMillion": 1}
+    # budgets are cluster-scoped TokenBudgets (the platform's); an entitlement is ns/name
+    budgets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "TokenBudget"}
+    assert budgets["team-month"]["spec"] == {"tenant": tenant, "limit": 1000}
+    assert "namespace" not in budgets["team-month"]["metadata"]
+    assert budgets["ent-day"]["spec"]["entitlement"] == f"{tenant}/{ent}"
+    document["budgets"][0]["name"] = "Team_Month"
+    path.write_text(yaml.safe_dump(document))
+    out = CliRunner().invoke(app, ["k8s", "render", str(path)])
+    assert out.exit_code != 0 and "budget 'Team_Month' is not a valid object name" in out.output
+    document["budgets"] = []
     document["tenants"][0]["id"] = "Team_A"
     path.write_text(yaml.safe_dump(document))
     out = CliRunner().invoke(app, ["k8s", "render", str(path)])

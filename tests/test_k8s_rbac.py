@@ -16,7 +16,7 @@ from tokenpools.k8s.crds import crds
 from tokenpools.k8s.resources import check_spec
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-CLUSTER_RESOURCES = {"tokenpools", "nodes", "namespaces", "priorityclasses"}
+CLUSTER_RESOURCES = {"tokenpools", "tokenbudgets", "nodes", "namespaces", "priorityclasses"}
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,8 @@ def test_a_tenant_manages_its_entitlements_in_its_own_namespace_only() -> None:
 def test_a_tenant_cannot_touch_pools_status_keys_or_leases() -> None:
     for verb in ("create", "update", "patch", "delete"):
         assert not can(TENANT, verb, TP, "tokenpools", None)
-    for sub in ("tokenentitlements/status", "tokenpools/status"):
+        assert not can(TENANT, verb, TP, "tokenbudgets", None)  # no tenant raises its budget
+    for sub in ("tokenentitlements/status", "tokenpools/status", "tokenbudgets/status"):
         assert not can(TENANT, "patch", TP, sub, "team-a")
     for ns in ("team-a", "team-b", "tokenpools-system", None):
         assert not can(TENANT, "get", "", "secrets", ns)
@@ -97,6 +98,10 @@ def test_components_hold_least_privilege() -> None:
     assert not can(GATEWAY, "list", "", "secrets", None)
     for verb in ("create", "update", "patch", "delete"):
         assert not can(GATEWAY, verb, TP, "tokenentitlements", "team-a")
+        assert not can(GATEWAY, verb, TP, "tokenbudgets", None)
+    assert can(GATEWAY, "watch", TP, "tokenbudgets", None)
+    assert can(OPERATOR, "patch", TP, "tokenbudgets/status", None)
+    assert not can(OPERATOR, "patch", TP, "tokenbudgets", None)
     # the operator reads no Secrets, scales only the platform's workloads, and makes no
     # workload (its pods are lease pods: the admission policy; tests/test_k8s_cel.py)
     for ns in ("team-a", "tokenpools-system", None):

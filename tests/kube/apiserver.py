@@ -59,6 +59,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool, tuple[str, ...]]] = {
     ("scheduling.k8s.io/v1", "priorityclasses"): ("PriorityClass", False, ()),
     ("tokenpools.io/v1alpha1", "tokenpools"): ("TokenPool", False, ("status", "scale")),
     ("tokenpools.io/v1alpha1", "tokenentitlements"): ("TokenEntitlement", True, ("status",)),
+    ("tokenpools.io/v1alpha1", "tokenbudgets"): ("TokenBudget", False, ("status",)),
 }
 
 

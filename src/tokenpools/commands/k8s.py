@@ -43,7 +43,7 @@ def k8s_render(
     except ValueError as exc:
         fail(str(exc))
     typer.echo(dump_all(objects), nl=False)
-    kept = [s for s in ("tenants", "gateway", "budgets", "usage") if s in document]
+    kept = [s for s in ("tenants", "gateway", "usage") if s in document]
     if kept:  # platform settings, never a tenant's to write: no custom resource holds them
         typer.echo(
             f"note: {', '.join(kept)} stay in the gateway's own config (tokenpools serve "

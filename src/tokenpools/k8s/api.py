@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from tokenpools.k8s.schema import API_VERSION, ENTITLEMENT_PLURAL, POOL_PLURAL
+from tokenpools.k8s.schema import API_VERSION, BUDGET_PLURAL, ENTITLEMENT_PLURAL, POOL_PLURAL
 
 MERGE = "application/merge-patch+json"
 # an object name as the API server accepts it in a path (DNS subdomain, and the few kinds that
@@ -45,6 +45,7 @@ class Kind:
 
 POOLS = Kind(API_VERSION, POOL_PLURAL, namespaced=False)
 ENTITLEMENTS = Kind(API_VERSION, ENTITLEMENT_PLURAL)
+BUDGETS = Kind(API_VERSION, BUDGET_PLURAL, namespaced=False)
 PODS = Kind("v1", "pods")
 NODES = Kind("v1", "nodes", namespaced=False)
 SECRETS = Kind("v1", "secrets")

@@ -13,15 +13,19 @@ from pydantic import BaseModel
 
 from tokenpools.k8s import cel_rules
 from tokenpools.k8s.schema import (
+    BUDGET_PLURAL,
+    BUDGET_REPLACED,
     ENTITLEMENT_PLURAL,
     ENTITLEMENT_REPLACED,
     GROUP,
     POOL_PLURAL,
     POOL_REPLACED,
     VERSION,
+    BudgetExtras,
     EntitlementExtras,
     PoolExtras,
 )
+from tokenpools.model.budgets_schema import BudgetSpec
 from tokenpools.model.config_schema import EntitlementSpec, PoolSpec
 
 _DROP = {"title", "default", "additionalProperties"}
@@ -136,6 +140,9 @@ ENTITLEMENT_STATUS = _status(
 )
 
 
+BUDGET_STATUS = _status({"appliedSpec": _APPLIED, "message": _STR})
+
+
 def _crd(
     kind: str,
     plural: str,
@@ -192,8 +199,9 @@ def _col(name: str, path: str, kind: str = "string") -> dict[str, str]:
 
 
 def crds() -> list[Any]:
-    """The two CRDs from the config schema: TokenPool (cluster-scoped, the platform's, with a
-    scale subresource for HPA or KEDA) and TokenEntitlement (namespaced, the tenant's)."""
+    """The CRDs from the config schema: TokenPool (cluster-scoped, the platform's, with a
+    scale subresource for HPA or KEDA), TokenEntitlement (namespaced, the tenant's) and
+    TokenBudget (cluster-scoped, the platform's)."""
     ready = '.status.conditions[?(@.type=="Ready")].status'
     pool_spec = spec_schema(PoolSpec, PoolExtras, POOL_REPLACED)
     cel_rules.attach(pool_spec, cel_rules.POOL_SPEC, cel_rules.POOL_FIELDS)
@@ -229,4 +237,20 @@ def crds() -> list[Any]:
             _col("Age", ".metadata.creationTimestamp", "date"),
         ],
     )
-    return [pool, ent]
+    budget = _crd(
+        "TokenBudget",
+        BUDGET_PLURAL,
+        "tbudget",
+        spec_schema(BudgetSpec, BudgetExtras, BUDGET_REPLACED),
+        BUDGET_STATUS,
+        [
+            _col("Tenant", ".spec.tenant"),
+            _col("Entitlement", ".spec.entitlement"),
+            _col("Key", ".spec.key"),
+            _col("Window", ".spec.window"),
+            _col("Ready", ready),
+            _col("Age", ".metadata.creationTimestamp", "date"),
+        ],
+        scope="Cluster",
+    )
+    return [pool, ent, budget]

@@ -26,7 +26,7 @@ from tokenpools.k8s.objects import LEASE_LABEL
 from tokenpools.k8s.operator_http import serve_http
 from tokenpools.k8s.operator_loop import HEARTBEAT_S, RESYNC_S, OperatorLoop
 from tokenpools.k8s.reconciler import Reconciler
-from tokenpools.k8s.schema import ENTITLEMENT_PLURAL, GROUP, POOL_PLURAL, VERSION
+from tokenpools.k8s.schema import BUDGET_PLURAL, ENTITLEMENT_PLURAL, GROUP, POOL_PLURAL, VERSION
 
 log = logging.getLogger("tokenpools.operator")
 
@@ -47,6 +47,7 @@ def _poke(**_: Any) -> None:
 
 kopf.on.event(GROUP, VERSION, POOL_PLURAL)(_poke)
 kopf.on.event(GROUP, VERSION, ENTITLEMENT_PLURAL)(_poke)
+kopf.on.event(GROUP, VERSION, BUDGET_PLURAL)(_poke)
 kopf.on.event("", "v1", "pods", labels={LEASE_LABEL: "true"})(_poke)
 kopf.on.event("", "v1", "namespaces")(_poke)  # a label change may open or close a pool
 

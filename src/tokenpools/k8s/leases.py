@@ -15,8 +15,8 @@ from typing import Any
 from tokenpools.control.placement import lease_requests
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, PODS, Conflict, Kube
+from tokenpools.k8s.applied import ClusterConfig
 from tokenpools.k8s.names import entitlement_key
-from tokenpools.k8s.resources import ClusterConfig
 from tokenpools.k8s.status import conditions, write_status
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState

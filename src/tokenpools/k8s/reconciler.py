@@ -22,6 +22,7 @@ from tokenpools.control.node_capacity import Advertised, advertise
 from tokenpools.control.placement import pool_allocatable
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import (
+    BUDGETS,
     ENTITLEMENTS,
     EVENTS,
     NAMESPACES,
@@ -31,11 +32,12 @@ from tokenpools.k8s.api import (
     Kube,
     workload_kind,
 )
+from tokenpools.k8s.applied import ClusterConfig
 from tokenpools.k8s.errors import describe
 from tokenpools.k8s.leases import Leases
 from tokenpools.k8s.names import label_value
 from tokenpools.k8s.operator_metrics import OperatorMetrics
-from tokenpools.k8s.resources import ClusterConfig, config_data
+from tokenpools.k8s.resources import config_data
 from tokenpools.k8s.status import conditions, write_status
 from tokenpools.k8s.virtual_node import VirtualNodes
 from tokenpools.model.config import Config, parse_config
@@ -69,7 +71,8 @@ class Reconciler:
         owned: dict[str, list[Any]] = defaultdict(list)
         for pod in self.kube.list(PODS, labels={o.LEASE_LABEL: "true"}):
             owned[o.owner_uid(pod) or ""].append(pod)
-        cluster = config_data(pools, ents, labels)
+        budgets = self.kube.list(BUDGETS)
+        cluster = config_data(pools, ents, labels, budgets=budgets)
         config = parse_config(cluster.data)  # each object's problems are already set aside
         live = {e["metadata"]["uid"] for e in ents if not e["metadata"].get("deletionTimestamp")}
         for obj in pools:
@@ -79,6 +82,8 @@ class Reconciler:
             mine = owned.get(obj["metadata"]["uid"], [])
             step = partial(self._entitlement, obj, cluster, config, mine)
             states.update([self._guarded("TokenEntitlement", obj, step) or "Error"])
+        for obj in budgets:
+            self._guarded("TokenBudget", obj, partial(self._budget, obj, cluster))
         for state in ("Bound", "Pending", "Degraded", "Expired", "Invalid"):
             self.metrics.lease_pods.labels(state).set(states[state])
         self._forget_orphan_nodes({p["metadata"]["name"] for p in pools})
@@ -109,7 +114,7 @@ class Reconciler:
 
     def _report(self, kind: str, obj: Any, reason: str | None, message: str) -> None:
         """The Reconciled condition and, on a failure, an Event; itself best-effort."""
-        which = POOLS if kind == "TokenPool" else ENTITLEMENTS
+        which = {"TokenPool": POOLS, "TokenBudget": BUDGETS}.get(kind, ENTITLEMENTS)
         cond = ("Reconciled", reason is None, reason or "Reconciled", message)
         try:
             if reason is None:  # the step just wrote this object's status: start from that
@@ -220,6 +225,24 @@ class Reconciler:
         for node in self.nodes.nodes():
             if node["metadata"]["labels"][o.POOL_LABEL] not in wanted:
                 self.kube.delete(NODES, None, node["metadata"]["name"])
+
+    # -- budgets: applied (the gateways take them from status) or refused ----------------
+
+    def _budget(self, obj: Any, cluster: ClusterConfig) -> None:
+        where = ("TokenBudget", "", obj["metadata"]["name"])
+        gen, old = obj["metadata"].get("generation", 1), obj.get("status") or {}
+        status: dict[str, Any] = {"observedGeneration": gen}
+        if cluster.in_force(where):
+            stale = cluster.stale(where)
+            why = cluster.problems[where] if stale else "spec applied"
+            accepted = ("SpecAccepted", not stale, "Invalid" if stale else "Accepted", why)
+            conds = [("Ready", True, "Applied", "in force at the gateways"), accepted]
+            status["appliedSpec"] = cluster.applied[where]
+        else:
+            why = cluster.problems.get(where, "not applied")
+            conds = [("Ready", False, "Invalid", why), ("SpecAccepted", False, "Invalid", why)]
+        status["conditions"] = conditions(old.get("conditions"), conds, self.clock(), gen)
+        write_status(self.kube, BUDGETS, obj, status)
 
     # -- entitlements -------------------------------------------------------------------
 

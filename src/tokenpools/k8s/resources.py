@@ -1,12 +1,13 @@
 """Custom resources ↔ the config file: one schema, two places.
 
-`config_data` assembles the config document from the cluster's TokenPools (cluster-scoped) and
-TokenEntitlements (one namespace per tenant), so the gateway and the operator validate it with
-the very code a file goes through. A problem stays with the object that has it: an invalid
-spec, an entitlement whose pool is unknown or not open to its namespace, a key hash or a
-model name another object already has (the older object keeps it) — the others go on. An
-object whose current spec is invalid keeps the last spec the operator applied
-(`status.appliedSpec`), so a typo never takes away what was working.
+`config_data` assembles the config document from the cluster's TokenPools (cluster-scoped),
+TokenEntitlements (one namespace per tenant) and TokenBudgets (k8s/budget_objects.py), so the
+gateway and the operator validate it with the very code a file goes through. A problem stays
+with the object that has it: an invalid spec, an entitlement whose pool is unknown or not open
+to its namespace, a key hash or a model name another object already has (the older object
+keeps it) — the others go on. An object whose current spec is invalid keeps the last spec the
+operator applied (`status.appliedSpec`, k8s/applied.py), so a typo never takes away what was
+working.
 
 `render` goes the other way: the CRs of an existing file.
 """
@@ -14,14 +15,22 @@ object whose current spec is invalid keeps the last spec the operator applied
 from __future__ import annotations
 
 import base64
-import contextlib
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
+from tokenpools.k8s.applied import (
+    ClusterConfig,
+    Where,
+    age,
+    in_force,
+    live,
+    meta_of,
+    no_replaced,
+)
+from tokenpools.k8s.budget_objects import add_budgets, budget_objects, check_budget
 from tokenpools.k8s.names import entitlement_key
 from tokenpools.k8s.schema import (
     API_VERSION,
@@ -33,40 +42,7 @@ from tokenpools.k8s.schema import (
 )
 from tokenpools.model.config import format_errors
 from tokenpools.model.config_schema import EntitlementSpec, PoolSpec
-from tokenpools.model.identity_schema import TenantSpec
 from tokenpools.model.keys import hash_key, is_key_hash
-
-Where = tuple[str, str, str]  # kind, namespace ("" for a pool), name
-
-
-@dataclass
-class ClusterConfig:
-    """The config document built from the cluster, and what it says about each object."""
-
-    data: dict[str, Any]
-    problems: dict[Where, str] = field(default_factory=dict)  # why a spec is not (fully) used
-    applied: dict[Where, dict[str, Any]] = field(default_factory=dict)  # the CR spec in force
-    pool_extras: dict[str, PoolExtras] = field(default_factory=dict)
-
-    def in_force(self, where: Where) -> bool:
-        return where in self.applied
-
-    def stale(self, where: Where) -> bool:
-        """Running on its last applied spec because the current one is refused."""
-        return where in self.applied and where in self.problems
-
-
-def _meta(obj: Mapping[str, Any]) -> tuple[str, str]:
-    meta = obj.get("metadata", {})
-    return meta.get("namespace") or "", meta["name"]
-
-
-def _age(obj: Mapping[str, Any]) -> tuple[bool, str, str, str]:
-    """Who keeps a name or key two objects claim: the one already in force, then the older
-    (creationTimestamp has one-second resolution), then by name."""
-    meta = obj["metadata"]
-    fresh = not (obj.get("status") or {}).get("appliedSpec")
-    return (fresh, meta.get("creationTimestamp") or "", meta.get("namespace") or "", meta["name"])
 
 
 def config_data(
@@ -75,14 +51,16 @@ def config_data(
     namespaces: Mapping[str, Mapping[str, str]] | None = None,
     base: Mapping[str, Any] | None = None,
     applied_only: bool = False,
+    budgets: Sequence[Mapping[str, Any]] = (),
 ) -> ClusterConfig:
     """`namespaces` (name → labels) checks each pool's namespaceSelector (the operator); the
-    gateway passes None and `applied_only`, taking each object as the operator applied it."""
+    gateway passes None and `applied_only`, taking each object as the operator applied it.
+    TokenBudgets join the base config's budgets."""
     out = ClusterConfig({**(base or {}), "pools": [], "entitlements": []})
     served: dict[str, str] = {}
-    for obj in sorted(_live(pools), key=_age):
+    for obj in sorted(live(pools), key=age):
         where = ("TokenPool", "", obj["metadata"]["name"])
-        got = _in_force(obj, where, _pool, applied_only, out)
+        got = in_force(obj, where, _pool, applied_only, out)
         if got is None:
             continue
         spec, extras = got
@@ -98,10 +76,10 @@ def config_data(
         out.pool_extras[spec["name"]] = extras
         out.data["pools"].append(spec)
     keys: dict[str, str] = {}
-    for obj in sorted(_live(entitlements), key=_age):
-        ns, name = _meta(obj)
+    for obj in sorted(live(entitlements), key=age):
+        ns, name = meta_of(obj)
         where = ("TokenEntitlement", ns, name)
-        got = _in_force(obj, where, _entitlement, applied_only, out)
+        got = in_force(obj, where, _entitlement, applied_only, out)
         if got is None:
             continue
         spec, _ = got
@@ -112,43 +90,8 @@ def config_data(
             continue
         keys.update((k, spec["name"]) for k in spec["apiKeys"])
         out.data["entitlements"].append(spec)
-    _budgets_in_force(out)
+    add_budgets(out, budgets, applied_only)
     return out
-
-
-def _budgets_in_force(out: ClusterConfig) -> None:
-    """The base config's budgets whose tenant or entitlement exists in the cluster now: one
-    naming a namespace or an entitlement not (yet) there is set aside, with its problem, so
-    it never makes the cluster's whole config invalid; it applies once its target exists."""
-    budgets = out.data.get("budgets")
-    if not isinstance(budgets, list):
-        return
-    ents = {e["name"]: e["tenantId"] for e in out.data["entitlements"]}
-    keys = {f"{e['tenantId']}/{e['name']}" for e in out.data["entitlements"] if e["apiKeys"]}
-    tenants = set(ents.values())
-    for t in out.data.get("tenants") or []:
-        with contextlib.suppress(ValidationError, TypeError):  # the schema names the problem
-            one = TenantSpec.model_validate(t).to_tenant()
-            tenants.add(one.id)
-            keys |= {f"{one.id}/{k.label}" for k in one.keys}
-    kept = []
-    for budget in budgets:
-        if not isinstance(budget, Mapping):
-            kept.append(budget)  # the schema names the problem
-            continue
-        tenant, ent = budget.get("tenant"), budget.get("entitlement")
-        key = budget.get("key")
-        missing = (
-            (tenant is not None and tenant not in tenants)
-            or (ent is not None and ent not in ents)
-            or (key is not None and key not in keys)
-        )
-        if missing:
-            where = ("Budget", "", str(budget.get("name")))
-            out.problems[where] = "its tenant, entitlement or key is not in the cluster (yet)"
-        else:
-            kept.append(budget)
-    out.data["budgets"] = kept
 
 
 def _refused(
@@ -174,39 +117,8 @@ def _refused(
     return None
 
 
-def _in_force(
-    obj: Mapping[str, Any], where: Where, check: Any, applied_only: bool, out: ClusterConfig
-) -> tuple[dict[str, Any], Any] | None:
-    """(file-schema spec, cluster extras) of the spec in force: the current spec when valid,
-    else the last applied one; None (with the problem recorded) when there is neither."""
-    last = (obj.get("status") or {}).get("appliedSpec")
-    candidates = [last] if applied_only else [obj.get("spec"), last]
-    for i, spec in enumerate(candidates):
-        if not isinstance(spec, Mapping):
-            continue
-        try:
-            got = check(spec, where)
-        except ValidationError as exc:
-            if i == 0:
-                out.problems[where] = format_errors(exc)
-            continue
-        out.applied[where] = dict(spec)
-        return got  # type: ignore[no-any-return]
-    if applied_only and where not in out.problems:
-        out.problems[where] = "not yet applied by the operator"
-    return None
-
-
-def _no_replaced(spec: Mapping[str, Any], replaced: tuple[str, ...], extras: Any) -> None:
-    """A field the cluster gives otherwise (the tenant is the namespace, keys are hashes, no
-    file paths) is refused, not silently overridden: the extras model forbids it by name."""
-    given = {k: spec[k] for k in replaced if k in spec and k not in extras.model_fields}
-    if given:
-        extras.model_validate(given)
-
-
 def _pool(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], PoolExtras]:
-    _no_replaced(spec, POOL_REPLACED, PoolExtras)
+    no_replaced(spec, POOL_REPLACED, PoolExtras)
     own, extra = split(spec, PoolExtras)
     extras = PoolExtras.model_validate(extra)
     backends = [
@@ -218,7 +130,7 @@ def _pool(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], PoolEx
 
 
 def _entitlement(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], None]:
-    _no_replaced(spec, ENTITLEMENT_REPLACED, EntitlementExtras)
+    no_replaced(spec, ENTITLEMENT_REPLACED, EntitlementExtras)
     own, extra = split(spec, EntitlementExtras)
     extras = EntitlementExtras.model_validate(extra)
     ns, name = where[1], where[2]
@@ -228,13 +140,9 @@ def _entitlement(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any],
     return out, None
 
 
-def _live(objects: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    return [o for o in objects if not o["metadata"].get("deletionTimestamp")]
-
-
 def check_spec(kind: str, spec: Mapping[str, Any], namespace: str, name: str) -> str | None:
     """What is wrong with one CR spec alone (the webhook's check), or None."""
-    check = _pool if kind == "TokenPool" else _entitlement
+    check = {"TokenPool": _pool, "TokenBudget": check_budget}.get(kind, _entitlement)
     try:
         check(spec, (kind, namespace, name))
     except ValidationError as exc:
@@ -246,10 +154,11 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 def render(document: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The TokenPools and TokenEntitlements for a config file's document. Each entitlement goes
-    to the namespace named by its tenantId (in a cluster the namespace is the tenant); each
-    pool is opened to the namespaces of its entitlements. Backend credentials and tokenizer
-    files do not carry over: they become Secrets in the platform's namespace (docs)."""
+    """The TokenPools, TokenEntitlements and TokenBudgets for a config file's document. Each
+    entitlement goes to the namespace named by its tenantId (in a cluster the namespace is the
+    tenant); each pool is opened to the namespaces of its entitlements. Backend credentials
+    and tokenizer files do not carry over: they become Secrets in the platform's namespace
+    (docs)."""
     objects: list[dict[str, Any]] = []
     ents = document.get("entitlements", [])
     for ent in ents:
@@ -283,6 +192,7 @@ def render(document: Mapping[str, Any]) -> list[dict[str, Any]]:
         if keys:
             spec["apiKeyHashes"] = keys
         objects.append(_cr("TokenEntitlement", ent["name"], ent["tenantId"], spec))
+    objects += budget_objects(document.get("budgets", []), ents)
     return objects
 
 

@@ -8,6 +8,10 @@ pool names no file: no `apiKeyFile`, no `apiKeyEnv`, no tokenizer path.
 TokenEntitlement is namespaced and belongs to its tenant, which *is* its namespace: its spec
 is an `entitlements[]` entry without `name` and `tenantId`, with the SHA-256 hashes of its API
 keys in the spec (`apiKeyHashes`), so nothing a tenant writes makes a component read a Secret.
+
+TokenBudget is cluster-scoped and belongs to the platform (no tenant may raise its own): its
+spec is a `budgets[]` entry without `name`; a tenant is a namespace, an entitlement
+`<namespace>/<name>`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ GROUP = "tokenpools.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 POOL_PLURAL, ENTITLEMENT_PLURAL = "tokenpools", "tokenentitlements"
+BUDGET_PLURAL = "tokenbudgets"
 KeyHash = Annotated[str, Field(pattern=KEY_HASH_PATTERN, max_length=71)]
 
 
@@ -109,6 +114,11 @@ class EntitlementExtras(_Strict):
 # Fields of the file schema a cluster gives otherwise (metadata, namespace, the extras above).
 POOL_REPLACED = ("name", "backends", "tokenizer")
 ENTITLEMENT_REPLACED = ("name", "apiKeys", "tenantId")
+BUDGET_REPLACED = ("name",)
+
+
+class BudgetExtras(_Strict):
+    """A TokenBudget has nothing a `budgets[]` entry lacks but its name (metadata.name)."""
 
 
 def split(

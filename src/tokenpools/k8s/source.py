@@ -1,7 +1,8 @@
 """The cluster as the gateway's config source (`tokenpools serve --kubernetes`).
 
-Every TokenPool (cluster-scoped), every TokenEntitlement (one namespace per tenant) and the
-Secrets of the platform's namespace only (backend credentials) become one Config. Each object
+Every TokenPool (cluster-scoped), every TokenEntitlement (one namespace per tenant), every
+TokenBudget (cluster-scoped) and the Secrets of the platform's namespace only (backend
+credentials) become one Config. Each object
 is taken as the operator applied it (`status.appliedSpec`) with the binding the operator wrote
 with it, so an edit the operator has not looked at yet, or has refused, changes nothing here:
 an entitlement edited to a bigger class is not admitted under the new spec before kube-scheduler
@@ -10,11 +11,11 @@ has bound it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from tokenpools.k8s.api import ENTITLEMENTS, POOLS, SECRETS, Kube
+from tokenpools.k8s.api import BUDGETS, ENTITLEMENTS, POOLS, SECRETS, Kube
 from tokenpools.k8s.informer import Informer
 from tokenpools.k8s.names import entitlement_key
 from tokenpools.k8s.resources import config_data, secret_value
@@ -26,7 +27,7 @@ STALE_AFTER_S = 30.0
 
 
 class ClusterSource:
-    """Three Informers (list, then watch); `config()` builds the gateway's Config from what they
+    """Four Informers (list, then watch); `config()` builds the gateway's Config from what they
     hold, and `on_change` is called (from a watch thread) whenever any of them changes."""
 
     def __init__(
@@ -41,7 +42,12 @@ class ClusterSource:
         self.on_change: Callable[[], None] = lambda: None
         self._informers = [
             Informer(kube, kind, ns, self._changed, watch_timeout_s, clock)
-            for kind, ns in ((POOLS, None), (ENTITLEMENTS, None), (SECRETS, namespace))
+            for kind, ns in (
+                (POOLS, None),
+                (ENTITLEMENTS, None),
+                (SECRETS, namespace),
+                (BUDGETS, None),
+            )
         ]
 
     def _changed(self) -> None:
@@ -69,9 +75,9 @@ class ClusterSource:
         ]
 
     def config(self) -> Config:
-        pools, ents, secrets = (i.items() for i in self._informers)
+        pools, ents, secrets, budgets = (i.items() for i in self._informers)
         data = {s["metadata"]["name"]: s.get("data") or {} for s in secrets}
-        return cluster_config(pools, ents, data, self.base)
+        return cluster_config(pools, ents, data, self.base, budgets)
 
 
 def cluster_config(
@@ -79,10 +85,11 @@ def cluster_config(
     ents: list[Any],
     secrets: Mapping[str, Mapping[str, str]],
     base: Mapping[str, Any] | None = None,
+    budgets: Sequence[Any] = (),
 ) -> Config:
     """The Config of what the operator applied. Raises ConfigError when a backend's Secret is
     missing (the running config is kept); objects the operator refused are left out."""
-    cluster = config_data(pools, ents, base=base, applied_only=True)
+    cluster = config_data(pools, ents, base=base, applied_only=True, budgets=budgets)
     config = parse_config(cluster.data)
     pools_out = {}
     for name, pool in config.pools.items():

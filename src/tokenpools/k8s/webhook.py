@@ -1,7 +1,8 @@
 """The validating admission webhook: what CEL in the CRDs cannot say, refused before the API
 server accepts it, with the checks the operator and the config loader apply.
 
-- a TokenPool or TokenEntitlement spec the config schema refuses (the same pydantic models);
+- a TokenPool, TokenEntitlement or TokenBudget spec the config schema refuses (the same
+  pydantic models);
 - an entitlement whose pool does not exist, or is not open to its namespace;
 - an entitlement with a key hash another entitlement already has.
 
@@ -60,7 +61,7 @@ def review(body: Mapping[str, Any], lookup: Lookup) -> dict[str, Any]:
 def _problem(request: Mapping[str, Any], lookup: Lookup) -> str | None:
     obj = request.get("object") or {}
     kind = (request.get("kind") or {}).get("kind") or obj.get("kind")
-    if kind not in ("TokenPool", "TokenEntitlement"):
+    if kind not in ("TokenPool", "TokenEntitlement", "TokenBudget"):
         return None
     meta = obj.get("metadata") or {}
     ns, name = request.get("namespace") or "", meta.get("name") or request.get("name") or ""
@@ -68,7 +69,7 @@ def _problem(request: Mapping[str, Any], lookup: Lookup) -> str | None:
     if not isinstance(spec, Mapping):
         return "spec: a mapping is required"
     why = check_spec(kind, spec, ns, name)
-    if why is not None or kind == "TokenPool":
+    if why is not None or kind != "TokenEntitlement":
         return why
     pool = lookup.pool(str(spec.get("pool")))
     if pool is None:

@@ -57,7 +57,9 @@ class BudgetSpec(Strict):
     # exactly one of the three: who the budget is for
     tenant: Name | None = None
     entitlement: Name | None = None
-    key: Name | None = None  # "<tenant>/<key label>"
+    key: Annotated[str, Field(max_length=330, pattern=r"^[^\s/]+/\S+$")] | None = (
+        None  # "<tenant>/<key label>"
+    )
     measure: Literal["input", "output", "tokens", "cost"] = "tokens"
     limit: Money  # tokens; for cost, currency units
     window: Literal["hour", "day", "week", "month", "lifetime"] = "month"
