@@ -62,7 +62,7 @@ def traffic(core: DecisionCore, seed: int, start: float) -> dict[str, float]:
         account = Account(tenant, rng.choice(["k1", "k2"]), rng.choice(["m1", "m2"]))
         d = core.admit(ent, RequestCost(rng.randint(1, 500), 100, 1, account), now)
         if isinstance(d, Admit):
-            usage = Usage(d.lease.meter.worst.input, rng.randint(0, 100))  # type: ignore[union-attr]
+            usage = Usage(int(d.lease.meter.worst.input), rng.randint(0, 100))  # type: ignore[union-attr]
             core.settle(d.lease.lease_id, usage, now + 0.5)
             totals["requests"] += 1
             totals["input_tokens"] += usage.input_tokens
