@@ -169,8 +169,9 @@ class Budgets:
         need = getattr(meter.worst, hold.measure)
         message = (
             f"budget {budget.name!r} ({budget.scope.value} {budget.target!r}, "
-            f"{describe(budget)}) has {amount(budget.measure, max(0.0, left))} left this "
-            f"{budget.period.value}; this request may use up to {amount(budget.measure, need)}"
+            f"{describe(budget)}) has {amount(budget.measure, max(0.0, left))} left"
+            f"{'' if budget.period == Period.LIFETIME else ' this ' + budget.period.value}; "
+            f"this request may use up to {amount(budget.measure, need)}"
         )
         wait = None if hold.until == INF else max(0.0, hold.until - now)
         return Reject(Reason.INSUFFICIENT_QUOTA, Check.BUDGET, message, wait, budget=budget.name)
