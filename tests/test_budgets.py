@@ -201,10 +201,20 @@ def test_redis_decides_budgets_as_the_memory_store_does(
 
     cfg = parse_config(config(limit=3000))
     now = 1_800_000_000.0
-    memory = run_random(DecisionCore(cfg, MemoryStore(counters_on_admit=True), now=now), seed)
+    local = MemoryStore(counters_on_admit=True)
+    memory = run_random(DecisionCore(cfg, local, now=now), seed)
     store = RedisStore(redis_url, prefix=f"t{seed}", timeout_s=2.0)
     shared = run_random(DecisionCore(cfg, store, now=now), seed)
     assert shared == memory
+    # and the usage ledger counted the same: requests, tokens, cost, refusals by reason
+    later = now + 10_000
+
+    def ledger(rows: Any) -> dict[tuple[int, str], dict[str, float]]:
+        return {(r.hour, r.bucket): dict(r.values) for r in rows}
+
+    expected = ledger(local.take_usage("p", later))
+    assert expected and any("refused:budget" in v for v in expected.values())
+    assert ledger(store.take_usage("p", later)) == expected
 
 
 def test_on_redis_an_admission_and_a_settlement_are_one_call_each_with_budgets(
@@ -268,3 +278,47 @@ def test_a_budget_over_several_pools_is_refused_on_a_redis_cluster_only() -> Non
     data["budgets"] = config()["budgets"]
     data["state"] = {"backend": "redis", "url": "redis://127.0.0.1:6379/0"}
     check_cluster_budgets(parse_config(data))  # one Redis keeps any key
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_layered_requests_meet_their_budgets_alike_on_redis_and_in_memory(
+    redis_url: str, redis_client: Any, seed: int
+) -> None:
+    """A tenant's layers (guaranteed, then spot) under one tenant budget: each layer is
+    tried as one admission is, the budget refuses all of them alike, and the ledger counts a
+    refused request once, on its first layer."""
+    from tokenpools.control.layers import admit_layers
+    from tokenpools.state.redis.store import RedisStore
+
+    data = config(limit=4000)
+    data["entitlements"][0]["concurrency"] = 2
+    data["entitlements"][0]["serviceClass"] = "guaranteed"
+    data["entitlements"].append({"name": "a-spot", "tenantId": "acme", "pool": "p",
+                                 "serviceClass": "spot"})  # fmt: skip
+    cfg = parse_config(data)
+
+    def run(core: DecisionCore) -> list[Any]:
+        rng = random.Random(seed)
+        held: list[Admit] = []
+        seen: list[Any] = []
+        now = 1_800_000_000.0
+        for _ in range(200):
+            now += 0.5
+            if held and rng.random() < 0.4:
+                d = held.pop(0)
+                core.settle(d.lease.lease_id, Usage(50, rng.randint(0, 100)), now)
+                continue
+            cost = RequestCost(50, rng.randint(10, 200), 1, ACME)
+            d = admit_layers(core, ["a", "a-spot"], cost, now)
+            seen.append(d.lease.entitlement if isinstance(d, Admit) else d.reason)
+            if isinstance(d, Admit):
+                held.append(d)
+        seen.append({(r.hour, r.bucket): dict(r.values) for r in core.store.take_usage("p", now)})
+        return seen
+
+    memory = run(DecisionCore(cfg, MemoryStore(counters_on_admit=True), now=0.0))
+    shared = run(
+        DecisionCore(cfg, RedisStore(redis_url, prefix=f"l{seed}", timeout_s=2.0), now=0.0)
+    )
+    assert shared == memory
+    assert {"a", "a-spot", Reason.INSUFFICIENT_QUOTA} <= set(memory[:-1])
