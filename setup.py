@@ -12,6 +12,7 @@ from setuptools.command.build_ext import build_ext
 COMPILED = [
     "src/tokenpools/state/accounts.py",
     "src/tokenpools/state/checks.py",
+    "src/tokenpools/state/memory_book.py",
     "src/tokenpools/state/memory.py",
     "src/tokenpools/state/metering.py",
     "src/tokenpools/control/autoscale.py",
@@ -24,6 +25,7 @@ COMPILED = [
     "src/tokenpools/control/eviction.py",
     "src/tokenpools/control/layers.py",
     "src/tokenpools/control/observation.py",
+    "src/tokenpools/control/periodic.py",
     "src/tokenpools/control/placement.py",
     "src/tokenpools/control/plans.py",
     "src/tokenpools/control/priority.py",

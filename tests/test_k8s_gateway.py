@@ -173,10 +173,6 @@ def test_budgets_in_the_gateways_config_apply_to_cluster_tenants_once_they_exist
     """Budgets are the platform's: they live in the gateway's own config beside the cluster's
     objects. One naming a namespace or entitlement not there yet is set aside (the cluster's
     config stays valid) and applies once it is."""
-    from tokenpools.control.core import DecisionCore
-    from tokenpools.control.decisions import Admit, Reject
-    from tokenpools.model.request import Account, RequestCost
-    from tokenpools.state.memory import MemoryStore
 
     kube = bench.kube
     kube.create(POOLS, None, pool(replicas=2))
@@ -188,16 +184,7 @@ def test_budgets_in_the_gateways_config_apply_to_cluster_tenants_once_they_exist
         {"name": "later", "tenant": "team-not-yet", "limit": 10},
         {"name": "later-ent", "entitlement": f"{NS}/not-yet", "limit": 10},
     ]}  # fmt: skip
-    source = ClusterSource(kube, PLATFORM, base).start()
-    config = source.config()
-    source.stop()
-    assert sorted(config.budgets) == ["gold-life", "ns-day"]
-    core = DecisionCore(config, MemoryStore(), now=0.0)
-    account = Account(NS, f"{NS}/gold", "m")
-    first = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
-    assert isinstance(first, Admit) and first.budget is not None and first.budget[0] == "ns-day"
-    refused = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
-    assert isinstance(refused, Reject) and refused.budget == "ns-day"
+    _gold_stopped_by_its_day_budget(bench, base)
 
 
 def test_token_budgets_are_applied_by_the_operator_and_enforced_by_the_gateway(
@@ -206,12 +193,8 @@ def test_token_budgets_are_applied_by_the_operator_and_enforced_by_the_gateway(
     """A TokenBudget (cluster-scoped, the platform's): the operator applies a valid one
     (Ready, its appliedSpec), refuses an invalid one and sets aside one whose tenant is not in
     the cluster yet, each saying why in its conditions; the gateway enforces what was applied."""
-    from tokenpools.control.core import DecisionCore
-    from tokenpools.control.decisions import Admit, Reject
     from tokenpools.k8s.api import BUDGETS
     from tokenpools.k8s.schema import API_VERSION
-    from tokenpools.model.request import Account, RequestCost
-    from tokenpools.state.memory import MemoryStore
 
     def budget(name: str, **spec: object) -> dict[str, object]:
         return {"apiVersion": API_VERSION, "kind": "TokenBudget", "metadata": {"name": name},
@@ -237,19 +220,30 @@ def test_token_budgets_are_applied_by_the_operator_and_enforced_by_the_gateway(
     applied = kube.get(BUDGETS, None, "ns-day")["status"]["appliedSpec"]
     assert applied == {"tenant": NS, "limit": 1000, "window": "day"}
 
-    source = ClusterSource(kube, PLATFORM, {}).start()
-    config = source.config()
-    source.stop()
-    assert sorted(config.budgets) == ["gold-life", "ns-day"]
-    core = DecisionCore(config, MemoryStore(), now=0.0)
-    account = Account(NS, f"{NS}/gold", "m")
-    first = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
-    assert isinstance(first, Admit)
-    refused = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
-    assert isinstance(refused, Reject) and refused.budget == "ns-day"
+    _gold_stopped_by_its_day_budget(bench, {})
 
     # the tenant's namespace appears: the budget set aside applies at the next pass
     bench.namespace("team-x", TENANT_LABEL)
     kube.create(ENTITLEMENTS, "team-x", _keyed("x", "spot", 0))
     bench.settle()
     assert ready("later")[0] == "True"
+
+
+def _gold_stopped_by_its_day_budget(bench: Bench, base: dict[str, object]) -> None:
+    """The gateway's config from the cluster holds gold-life and ns-day (nothing set aside),
+    and gold's second request is refused by ns-day, named."""
+    from tokenpools.control.core import DecisionCore
+    from tokenpools.control.decisions import Admit, Reject
+    from tokenpools.model.request import Account, RequestCost
+    from tokenpools.state.memory import MemoryStore
+
+    source = ClusterSource(bench.kube, PLATFORM, base).start()
+    config = source.config()
+    source.stop()
+    assert sorted(config.budgets) == ["gold-life", "ns-day"]
+    core = DecisionCore(config, MemoryStore(), now=0.0)
+    account = Account(NS, f"{NS}/gold", "m")
+    first = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
+    assert isinstance(first, Admit) and first.budget is not None and first.budget[0] == "ns-day"
+    refused = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
+    assert isinstance(refused, Reject) and refused.budget == "ns-day"

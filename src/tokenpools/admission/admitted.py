@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from tokenpools.control.store import Lease
+from tokenpools.control.store import Charge, Lease
 from tokenpools.model.request import Usage
 
 EndFn = Callable[["Admitted", Usage | None, bool], None]
@@ -21,6 +21,7 @@ class Admitted:
         self._on_end = on_end
         self.ended = False  # settled or released by its host
         self.evicted = False  # ended by the core (eviction, expiry); the host stops serving it
+        self.charge: Charge | None = None  # what its usage cost, once settled (if metered)
 
     @property
     def over(self) -> bool:

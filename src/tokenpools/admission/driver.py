@@ -65,17 +65,18 @@ class StoreDriver:
             tried = None
         return layers.decide_layers(self.core, steps, tried, now)
 
-    def end(self, lease: Lease, usage: Usage | None, now: float, refund: bool = True) -> None:
+    def end(self, lease: Lease, usage: Usage | None, now: float, refund: bool = True) -> Ending:
         """Settle a finished request on its usage, or release it (no usage: `refund` or charge
         the whole reservation). With a shared store the call is a task of its own, so a
-        request cancelled mid-way still ends its lease."""
+        request cancelled mid-way still ends its lease. Returns what it charges."""
         ending = self.core.prepare_end(lease, usage, refund)
         if self.shared is None or ending.local:
             self.core.end_on_store(ending, now)
-            return
+            return ending
         task = asyncio.get_running_loop().create_task(self._end(ending, now))
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
+        return ending
 
     async def _end(self, ending: Ending, now: float) -> None:
         assert self.shared is not None

@@ -94,7 +94,8 @@ class AdmissionRuntime:
 
     def _end(self, admitted: Admitted, usage: Usage | None, refund: bool) -> None:
         self.in_flight.pop(admitted.lease.lease_id, None)
-        self.driver.end(admitted.lease, usage, self.clock(), refund=refund)
+        ending = self.driver.end(admitted.lease, usage, self.clock(), refund=refund)
+        admitted.charge = ending.charge
 
     def evict(self, lease_id: str) -> None:
         admitted = self.in_flight.pop(lease_id, None)

@@ -166,7 +166,7 @@ class Budgets:
         lifetime budget never does: not retryable)."""
         hold = meter.holds[index]
         budget = self.budget_of(hold)
-        need = getattr(meter.worst, hold.measure)
+        need = meter.needs[index]
         message = (
             f"budget {budget.name!r} ({budget.scope.value} {budget.target!r}, "
             f"{describe(budget)}) has {amount(budget.measure, max(0.0, left))} left"

@@ -79,7 +79,7 @@ class RequestRecord:
             self.prompt_tokens = usage.input_tokens
             self.completion_tokens = usage.output_tokens
             self.cached_tokens = usage.cached_tokens
-            charge = exchange.gw.core.charge(exchange.admitted.lease, usage)
+            charge = exchange.admitted.charge  # computed once, where the lease was settled
             if charge is not None:
                 self.cost_micros = int(charge.cost)
         self.evicted = exchange.admitted.evicted

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import heapq
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -12,41 +11,32 @@ from tokenpools.control.store import (
     ADMITTED,
     NO_CHARGE,
     BucketSpec,
-    BudgetHold,
     Charge,
-    EntitlementCounters,
     Lease,
     Outcome,
-    PoolCounters,
     Reservation,
     ReservePlan,
-    Scores,
     Shortfall,
-    UsageRow,
-    Window,
 )
 from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
 from tokenpools.state.checks import first_shortfall
-from tokenpools.state.metering import BudgetBook, UsageBook
+from tokenpools.state.memory_book import MemoryBook
 
 _POOL_SHORTFALLS = frozenset(
     {Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV, Shortfall.POOL_THROUGHPUT}
 )
 
 
-class MemoryStore:
+class MemoryStore(MemoryBook):
+    """The Store port on `MemoryBook`'s accounts: configuration, the atomic admission step,
+    the ends of leases (the bookkeeping and the reads live in memory_book.py)."""
+
     def __init__(self, counters_on_admit: bool = False) -> None:
         """`counters_on_admit`: an admission's outcome carries the counters after it, as a
         refusal's always does (the gateway's x-ratelimit-* headers; the simulator needs none,
         and building them costs the admission path about a quarter of its time)."""
+        super().__init__()
         self.counters_on_admit = counters_on_admit
-        self._pools: dict[str, PoolAccount] = {}
-        self._ents: dict[str, EntitlementAccount] = {}
-        self._leases: dict[str, Lease] = {}
-        self._expiry: list[tuple[float, str]] = []
-        self._budgets = BudgetBook()
-        # This store's life names its ledger rows: a restarted process counts anew beside them.
-        self._usage = UsageBook(f"memory:{secrets.token_hex(6)}")
 
     # -- configuration -------------------------------------------------------------------
 
@@ -221,96 +211,6 @@ class MemoryStore:
         self._book(lease, e, p, now)
         return None
 
-    # -- bookkeeping ---------------------------------------------------------------------
-
-    def _book(self, lease: Lease, e: EntitlementAccount, p: PoolAccount, now: float) -> None:
-        e.accumulate(now)
-        e.concurrency += 1
-        e.kv += lease.kv_tokens
-        e.leases += 1
-        p.concurrency += 1
-        p.kv += lease.kv_tokens
-        p.leases += 1
-        if lease.preemptible:
-            p.pre_concurrency += 1
-            p.pre_kv += lease.kv_tokens
-            p.preemptible_by_ent.setdefault(lease.entitlement, {})[lease.lease_id] = lease
-        if e.protected:
-            self._update_holdback(e, p)
-            e.peak_concurrency = max(e.peak_concurrency, e.concurrency)  # control/backfill.py
-            e.peak_kv = max(e.peak_kv, e.kv)
-        if not lease.reserved_path:
-            count = p.inflight.get(e.name, 0)
-            p.inflight[e.name] = count + 1
-            if count == 0 and p.low is not None:
-                heapq.heappush(p.low, (e.priority, e.name))
-        self._leases[lease.lease_id] = lease
-        heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
-
-    def _finish(
-        self,
-        lease: Lease,
-        now: float,
-        bucket_used: float,
-        observed: float,
-        charge: Charge | None = None,
-        how: str = "settled",
-    ) -> None:
-        """End a lease: `bucket_used` of its tokens are spent, the rest refunded; `charge` (its
-        whole reservation if None) goes to its budgets and ledger bucket."""
-        del self._leases[lease.lease_id]
-        if lease.meter is not None:
-            self._charge(lease, now, charge, how)
-        e = self._ents[lease.entitlement]
-        p = self._pools[lease.pool]
-        e.accumulate(now)
-        e.concurrency -= 1
-        e.kv -= lease.kv_tokens
-        e.leases -= 1
-        e.settled += observed
-        p.concurrency -= 1
-        p.kv -= lease.kv_tokens
-        p.leases -= 1
-        if lease.preemptible:
-            p.pre_concurrency -= 1
-            p.pre_kv -= lease.kv_tokens
-            group = p.preemptible_by_ent[lease.entitlement]
-            del group[lease.lease_id]
-            if not group:
-                del p.preemptible_by_ent[lease.entitlement]
-        if e.protected:
-            self._update_holdback(e, p)
-        if not lease.reserved_path:
-            count = p.inflight[e.name] - 1
-            if count:
-                p.inflight[e.name] = count
-            else:
-                del p.inflight[e.name]  # its heap entry goes stale and is dropped lazily
-        refund = lease.tokens - bucket_used
-        if refund:
-            p.bucket.credit(refund, now)
-            if lease.drew_own:
-                e.own.credit(refund, now)
-            if lease.reserved_path:
-                p.protected_bucket.credit(refund, now)
-
-    def _charge(self, lease: Lease, now: float, charge: Charge | None, how: str) -> None:
-        meter = lease.meter
-        assert meter is not None
-        if charge is None:
-            charge = meter.worst
-        if meter.holds:
-            self._budgets.charge(meter, charge)
-        self._usage.ended(lease.pool, meter.bucket, now, charge, how)
-
-    @staticmethod
-    def _update_holdback(e: EntitlementAccount, p: PoolAccount) -> None:
-        hold_c = max(0.0, e.holdback_concurrency - e.concurrency)
-        hold_k = max(0.0, e.holdback_kv - e.kv)
-        p.held_concurrency += hold_c - e.held_concurrency
-        p.held_kv += hold_k - e.held_kv
-        e.held_concurrency, e.held_kv = hold_c, hold_k
-
     # -- ending leases -------------------------------------------------------------------
 
     def settle(
@@ -379,48 +279,3 @@ class MemoryStore:
 
     def preemptible_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
         return self._pools[pool].preemptible_by_ent
-
-    # -- observation and scores ----------------------------------------------------------
-
-    def take_window(self, name: str, now: float) -> Window:
-        return self._ents[name].take_window(now)
-
-    def take_usage(self, pool: str, now: float) -> list[UsageRow]:
-        return self._usage.take(pool, now)
-
-    def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
-        self._usage.put_back(pool, rows)
-
-    def budget_usage(
-        self, holds: Sequence[BudgetHold], now: float
-    ) -> list[tuple[float, float, bool]]:
-        return self._budgets.usage([h.key for h in holds])
-
-    def claim_notice(self, hold: BudgetHold, threshold: float, now: float) -> bool:
-        return self._budgets.claim_notice(hold.key, threshold)
-
-    def scores(self, name: str, now: float) -> Scores:
-        e = self._ents[name]
-        return Scores(e.debt, e.burst, e.priority, e.peak_recent_concurrency, e.peak_recent_kv)
-
-    def set_scores(self, name: str, scores: Scores, now: float) -> None:
-        e = self._ents[name]
-        if e.priority != scores.priority:
-            self._pools[e.pool].low = None
-        e.debt, e.burst, e.priority = scores.debt, scores.burst, scores.priority
-        e.peak_recent_concurrency, e.peak_recent_kv = scores.peak_concurrency, scores.peak_kv
-
-    def claim_update(self, pool: str, period: int, now: float) -> bool:
-        p = self._pools[pool]
-        if period <= p.last_period:
-            return False
-        p.last_period = period
-        return True
-
-    def pool_counters(self, pool: str, now: float) -> PoolCounters:
-        return self._pools[pool].counters(now)
-
-    def entitlement_counters(self, name: str, now: float) -> EntitlementCounters:
-        e = self._ents[name]
-        e.own.refill(now)
-        return EntitlementCounters(e.concurrency, e.kv, e.own.level, e.leases)

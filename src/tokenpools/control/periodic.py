@@ -1,0 +1,135 @@
+"""Time and capacity, the core's other events: the tick (lost leases expire, entitlements
+expire, and once per update period — once per pool across every replica sharing the store —
+debt, burst and priority are updated from the usage windows), capacity changes (replicas added
+or lost, preemptible leases evicted until the rest fits) and the autoscaling rule's ask."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tokenpools.control import plans
+from tokenpools.control.autoscale import capacity_need, desired_replicas
+from tokenpools.control.backfill import recent_peaks
+from tokenpools.control.catalog import PoolView
+from tokenpools.control.decisions import CapacityChange, TickResult
+from tokenpools.control.endings import Endings
+from tokenpools.control.eviction import eviction_order
+from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
+from tokenpools.control.store import Lease, Scores, StoreUnavailable
+from tokenpools.model.entitlement import BindingState, Entitlement
+from tokenpools.model.resources import Resources
+
+
+class Periodic(Endings):
+    """What the core does as time passes and capacity changes (admission: core.py)."""
+
+    observations: dict[str, Observation]  # each entitlement's, from the last update period
+
+    def tick(self, now: float) -> TickResult:
+        """Expire lost leases and expired entitlements; once per update period (once per pool
+        across every replica sharing the store) update debt, burst and priority."""
+        expired = tuple(self.fallback.expire(now))
+        states: dict[str, BindingState] = {}
+        if now >= self._next_expiry:
+            states = self._rebind(now)
+        try:
+            if self.fallback.leases and self.fallback.hand_over_on_tick:
+                self.fallback.hand_over(self.store, now)
+            expired += tuple(self.store.expire(now))
+            updated = self._update_pools(now)
+        except StoreUnavailable:
+            updated = []
+        return TickResult(expired, tuple(updated), states)
+
+    def _update_pools(self, now: float) -> list[str]:
+        period = int(now // self.policy.update_period_s)
+        updated = []
+        for name, pool_view in self._pools.items():
+            if period > pool_view.last_period:
+                pool_view.last_period = period
+                if self.store.claim_update(name, period, now):
+                    self._update_scores(pool_view, now)
+                    updated.append(name)
+                    self._arrange_surplus(pool_view)
+                else:  # another replica updates them: read them once it has, next tick
+                    pool_view.scores_pending = True
+            elif pool_view.scores_pending:
+                pool_view.scores_pending = False
+                for member in pool_view.members:
+                    self._adopt_scores(self._ents[member], self.store.scores(member, now))
+                self._arrange_surplus(pool_view)
+        return updated
+
+    def _update_scores(self, pool_view: PoolView, now: float) -> None:
+        policy = self.policy
+        for name in pool_view.members:
+            view = self._ents[name]
+            ent = view.ent
+            window = self.store.take_window(name, now)
+            obs = observe(window)
+            self.observations[name] = obs
+            old = self.store.scores(name, now)
+            bound = view.state == BindingState.BOUND
+            debt = (
+                ewma(old.debt, service_gap(ent.baseline.throughput, obs), policy.gamma_debt)
+                if ent.accrues_debt and bound
+                else 0.0
+            )
+            burst = ewma(old.burst, burst_excess(ent.baseline, obs), policy.gamma_burst)
+            peak_c, peak_k = (
+                recent_peaks(old, (window.peak_concurrency, window.peak_kv), ent.baseline, policy)
+                if view.protected and bound
+                else (0.0, 0.0)
+            )
+            self._adopt_scores(view, Scores(debt, burst, 0.0, peak_c, peak_k))
+            self.store.set_scores(name, view.scores, now)
+
+    def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
+        return self.set_capacity(pool_name, now, replicas=replicas)
+
+    def set_capacity(
+        self,
+        pool_name: str,
+        now: float,
+        replicas: int | None = None,
+        per_replica: Resources | None = None,
+    ) -> CapacityChange:
+        """Apply a capacity change at once (replicas added or lost, or replicas that lost part
+        of their capacity): admissions use the new capacity from now on, and preemptible
+        leases are evicted (lowest priority, newest first) until what remains fits. Other work
+        above the new capacity drains; nothing new is admitted meanwhile."""
+        view = self._pools[pool_name]
+        if replicas is not None:
+            view.pool = view.pool.with_replicas(replicas)
+        if per_replica is not None:
+            if not per_replica.is_nonnegative():
+                raise ValueError(f"pool {pool_name!r}: capacity must be >= 0, got {per_replica}")
+            view.pool = replace(view.pool, per_replica=per_replica)
+            view.per_replica_override = per_replica
+        view.bucket = plans.pool_bucket(view.pool, self.policy)
+        states = self._rebind(now)
+        cap = view.pool.capacity
+        evicted: list[Lease] = []
+        try:  # unreachable store: admissions already use the new capacity; nothing evicted
+            counters = self.store.pool_counters(pool_name, now)
+            over_c = counters.concurrency - cap.concurrency
+            over_k = counters.kv_tokens - cap.kv_tokens
+            groups = self.store.preemptible_leases(pool_name, now)
+            for lease in eviction_order(groups, view.preemptible_order):
+                if over_c <= 0 and over_k <= 0:
+                    break
+                self.store.release(lease.lease_id, now, refund=False)
+                evicted.append(lease)
+                over_c -= 1
+                over_k -= lease.kv_tokens
+        except StoreUnavailable:
+            pass
+        return CapacityChange(tuple(evicted), states)
+
+    def desired_replicas(self, pool_name: str) -> int:
+        view = self._pools[pool_name]
+        members: Sequence[Entitlement] = [
+            self._ents[n].ent for n in view.members if self._ents[n].state != BindingState.EXPIRED
+        ]
+        return desired_replicas(view.pool, capacity_need(members, self.observations))
