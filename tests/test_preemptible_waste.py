@@ -1,20 +1,37 @@
-"""Who may evict, what surplus work may borrow, and check 5's margin (docs/decisions.md,
-"Preemptible work that completes"), through the decision core on the memory store. The
-Redis store runs the same comparisons: tests/test_store_differential.py draws every plan
-field, the backfill and margin ones included."""
+"""Who may evict, what surplus work may fill, and check 5's margin (docs/decisions.md,
+"Preemptible work that completes"), through the decision core on the memory store. The Redis
+store runs the same comparisons: tests/test_store_differential.py draws every plan field and a
+claim share, and sets claims through the scores. The family of generated scenarios these
+rules are measured on is tests/test_preemptible_family.py."""
 
 from __future__ import annotations
 
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from tests.builders import make_config
-from tests.test_admission import BATCH, GUARANTEED, SMALL, SPOT, admit, reject
+from tests.test_admission import BATCH, GUARANTEED, LITERAL, SMALL, SPOT, admit, reject
+from tokenpools.control.backfill import (
+    MAX_LENGTH_SHARE,
+    SCALE_RANGE,
+    claim_share,
+    next_claim,
+    rescaled,
+)
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.decisions import Reason, Reject
+from tokenpools.control.decisions import Admit, Reason, Reject
 from tokenpools.control.eviction import may_evict
-from tokenpools.model.request import Usage
+from tokenpools.control.store import Scores
+from tokenpools.model.policy import Policy
+from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.state.memory import MemoryStore
 
 ASSIST = {"name": "assist", "serviceClass": "elastic", "sloTargetMs": 3000, "concurrency": 4}
+PROD = {"name": "prod", "serviceClass": "dedicated", "sloTargetMs": 1000, "concurrency": 4}
+LONG = RequestCost(input_tokens=64, max_output_tokens=256)
 
 
 def test_only_what_the_pool_owes_evicts() -> None:
@@ -27,7 +44,7 @@ def test_only_what_the_pool_owes_evicts() -> None:
 
 
 def test_spot_waits_for_free_capacity_instead_of_evicting_preemptible_work() -> None:
-    core = DecisionCore(make_config([SPOT, BATCH]), MemoryStore())
+    core = DecisionCore(make_config([SPOT, BATCH], policy=LITERAL), MemoryStore())
     batch = [admit(core, "batch", t=float(i)).lease for i in range(16)]
     refused = reject(core, "spot", t=16.0)
     assert refused.reason == Reason.POOL_FULL and refused.retry_after_s is not None
@@ -37,7 +54,7 @@ def test_spot_waits_for_free_capacity_instead_of_evicting_preemptible_work() -> 
 
 
 def test_elastic_evicts_once_its_debt_says_it_is_under_served() -> None:
-    core = DecisionCore(make_config([ASSIST, BATCH]), MemoryStore())
+    core = DecisionCore(make_config([ASSIST, BATCH], policy=LITERAL), MemoryStore())
     batch = [admit(core, "batch", t=0.1 * i).lease for i in range(16)]
     # Served so far (no debt): assist waits like everyone competing for free capacity.
     assert reject(core, "assist", t=2.0).reason == Reason.POOL_FULL
@@ -48,44 +65,134 @@ def test_elastic_evicts_once_its_debt_says_it_is_under_served() -> None:
     assert [v.lease_id for v in d.evict] == [batch[-1].lease_id]  # the newest batch lease
 
 
-def test_surplus_work_leaves_a_busy_owners_baseline_alone_until_it_has_been_quiet() -> None:
-    policy = {"backfillWindowS": 20, "updatePeriodS": 5}
-    core = DecisionCore(make_config([GUARANTEED, SPOT, BATCH], policy=policy), MemoryStore())
-    core.tick(0.0)
-    gold = [admit(core, "gold", t=1.0).lease for _ in range(6)]  # gold's peak: all 6
-    for lease in gold:
-        core.release(lease.lease_id, 2.0)
-    core.tick(5.0)  # the period's peak (6 of 6) is now gold's recent peak: nothing lent
-    assert core.store.scores("gold", 5.0).peak_concurrency == 6
-    batch = 0
-    while True:
-        decision = core.admit("batch", SMALL, 6.0)
-        if not decision.admitted:
-            break
-        batch += 1
-    assert batch == 10  # 16 slots less gold's 6
-    assert isinstance(decision, Reject) and decision.reason == Reason.POOL_FULL
-    # spot borrows no more of gold's baseline than preemptible work, and evicts nothing
-    assert reject(core, "spot", t=6.0).reason == Reason.POOL_FULL
-    # Quiet periods fade the peak by 6 × 5 / 20 each; after 20 s all of it is lent again.
-    for t in (10.0, 15.0, 20.0, 25.0):
-        core.tick(t)
-    assert core.store.scores("gold", 25.0).peak_concurrency == 0
-    more = [core.admit("batch", SMALL, 25.5).admitted for _ in range(7)]
-    assert more == [True] * 6 + [False]
-    # gold coming back still gets its whole baseline, evicting the newest batch work
-    assert all(admit(core, "gold", t=26.0).evict for _ in range(6))
+def test_a_protected_request_beyond_its_baseline_evicts_nothing() -> None:
+    core = DecisionCore(make_config([PROD, BATCH], policy=LITERAL), MemoryStore())
+    batch = [admit(core, "batch", t=0.0).lease for _ in range(16)]
+    within = [admit(core, "prod", t=1.0) for _ in range(4)]  # its baseline: owed, evicts
+    assert [len(d.evict) for d in within] == [1, 1, 1, 1]
+    beyond = reject(core, "prod", t=1.0)  # a burst above it takes free capacity only
+    assert beyond.reason == Reason.POOL_FULL
+    assert sum(core.store.get_lease(b.lease_id, 1.0) is not None for b in batch) == 12
 
 
-def test_backfill_window_0_lends_every_idle_baseline() -> None:
+def claimed(core: DecisionCore, t: float) -> float:
+    return core.store.pool_counters("p", t).claimed_concurrency
+
+
+def test_surplus_work_leaves_the_others_claims_free_and_claims_fade_when_unused() -> None:
+    core = DecisionCore(make_config([GUARANTEED, ASSIST, BATCH]), MemoryStore())
+    # Just bound, nothing measured: gold and assist claim their whole baselines (6 + 4).
+    assert claimed(core, 0.0) == 10
+    first = admit(core, "gold", t=0.1)
+    core.settle(first.lease.lease_id, Usage(64, 64), 0.2)  # the pool's typical output: 64
+    # A request of the typical length leaves all the claims free: 16 − 10 slots.
+    batch = [core.admit("batch", SMALL, 0.3) for _ in range(7)]
+    assert [isinstance(d, Admit) for d in batch] == [True] * 6 + [False]
+    assert isinstance(batch[-1], Reject) and batch[-1].reason == Reason.POOL_FULL
+    # One 4× as long leaves MAX_LENGTH_SHARE of them free, times batch's scale (lowered a
+    # little by each of its requests that completed).
+    for d in batch[:6]:
+        assert isinstance(d, Admit)
+        core.settle(d.lease.lease_id, Usage(64, 64), 0.4)
+    scale = core.entitlements["batch"].claim_scale
+    assert math.isclose(scale, rescaled(1.0, False, Policy()) ** 6)
+    fits = 16 - math.floor(MAX_LENGTH_SHARE * scale * 10)
+    assert sum(core.admit("batch", LONG, 0.5).admitted for _ in range(fits + 1)) == fits < 6
+    # Quiet update periods: each claim fades towards the owner's mean in flight (~0 here)
+    # with the time constant backfillWindowS (40 s): e^(−40/40) of it is left after 40 s.
+    for t in range(5, 45, 5):
+        core.tick(float(t))
+    assert 10 * math.exp(-1) <= claimed(core, 40.0) <= 10 * math.exp(-1) + 0.1
+
+
+def test_an_owner_that_comes_back_claims_its_peak_again() -> None:
+    core = DecisionCore(make_config([GUARANTEED, BATCH]), MemoryStore())
+    for t in range(5, 205, 5):
+        core.tick(float(t))
+    assert claimed(core, 200.0) < 0.1  # idle for long: its baseline is lent again
+    gold = [admit(core, "gold", t=201.0) for _ in range(5)]
+    for d in gold:
+        core.settle(d.lease.lease_id, Usage(64, 64), 202.0)
+    core.tick(205.0)
+    assert core.store.scores("gold", 205.0).peak_concurrency == 5  # the period's peak
+    assert claimed(core, 205.0) == 5
+
+
+def test_evictions_make_preemptible_work_leave_more_free_and_completions_less() -> None:
+    core = DecisionCore(make_config([PROD, BATCH], policy={"backfillWindowS": 40}), MemoryStore())
+    for t in range(5, 405, 5):  # prod idle: its claim fades away
+        core.tick(float(t))
+    leases = [admit(core, "batch", t=401.0).lease for _ in range(16)]
+    assert core.entitlements["batch"].claim_scale == 1.0
+    for _ in range(4):
+        admit(core, "prod", t=402.0)
+    raised = core.entitlements["batch"].claim_scale
+    assert raised == rescaled(rescaled(rescaled(rescaled(1.0, True, Policy()), True, Policy()),
+                                       True, Policy()), True, Policy())  # fmt: skip
+    assert raised > 2.0
+    core.settle(leases[0].lease_id, Usage(64, 64), 403.0)
+    assert core.entitlements["batch"].claim_scale == rescaled(raised, False, Policy())
+
+
+@given(
+    scale=st.floats(*SCALE_RANGE),
+    evictions=st.integers(0, 50),
+    completions=st.integers(0, 200),
+    target=st.floats(0.05, 0.95),
+)
+def test_the_scale_stays_in_range_and_balances_where_the_target_completes(
+    scale: float, evictions: int, completions: int, target: float
+) -> None:
+    policy = Policy(preemptible_completion_target=target)
+    s = scale
+    for _ in range(evictions):
+        s = rescaled(s, True, policy)
+    for _ in range(completions):
+        s = rescaled(s, False, policy)
+    assert SCALE_RANGE[0] <= s <= SCALE_RANGE[1]
+    # Where a share `target` of the requests complete, the scale moves nowhere on average.
+    up, down = math.log(rescaled(1.0, True, policy)), math.log(rescaled(1.0, False, policy))
+    assert up > 0 > down
+    assert math.isclose((1 - target) * up + target * down, 0.0, abs_tol=1e-12)
+
+
+@given(
+    prev=st.tuples(st.floats(0, 64), st.floats(0, 64_000)),
+    peak=st.tuples(st.floats(0, 64), st.floats(0, 64_000)),
+    mean=st.tuples(st.floats(0, 64), st.floats(0, 64_000)),
+    limit=st.sampled_from([(8.0, 8_000.0), (math.inf, math.inf)]),
+)
+def test_a_claim_covers_the_periods_peak_never_exceeds_the_limit_and_only_fades(
+    prev: tuple[float, float],
+    peak: tuple[float, float],
+    mean: tuple[float, float],
+    limit: tuple[float, float],
+) -> None:
+    policy = Policy()
+    old = Scores(peak_concurrency=prev[0], peak_kv=prev[1])
+    claim = next_claim(old, peak, mean, limit, policy)
+    for i in range(2):
+        assert claim[i] <= limit[i]
+        assert claim[i] >= min(peak[i], limit[i])
+        target = mean[i] * (1 + 2 / math.sqrt(mean[0])) if mean[0] > 0 else mean[i]
+        # between the old claim and the target, unless the period's peak is higher
+        assert claim[i] <= max(peak[i], prev[i], target) + 1e-9
+    assert next_claim(old, peak, mean, limit, Policy(backfill_window_s=0)) == (0.0, 0.0)
+
+
+def test_a_shorter_request_leaves_less_of_the_claims_free() -> None:
+    assert claim_share(64, 0.0, 1.0) == MAX_LENGTH_SHARE  # nothing measured: as a long one
+    assert claim_share(32, 64, 1.0) == 0.5
+    assert claim_share(1024, 64, 1.0) == MAX_LENGTH_SHARE
+    assert claim_share(64, 64, 2.0) == 2.0
+
+
+def test_backfill_window_0_claims_nothing() -> None:
     core = DecisionCore(
         make_config([GUARANTEED, BATCH], policy={"backfillWindowS": 0}), MemoryStore()
     )
-    gold = [admit(core, "gold", t=1.0).lease for _ in range(6)]
-    for lease in gold:
-        core.release(lease.lease_id, 2.0)
-    core.tick(5.0)
-    assert sum(core.admit("batch", SMALL, 6.0).admitted for _ in range(17)) == 16
+    assert claimed(core, 0.0) == 0
+    assert sum(core.admit("batch", LONG, 1.0).admitted for _ in range(17)) == 16
 
 
 def test_check_5_treats_priorities_within_the_margin_as_equal() -> None:

@@ -28,7 +28,7 @@ BUCKETS = st.builds(BucketSpec, st.sampled_from([0.0, 50.0, 1000.0, INF]), NUMBE
 def plans(draw: Any) -> ReservePlan:
     values: dict[str, Any] = {}
     for f in fields(ReservePlan):
-        if f.name == "own_required":
+        if f.name in ("own_required", "surplus"):
             values[f.name] = draw(st.sampled_from([False, False, True]))
         elif f.name == "contention_window_s":
             values[f.name] = draw(st.sampled_from([0.0, 5.0]))
@@ -49,6 +49,7 @@ def tight_plans(draw: Any) -> ReservePlan:
     """Open but for a few pool limits: full pools, evictions and overcommit happen."""
     values: dict[str, Any] = {f.name: INF for f in fields(ReservePlan)}
     values.update(own_required=False, contention_window_s=5.0, priority_margin=1.0)
+    values["surplus"] = draw(st.booleans())
     for name in ("reserved_bucket_floor", "overcommit_bucket_floor", "shared_bucket_floor",
                  "nonpreemptible_bucket_floor", "contended_bucket"):  # fmt: skip
         values[name] = -INF
@@ -60,7 +61,6 @@ def tight_plans(draw: Any) -> ReservePlan:
         "overcommit_concurrency",
         "shared_kv",
         "contended_concurrency",
-        "backfill_concurrency",
     ]
     for name in draw(st.lists(st.sampled_from(tight), min_size=1, max_size=3, unique=True)):
         values[name] = draw(st.sampled_from([1.0, 2.0, 3.0, 600.0]))
@@ -70,7 +70,8 @@ def tight_plans(draw: Any) -> ReservePlan:
 OPEN = ReservePlan(**{
     f.name: -INF if "floor" in f.name or f.name == "contended_bucket" else INF
     for f in fields(ReservePlan)
-} | {"own_required": False, "contention_window_s": 0.0, "priority_margin": 1.0})  # fmt: skip
+} | {"own_required": False, "surplus": False, "contention_window_s": 0.0,
+      "priority_margin": 1.0})  # fmt: skip
 
 
 def close(a: float, b: float) -> bool:
@@ -132,19 +133,20 @@ class SameLedger(RuleBasedStateMachine):
         plan=st.one_of(plans(), tight_plans()),
         may_overcommit=st.booleans(),
         burst=st.integers(1, 4),
+        share=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
     )
     def admit(
         self, data: Any, tokens: float, kv: float, preemptible: bool, plan: ReservePlan,
-        may_overcommit: bool, burst: int,
+        may_overcommit: bool, burst: int, share: float,
     ) -> None:  # fmt: skip
         name = data.draw(st.sampled_from(sorted(self.configured)))
         victims = data.draw(st.permutations(sorted(self.configured)))
         for _ in range(burst):  # the same request again and again: pools fill up
-            self.admit_both(name, tokens, kv, preemptible, plan, victims, may_overcommit)
+            self.admit_both(name, tokens, kv, preemptible, plan, victims, may_overcommit, share)
 
     def admit_both(
         self, name: str, tokens: float, kv: float, preemptible: bool, plan: ReservePlan,
-        victims: list[str], may_overcommit: bool,
+        victims: list[str], may_overcommit: bool, share: float = 0.0,
     ) -> None:  # fmt: skip
         self.seq += 1
         lease = Lease(
@@ -152,7 +154,9 @@ class SameLedger(RuleBasedStateMachine):
         )
         a, b = (
             store.admit(
-                Reservation(replace(lease), plan, tokens, victims, len(victims), may_overcommit),
+                Reservation(
+                    replace(lease), plan, tokens, victims, len(victims), may_overcommit, share
+                ),
                 self.now,
             )
             for store in self.stores
@@ -205,7 +209,7 @@ class SameLedger(RuleBasedStateMachine):
         layers = [
             Reservation(
                 Lease(f"l{self.seq}", "p", n, tokens, 1.0, self.now, self.now + 30, False),
-                plan, tokens, [], 0, False,
+                plan, tokens, [], 0, False, 0.0,
             )
             for n, plan in zip(names, plans, strict=False)
         ]  # fmt: skip
@@ -271,10 +275,14 @@ class SameLedger(RuleBasedStateMachine):
             self.live.append(lease.lease_id)
 
     @precondition(lambda self: self.configured)
-    @rule(data=st.data(), priority=st.sampled_from([0.0, 1.0, 5.0, 100.0]))
-    def scores(self, data: Any, priority: float) -> None:
+    @rule(
+        data=st.data(),
+        priority=st.sampled_from([0.0, 1.0, 5.0, 100.0]),
+        claim=st.tuples(st.sampled_from([0.0, 2.0, 5.0]), st.sampled_from([0.0, 300.0])),
+    )
+    def scores(self, data: Any, priority: float, claim: tuple[float, float]) -> None:
         name = data.draw(st.sampled_from(sorted(self.configured)))
-        self.both("set_scores", name, Scores(0.5, 0.25, priority), self.now)
+        self.both("set_scores", name, Scores(0.5, 0.25, priority, *claim), self.now)
         a, b = self.both("take_window", name, self.now)
         for f in fields(a):
             assert close(getattr(a, f.name), getattr(b, f.name)), (f.name, a, b)

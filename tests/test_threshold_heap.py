@@ -28,8 +28,7 @@ OPEN = ReservePlan(
     shared_kv=INF,
     nonpreemptible_concurrency=INF,
     nonpreemptible_kv=INF,
-    backfill_concurrency=INF,
-    backfill_kv=INF,
+    surplus=False,
     shared_bucket_floor=-INF,
     nonpreemptible_bucket_floor=-INF,
     contended_concurrency=INF,
@@ -63,7 +62,9 @@ def test_threshold_matches_brute_force(script: list[tuple[object, ...]]) -> None
         if event[0] == "book":
             seq += 1
             lease = Lease(str(seq), "p", event[1], 1.0, 1.0, 0.0, 1e9, False)
-            assert store.admit(Reservation(lease, OPEN, 0.0, (), 0, False), 0.0).shortfall is None
+            assert (
+                store.admit(Reservation(lease, OPEN, 0.0, (), 0, False, 0.0), 0.0).shortfall is None
+            )
             live.append(lease)
         elif event[0] == "end" and live:
             lease = live.pop(event[1] % len(live))

@@ -1,54 +1,102 @@
-"""How much of the unused protected baselines surplus work (spot, preemptible) may borrow.
+"""What surplus work (spot, preemptible) may fill: capacity nobody is expected to claim back
+before it finishes (docs/decisions.md, "Preemptible work that completes").
 
-A dedicated or guaranteed baseline that its owner is not using is idle capacity, and the
-paper backfills idle capacity with lower classes. But an owner whose load moves up and down
-inside its baseline takes that room back within seconds: a preemptible request admitted into
-it is evicted before it finishes (its capacity spent, nobody getting the tokens), and a spot
-request there, which cannot be evicted, makes the returning owner evict someone else's
-preemptible work instead. So surplus work borrows only what each owner has not used lately:
-its baseline minus its recent peak in flight. The peak is the most the owner had in flight
-in an update period; a quieter period lowers it by baseline × period / `backfill_window_s`,
-so capacity an owner has left alone for that long is lent again in full (an idle dedicated
-endpoint is backfilled).
-`backfill_window_s` = 0 lends all of it, as the paper's work-conserving rule does.
+Every bound entitlement above the surplus classes (dedicated, guaranteed, elastic) holds a
+*claim*: the number of sequences (and KV tokens) it is expected to come back to soon. It is
+its recent peak in flight, fading with time constant `backfill_window_s` towards its mean in
+flight plus two Poisson standard deviations (what an owner at that mean reaches in a burst),
+never above what the entitlement may ever hold, and its whole baseline while it has just
+(re)bound and nothing has been measured yet. The store keeps Σ max(0, claim − in flight) per
+pool, and a surplus request must leave `share` of it free, in the same atomic step as the
+capacity checks (state/checks.py, state/redis/lua/reserve.lua).
+
+`share` grows with how long the request is expected to run (its output tokens against the
+pool's typical request: what an owner takes back within a short request's life is less than
+within a long one's), and for preemptible work with how it has fared: every eviction of one
+of its requests raises its scale, every completion lowers it, so that it settles where
+`preemptible_completion_target` of its admitted requests complete. Spot work, which is never
+evicted, leaves its share of the claims free at scale 1.
+
+`backfill_window_s` = 0 claims nothing: surplus work fills every idle baseline, as the
+paper's work-conserving rule does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
 
-from tokenpools.control.store import INF, Scores
+from tokenpools.control.store import Scores
 from tokenpools.model.policy import Policy
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
 
-# The classes that live on surplus, and borrow idle baselines only as far as `lendable` says.
-# (Elastic borrows up to the overcommit, plans.py, and is owed its time-averaged baseline.)
+# The classes that live on surplus and must leave the others' claims free.
 BORROWERS = frozenset({ServiceClass.SPOT, ServiceClass.PREEMPTIBLE})
 
+SPREAD_SIGMAS = 2.0  # a claim fades towards mean + this many √mean (Poisson in flight)
+MAX_LENGTH_SHARE = 1.5  # a long request leaves at most this multiple of the claims free
+SCALE_RANGE = (0.25, 4.0)  # a preemptible entitlement's scale stays within this
+SCALE_STEP = 0.25  # log-scale step per eviction (× target) and per completion (× 1 − target)
+OUTPUT_EWMA = 0.05  # weight of each settled request in the pool's typical output
 
-def recent_peaks(
-    previous: Scores, period_peak: tuple[float, float], baseline: Resources, policy: Policy
+
+def next_claim(
+    previous: Scores,
+    period_peak: tuple[float, float],
+    period_mean: tuple[float, float],
+    limit: tuple[float, float],
+    policy: Policy,
 ) -> tuple[float, float]:
-    """The owner's recent peak (sequences, KV tokens) after one more update period."""
+    """An entitlement's claim (sequences, KV tokens) after one more update period."""
     window = policy.backfill_window_s
     if window <= 0:
         return 0.0, 0.0
-    fade = policy.update_period_s / window
+    keep = math.exp(-policy.update_period_s / window)
+    mean_c, mean_k = period_mean
+    spread = 1.0 + SPREAD_SIGMAS / math.sqrt(mean_c) if mean_c > 0 else 1.0
+    out = []
+    for prev, peak, mean, cap in zip(
+        (previous.peak_concurrency, previous.peak_kv),
+        period_peak,
+        (mean_c, mean_k),
+        limit,
+        strict=True,
+    ):
+        target = mean * spread
+        faded = target + (prev - target) * keep
+        out.append(min(cap, max(peak, faded, 0.0)))
+    return out[0], out[1]
+
+
+def first_claim(baseline: Resources, previous: Scores, policy: Policy) -> tuple[float, float]:
+    """The claim of an entitlement that has just bound: its whole baseline until measured."""
+    if policy.backfill_window_s <= 0:
+        return 0.0, 0.0
     return (
-        max(period_peak[0], previous.peak_concurrency - baseline.concurrency * fade, 0.0),
-        max(period_peak[1], previous.peak_kv - baseline.kv_tokens * fade, 0.0),
+        max(previous.peak_concurrency, baseline.concurrency),
+        max(previous.peak_kv, baseline.kv_tokens),
     )
 
 
-def lendable(owners: Iterable[tuple[Resources, Scores]], policy: Policy) -> tuple[float, float]:
-    """What of the bound protected baselines (each with its owner's scores) surplus work may
-    fill: Σ max(0, baseline − recent peak), per dimension; INF when lending is not
-    limited."""
-    if policy.backfill_window_s <= 0:
-        return INF, INF
-    concurrency = kv = 0.0
-    for baseline, scores in owners:
-        concurrency += max(0.0, baseline.concurrency - scores.peak_concurrency)
-        kv += max(0.0, baseline.kv_tokens - scores.peak_kv)
-    return concurrency, kv
+def claim_share(output_tokens: float, typical_output: float, scale: float) -> float:
+    """The part of the pool's open claims a surplus request must leave free."""
+    if typical_output <= 0:  # nothing measured yet: as a long request
+        length = MAX_LENGTH_SHARE
+    else:
+        length = min(MAX_LENGTH_SHARE, output_tokens / typical_output)
+    return length * scale
+
+
+def rescaled(scale: float, evicted: bool, policy: Policy) -> float:
+    """A preemptible entitlement's scale after one of its requests ended."""
+    target = policy.preemptible_completion_target
+    step = SCALE_STEP * target if evicted else -SCALE_STEP * (1.0 - target)
+    low, high = SCALE_RANGE
+    return max(low, min(high, scale * math.exp(step)))
+
+
+def typical_output(previous: float, output_tokens: float) -> float:
+    """The pool's typical output per request after one more settled request."""
+    if previous <= 0:
+        return float(output_tokens)
+    return previous + OUTPUT_EWMA * (output_tokens - previous)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from tokenpools.control import plans
-from tokenpools.control.backfill import BORROWERS, lendable
+from tokenpools.control.backfill import BORROWERS, first_claim, rescaled
 from tokenpools.control.binding import bind, external_states
 from tokenpools.control.budgets import Budgets
 from tokenpools.control.eviction import may_evict
@@ -41,6 +42,9 @@ class EntitlementView:
     priority: float = 0.0
     scores: Scores = field(default_factory=Scores)  # the latest, priority included
     may_evict: bool = False  # control/eviction.py, from the class and the debt
+    # preemptible: how much of the pool's open claims its requests leave free, learnt from
+    # how its requests ended here (control/backfill.py)
+    claim_scale: float = 1.0
 
 
 @dataclass(slots=True)
@@ -50,6 +54,7 @@ class PoolView:
     slo_reference_ms: float
     mean_service_s: float  # EWMA of lease durations, for Retry-After
     members: list[str]
+    typical_output: float = 0.0  # EWMA of settled requests' output tokens (0: none yet)
     last_period: int = -1
     scores_pending: bool = False  # another replica's update of this period is not read yet
     preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
@@ -103,6 +108,7 @@ class Catalog:
                 mean_service_s=old.mean_service_s if old else self._service_guess(pool),
                 members=[e.name for e in config.entitlements.values() if e.pool == name],
                 last_period=old.last_period if old else -1,
+                typical_output=old.typical_output if old else 0.0,
                 per_replica_override=old.per_replica_override if old else None,
             )
         self._pools = pools
@@ -160,8 +166,11 @@ class Catalog:
                     now,
                     protected=reserved,
                 )
+                if bound and previous.get(ent.name) != BindingState.BOUND:
+                    self._claim_baseline(ent, now)
                 plan = plans.reserve_plan(pool, ent, bound, policy)
                 max_tokens, max_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
+                was = self._ents.get(ent.name)
                 self._ents[ent.name] = EntitlementView(
                     ent=ent,
                     state=state,
@@ -172,6 +181,7 @@ class Catalog:
                     default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
                     max_tokens=max_tokens,
                     max_kv=max_kv,
+                    claim_scale=was.claim_scale if was is not None else 1.0,
                 )
                 self._refresh_priority(ent.name, now)
             self._arrange_surplus(view)
@@ -186,26 +196,32 @@ class Catalog:
         return changed
 
     def _arrange_surplus(self, view: PoolView) -> None:
-        """From the members' latest scores: the order preemptible entitlements are evicted in,
-        and how much of the unused protected baselines surplus work (spot, preemptible) may
-        borrow."""
-        members = [self._ents[n] for n in view.members]
+        """From the members' latest scores: the order preemptible entitlements are evicted in."""
         evictable = sorted(
-            (m for m in members if m.preemptible), key=lambda m: (m.priority, m.ent.name)
+            (self._ents[n] for n in view.members if self._ents[n].preemptible),
+            key=lambda m: (m.priority, m.ent.name),
         )
         view.preemptible_order = [m.ent.name for m in evictable]
         view.preemptible_priorities = [m.priority for m in evictable]
-        owners = [
-            (m.ent.baseline, m.scores)
-            for m in members
-            if m.protected and m.state == BindingState.BOUND
-        ]
-        lend_c, lend_k = lendable(owners, self.policy)
-        for m in members:
-            if m.ent.service_class in BORROWERS and (
-                m.plan.backfill_concurrency != lend_c or m.plan.backfill_kv != lend_k
-            ):
-                m.plan = replace(m.plan, backfill_concurrency=lend_c, backfill_kv=lend_k)
+
+    def _claim_baseline(self, ent: Entitlement, now: float) -> None:
+        """An entitlement that has just bound claims its whole baseline until measured."""
+        if ent.service_class in BORROWERS:
+            return
+        with contextlib.suppress(StoreUnavailable):  # claimed at the next update instead
+            old = self.store.scores(ent.name, now)
+            claim_c, claim_k = first_claim(ent.baseline, old, self.policy)
+            if (claim_c, claim_k) != (old.peak_concurrency, old.peak_kv):
+                self.store.set_scores(
+                    ent.name, replace(old, peak_concurrency=claim_c, peak_kv=claim_k), now
+                )
+
+    def _note_evicted(self, leases: Iterable[Lease]) -> None:
+        """Preemptible leases were evicted: their entitlements leave more of the claims free."""
+        for lease in leases:
+            view = self._ents.get(lease.entitlement)
+            if view is not None:
+                view.claim_scale = rescaled(view.claim_scale, True, self.policy)
 
     def _adopt_scores(self, view: EntitlementView, scores: Scores) -> float:
         """Take an entitlement's scores; its priority computed from them is returned."""

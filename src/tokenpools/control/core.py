@@ -12,6 +12,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from tokenpools.control.backfill import claim_share
 from tokenpools.control.budgets import tightest
 from tokenpools.control.catalog import EntitlementView, PoolView
 from tokenpools.control.decisions import (
@@ -152,6 +153,13 @@ class DecisionCore(Periodic):
             else 0
         )
         order = pool_view.preemptible_order
+        share = (
+            claim_share(
+                out, pool_view.typical_output, view.claim_scale if view.preemptible else 1.0
+            )
+            if view.plan.surplus
+            else 0.0
+        )
         return Pending(
             lease,
             view.plan,
@@ -159,6 +167,7 @@ class DecisionCore(Periodic):
             order,
             count,
             view.protected,
+            share,
             view,
             pool_view,
             max_out,
@@ -188,6 +197,8 @@ class DecisionCore(Periodic):
                 decision.max_tokens = step.max_tokens
             return decision
         if outcome.shortfall is None:
+            if outcome.evicted:
+                self._note_evicted(outcome.evicted)
             return Admit(
                 lease,
                 view.priority,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenpools.control import budgets
+from tokenpools.control.backfill import rescaled, typical_output
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.store import Charge, Lease, Scores, Store, StoreUnavailable
@@ -27,6 +28,7 @@ class Ending:
     refund: bool
     local: bool  # held by this process's fallback budget, not by the store
     charge: Charge | None = None  # a metered lease's usage in every measure
+    output_tokens: int = 0  # what a settled request generated
 
 
 class Endings(Catalog):
@@ -35,7 +37,9 @@ class Endings(Catalog):
     def prepare_end(self, lease: Lease, usage: Usage | None, refund: bool = True) -> Ending:
         charged = None if usage is None else self.used_tokens(lease, usage)
         charge = None if usage is None else self.charge(lease, usage)
-        return Ending(lease, charged, refund, lease.lease_id in self.fallback.leases, charge)
+        local = lease.lease_id in self.fallback.leases
+        output = 0 if usage is None else usage.output_tokens
+        return Ending(lease, charged, refund, local, charge, output)
 
     def end_on_store(self, ending: Ending, now: float) -> bool:
         """Run an ending on the store the core was given (the fallback for a local lease);
@@ -59,15 +63,20 @@ class Endings(Catalog):
         return self._holder(local).release(lease_id, now, refund=refund)
 
     def ended(self, ending: Ending, now: float) -> None:
-        """A settled request's duration feeds the Retry-After estimate."""
+        """A settled request's duration feeds the Retry-After estimate, its output the pool's
+        typical request, and a preemptible one its entitlement's claim scale."""
         if ending.charged is not None:
-            self._served(ending.lease, now)
+            self._served(ending.lease, ending.output_tokens, now)
 
-    def _served(self, lease: Lease, now: float) -> None:
+    def _served(self, lease: Lease, output_tokens: int, now: float) -> None:
         pool_view = self._pools.get(lease.pool)
         if pool_view is not None:
             duration = max(0.0, now - lease.started_at)
             pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * duration
+            pool_view.typical_output = typical_output(pool_view.typical_output, output_tokens)
+        view = self._ents.get(lease.entitlement)
+        if lease.preemptible and view is not None:
+            view.claim_scale = rescaled(view.claim_scale, False, self.policy)
 
     def used_tokens(self, lease: Lease, usage: Usage) -> float:
         """What a finished request is charged, in its pool's weighted tokens."""
@@ -95,7 +104,7 @@ class Endings(Catalog):
             holder.settle(lease_id, self.used_tokens(lease, usage), now, self.charge(lease, usage))
         except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
-        self._served(lease, now)
+        self._served(lease, usage.output_tokens, now)
         return lease
 
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:

@@ -58,7 +58,9 @@ class LocalFallback:
             )
         with self._lock:
             plan = self._configure(self.store, ent, own, lease.pool, now)
-            short = self.store.admit(Reservation(lease, plan, 0.0, (), 0, False), now).shortfall
+            short = self.store.admit(
+                Reservation(lease, plan, 0.0, (), 0, False, 0.0), now
+            ).shortfall
         if short is not None:
             reason, check, dimension, message = SHORTFALL_REJECTS[short]
             message = f"{message} (local budget while the shared state store is unreachable)"

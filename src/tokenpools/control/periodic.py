@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
-from tokenpools.control.backfill import recent_peaks
+from tokenpools.control.backfill import BORROWERS, next_claim
 from tokenpools.control.catalog import PoolView
 from tokenpools.control.decisions import CapacityChange, TickResult
 from tokenpools.control.endings import Endings
@@ -77,12 +77,18 @@ class Periodic(Endings):
                 else 0.0
             )
             burst = ewma(old.burst, burst_excess(ent.baseline, obs), policy.gamma_burst)
-            peak_c, peak_k = (
-                recent_peaks(old, (window.peak_concurrency, window.peak_kv), ent.baseline, policy)
-                if view.protected and bound
+            claim_c, claim_k = (
+                next_claim(
+                    old,
+                    (window.peak_concurrency, window.peak_kv),
+                    (obs.usage.concurrency, obs.usage.kv_tokens),
+                    (view.plan.ent_concurrency, view.plan.ent_kv),
+                    policy,
+                )
+                if bound and ent.service_class not in BORROWERS
                 else (0.0, 0.0)
             )
-            self._adopt_scores(view, Scores(debt, burst, 0.0, peak_c, peak_k))
+            self._adopt_scores(view, Scores(debt, burst, 0.0, claim_c, claim_k))
             self.store.set_scores(name, view.scores, now)
 
     def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
@@ -125,6 +131,7 @@ class Periodic(Endings):
                 over_k -= lease.kv_tokens
         except StoreUnavailable:
             pass
+        self._note_evicted(evicted)
         return CapacityChange(tuple(evicted), states)
 
     def desired_replicas(self, pool_name: str) -> int:

@@ -2,19 +2,22 @@
 
 The capacity rules, per dimension, with C the pool capacity and o = overcommit × C:
 - a protected request within its own baseline may fill the pool to C, then (after evicting
-  preemptible work) to C + o, and skips the priority threshold;
+  preemptible work) to C + o, and skips the priority threshold: the paper's bounded
+  overcommit, reserved for protected classes;
 - every other request may fill the pool to C, and its non-preemptible usage plus the unused
-  protected baselines may reach at most C + o. So idle reserved capacity is lent to
-  non-evictable work only up to o, and a protected tenant coming back always finds room
-  within C + o once preemptible work is evicted;
-- preemptible work may fill all of C, the unused protected baselines included as far as
-  their owners have not used them lately (control/backfill.py, which bounds spot's borrowing
-  the same way): it is evicted when someone the pool owes capacity needs the room
-  (control/eviction.py).
+  protected baselines may reach at most C in sequences and KV (the token bucket still lends
+  it o): work that is never evicted never sits on a reserved baseline, so a protected
+  tenant coming back finds room by evicting preemptible work, not behind work it must
+  wait for;
+- surplus work (spot, preemptible) also leaves free a share of what the others are expected
+  to claim back soon (control/backfill.py); preemptible work may otherwise fill all of C, the
+  unused protected baselines included, and is evicted when someone the pool owes capacity
+  needs the room (control/eviction.py).
 """
 
 from __future__ import annotations
 
+from tokenpools.control.backfill import BORROWERS
 from tokenpools.control.store import INF, BucketSpec, ReservePlan
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.policy import Policy
@@ -73,12 +76,9 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         overcommit_bucket_floor=-lend * depth,
         shared_concurrency=cap.concurrency,
         shared_kv=cap.kv_tokens,
-        nonpreemptible_concurrency=INF if preemptible else cap.concurrency * over,
-        nonpreemptible_kv=INF if preemptible else cap.kv_tokens * over,
-        # spot and preemptible: all of it until an update period has measured the owners'
-        # peaks (control/backfill.py)
-        backfill_concurrency=INF,
-        backfill_kv=INF,
+        nonpreemptible_concurrency=INF if preemptible else cap.concurrency,
+        nonpreemptible_kv=INF if preemptible else cap.kv_tokens,
+        surplus=ent.service_class in BORROWERS,
         shared_bucket_floor=0.0,
         nonpreemptible_bucket_floor=-lend * depth,
         contended_concurrency=cap.concurrency * (1.0 - policy.headroom),
@@ -127,8 +127,7 @@ def fallback_limits(
         shared_kv=0.0,
         nonpreemptible_concurrency=0.0,
         nonpreemptible_kv=0.0,
-        backfill_concurrency=INF,
-        backfill_kv=INF,
+        surplus=False,
         shared_bucket_floor=INF,
         nonpreemptible_bucket_floor=INF,
         contended_concurrency=INF,

@@ -123,9 +123,10 @@ class ReservePlan:
     """Per-entitlement limits, recomputed by control/ when config or capacity changes.
 
     A request *within* the protected baseline (base_* and the own bucket) takes the reserved
-    path: it may use the whole pool (`reserved_*`) and skips the priority threshold. Every other
-    request takes the shared path: it must leave the unused protected baselines alone, up to a
-    lend of `overcommit` (`nonpreemptible_*`), and passes check 5 when the pool is contended.
+    path: it may use the whole pool (`reserved_*`), evict preemptible work and skips the
+    priority threshold. Every other request takes the shared path: non-preemptible work must
+    leave the unused protected baselines alone (`nonpreemptible_*`), surplus work also the
+    others' open claims (`surplus`), and it passes check 5 when the pool is contended.
     """
 
     ent_concurrency: float  # in-flight ceiling (baseline, or burst ceiling)
@@ -143,11 +144,9 @@ class ReservePlan:
     shared_kv: float
     nonpreemptible_concurrency: float  # non-preemptible + unused protected baselines, shared path
     nonpreemptible_kv: float
-    # How much of the unused protected baselines this request may fill: for spot and
-    # preemptible work, what their owners have not used lately (control/backfill.py); INF for
-    # the others. (Spot's borrowing is also bounded by `nonpreemptible_*`.)
-    backfill_concurrency: float
-    backfill_kv: float
+    # spot and preemptible work: leave the reservation's share of the pool's open claims free
+    # (control/backfill.py)
+    surplus: bool
     shared_bucket_floor: float  # pool bucket level after admission
     nonpreemptible_bucket_floor: float  # pool bucket minus protected bucket after admission
     contended_concurrency: float  # used + unused protected baselines above this: contended
@@ -171,6 +170,10 @@ class PoolCounters:
     bucket: float  # pool token-bucket level
     protected_bucket: float  # Σ of protected entitlements' unspent allowance
     leases: int
+    # Σ max(0, claim − in flight): what the others are expected to take back soon, which
+    # surplus work leaves free (control/backfill.py)
+    claimed_concurrency: float = 0.0
+    claimed_kv: float = 0.0
 
 
 @dataclass(slots=True)
@@ -201,8 +204,8 @@ class Scores:
     debt: float = 0.0
     burst: float = 0.0
     priority: float = 0.0
-    # A protected entitlement's recent peak in flight (control/backfill.py): what of its
-    # unused baseline surplus work (spot, preemptible) may not borrow.
+    # The entitlement's claim (control/backfill.py): the in flight it is expected to come back
+    # to soon, which surplus work (spot, preemptible) leaves free.
     peak_concurrency: float = 0.0
     peak_kv: float = 0.0
 
@@ -220,6 +223,7 @@ class Reservation:
     victims: Sequence[str]
     victim_count: int
     may_overcommit: bool  # a protected request may lend past a full pool
+    claim_share: float  # surplus work: the part of the pool's open claims to leave free
 
 
 @dataclass(slots=True)

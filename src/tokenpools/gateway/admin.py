@@ -65,6 +65,7 @@ def admin_pools(gw: Gateway) -> dict[str, Any]:
             "in_flight": p.in_flight,
             "reserved": {"concurrency": p.reserved_concurrency, "kv_tokens": p.reserved_kv},
             "holdback": {"concurrency": p.holdback_concurrency, "kv_tokens": p.holdback_kv},
+            "claimed": {"concurrency": p.claimed_concurrency, "kv_tokens": p.claimed_kv},
             "bucket_tokens": p.bucket_tokens,
             "slo_reference_ms": p.slo_reference_ms,
             "desired_replicas": p.desired_replicas,

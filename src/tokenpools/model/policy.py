@@ -26,9 +26,11 @@ class Policy:
     # check 5: a request yields only to priorities above its own by more than this fraction
     priority_margin: float = 0.2
     overcommit: float = 0.1  # protected classes may exceed capacity by this fraction
-    # spot and preemptible work borrow an unused protected baseline only where its owner has
-    # not been within this long (control/backfill.py); 0: all of it
-    backfill_window_s: float = 20.0
+    # spot and preemptible work leave free what the others are expected to claim back: their
+    # recent peaks, fading with this time constant (control/backfill.py); 0: nothing claimed
+    backfill_window_s: float = 40.0
+    # the share of its admitted requests a preemptible tenant's admission aims to complete
+    preemptible_completion_target: float = 0.8
     elastic_oversubscription: float = 1.5  # elastic baselines bind while Σ ≤ capacity × this
     default_max_tokens: int = 256
     lease_ttl_s: float = 600.0

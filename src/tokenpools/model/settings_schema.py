@@ -27,7 +27,8 @@ class PolicySpec(Strict):
     contentionWindowS: Pos = 0.5
     priorityMargin: NonNeg = 0.2
     overcommit: Annotated[float, Field(ge=0, le=1)] = 0.1
-    backfillWindowS: NonNeg = 20.0
+    backfillWindowS: NonNeg = 40.0
+    preemptibleCompletionTarget: Annotated[float, Field(gt=0, lt=1)] = 0.8
     elasticOversubscription: Annotated[float, Field(ge=1)] = 1.5
     defaultMaxTokens: Annotated[int, Field(ge=1)] = 256
     leaseTtlS: Pos = 600.0
@@ -57,6 +58,7 @@ class PolicySpec(Strict):
             priority_margin=self.priorityMargin,
             overcommit=self.overcommit,
             backfill_window_s=self.backfillWindowS,
+            preemptible_completion_target=self.preemptibleCompletionTarget,
             elastic_oversubscription=self.elasticOversubscription,
             default_max_tokens=self.defaultMaxTokens,
             lease_ttl_s=self.leaseTtlS,

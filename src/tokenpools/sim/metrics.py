@@ -72,6 +72,7 @@ def tenant_metrics(
             good += 1
     submitted = len(attempts)
     admitted = submitted - counts["rejected"]
+    ended = admitted - counts["pending"]
     new = counts["new"]
     return {
         "ttft_p50_s": _r(percentile(ttft, 50)),
@@ -84,7 +85,10 @@ def tenant_metrics(
         "rejected": counts["rejected"],
         "rejected_low_priority": counts["low_priority"],
         "evicted": counts["evicted"],
-        "completed_per_admitted": _r(counts["completed"] / admitted if admitted else None),
+        "in_flight_at_end": counts["pending"],
+        # of the admitted attempts that ended: one still running when the run stops is
+        # neither worth nor wasted anything yet
+        "completed_per_admitted": _r(counts["completed"] / ended if ended else None),
         "wasted_output_tokens": int(wasted[0]),
         "wasted_slot_s": _r(wasted[1]),
         "wasted_kv_token_s": _r(wasted[2]),
@@ -147,6 +151,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
             "waiting_at_phase_end": waiting_at_end,
         },
         "utilization": utilization,
+        "useful_utilization": useful_utilization(result),
         "jain_index": _r(jain_index(result)),
         "vtc_service_difference": _r(vtc_service_difference(result)),
         "gave_up": dict(sorted(result.gave_up.items())),
@@ -158,6 +163,28 @@ def summarize(result: RunResult) -> dict[str, Any]:
             "protected_slo_attainment": _r(slo_attainment(result, protected_only=True)),
         }
     return block
+
+
+def useful_utilization(result: RunResult) -> dict[str, float | None]:
+    """Per phase, the utilisation that went into requests that were not evicted: the busy
+    share of the slots less the slot-seconds evicted attempts held inside the phase."""
+    interval = result.scenario.sample_interval_s
+    evicted = [
+        (a.started_at, a.finished_at)
+        for a in result.attempts
+        if a.outcome == "evicted" and a.started_at is not None and a.finished_at is not None
+    ]
+    out: dict[str, float | None] = {}
+    for p in result.scenario.phases:
+        inside = [s for s in result.samples if p.start_s <= s.t < p.end_s]
+        if not inside:
+            out[p.name] = _r(0.0)
+            continue
+        busy = sum(s.running / s.slots for s in inside) / len(inside)
+        slot_s = sum(s.slots for s in inside) * interval
+        wasted = sum(max(0.0, min(end, p.end_s) - max(start, p.start_s)) for start, end in evicted)
+        out[p.name] = _r(max(0.0, busy - wasted / slot_s))
+    return out
 
 
 def slo_attainment(result: RunResult, protected_only: bool) -> float | None:

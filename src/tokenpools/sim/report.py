@@ -30,18 +30,20 @@ def _column_groups(scenario: Scenario, summary: dict[str, Any]) -> dict[str, lis
 
 
 def policy_table(scenario: Scenario, summary: dict[str, Any]) -> str:
-    """One row per policy: utilisation per phase, the engine queue, and per tenant (or per
+    """One row per policy: utilisation per phase (all of it / what went into requests that
+    were not evicted), the engine queue, and per tenant (or per
     class, for many tenants) the worst phase's P99 TTFT, the share of demand throttled over
     the run (for a class: of its summed demand) and the requests completed."""
     phases = [p.name for p in scenario.phases]
     groups = _column_groups(scenario, summary)
-    head = ["policy", *(f"util {p}" for p in phases), "max queue"]
+    head = ["policy", *(f"util / useful {p}" for p in phases), "max queue"]
     for g in groups:
         head += [f"{g} P99 TTFT (worst phase)", f"{g} throttled", f"{g} done"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for policy, block in summary["policies"].items():
         cells = [f"`{policy}`"]
-        cells += [_pct(block["utilization"][p]) for p in phases]
+        useful = block["useful_utilization"]
+        cells += [f"{_pct(block['utilization'][p])} / {_pct(useful[p])}" for p in phases]
         cells.append(str(block["engine"]["max_waiting"]))
         for members in groups.values():
             data = [block["tenants"][m] for m in members]

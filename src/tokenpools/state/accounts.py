@@ -45,6 +45,8 @@ class EntitlementAccount:
     __slots__ = (
         "admitted",
         "burst",
+        "claimed_concurrency",
+        "claimed_kv",
         "conc_seconds",
         "concurrency",
         "debt",
@@ -75,6 +77,7 @@ class EntitlementAccount:
         self.protected = False
         self.holdback_concurrency = self.holdback_kv = 0.0  # its baseline, held back while unused
         self.held_concurrency = self.held_kv = 0.0  # what of it is held back now
+        self.claimed_concurrency = self.claimed_kv = 0.0  # recent peak above what is in flight
         self.concurrency = self.kv = 0.0
         self.peak_concurrency = self.peak_kv = 0.0  # the most in flight this window
         self.leases = 0
@@ -113,6 +116,8 @@ class EntitlementAccount:
 class PoolAccount:
     __slots__ = (
         "bucket",
+        "claimed_concurrency",
+        "claimed_kv",
         "concurrency",
         "held_concurrency",
         "held_kv",
@@ -134,6 +139,7 @@ class PoolAccount:
         self.bucket, self.protected_bucket = bucket, protected_bucket
         self.concurrency = self.kv = self.pre_concurrency = self.pre_kv = 0.0
         self.held_concurrency = self.held_kv = 0.0
+        self.claimed_concurrency = self.claimed_kv = 0.0
         self.leases = 0
         # entitlement → its in-flight leases on the shared path: the competitors of check 5.
         # Work inside a reserved baseline is not competing for shared capacity, so it neither
@@ -163,6 +169,8 @@ class PoolAccount:
             bucket=self.bucket.level,
             protected_bucket=self.protected_bucket.level,
             leases=self.leases,
+            claimed_concurrency=self.claimed_concurrency,
+            claimed_kv=self.claimed_kv,
         )
 
     def note_refusal(self, name: str, priority: float, now: float) -> None:

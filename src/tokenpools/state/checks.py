@@ -4,6 +4,7 @@ them."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from tokenpools.control.store import Lease, ReservePlan, Shortfall
@@ -19,17 +20,13 @@ def first_shortfall(
     victims: Sequence[Lease],
     now: float,
     overcommit: bool,
+    claim_share: float = 0.0,
 ) -> Shortfall | None:
     """The first comparison the lease fails, `victims` counted as gone (a refusal for room is
     noted for check 5); None if it fits, with its own and protected buckets debited and its
     path set on the lease. Booking it is the caller's."""
     tokens, kv = lease.tokens, lease.kv_tokens
     used_c, used_k, pre_c, pre_k = p.concurrency, p.kv, p.pre_concurrency, p.pre_kv
-    for victim in victims:
-        used_c -= 1
-        pre_c -= 1
-        used_k -= victim.kv_tokens
-        pre_k -= victim.kv_tokens
     conc_after = e.concurrency + 1
     if conc_after > plan.ent_concurrency:
         return Shortfall.ENTITLEMENT_CONCURRENCY
@@ -41,12 +38,20 @@ def first_shortfall(
     kv_after = e.kv + kv
     if kv_after > plan.ent_kv:
         return Shortfall.ENTITLEMENT_KV
+    within = own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv
+    if victims and e.protected and not within:  # the pool owes it nothing beyond its baseline
+        return Shortfall.POOL_CONCURRENCY
+    for victim in victims:
+        used_c -= 1
+        pre_c -= 1
+        used_k -= victim.kv_tokens
+        pre_k -= victim.kv_tokens
     bucket = p.bucket
     bucket.refill(now)
     pbucket = p.protected_bucket
     pbucket.refill(now)
 
-    if own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv:
+    if within:
         if overcommit:
             lc, lk, lf = (
                 plan.overcommit_concurrency,
@@ -89,13 +94,12 @@ def first_shortfall(
             short = Shortfall.RESERVED_KV
         elif unreserved < plan.nonpreemptible_bucket_floor:
             short = Shortfall.RESERVED_THROUGHPUT
-        # Surplus work borrows the unused baselines only as far as the plan lends them.
-        elif (
-            hold_c > plan.backfill_concurrency
-            and used_c + hold_c - plan.backfill_concurrency + 1 > plan.shared_concurrency
+        # Surplus work leaves its share of what the others are expected to claim back free.
+        elif plan.surplus and used_c + _slots(claim_share * p.claimed_concurrency) + 1 > (
+            plan.shared_concurrency
         ):
             short = Shortfall.RESERVED_CONCURRENCY
-        elif hold_k > plan.backfill_kv and used_k + hold_k - plan.backfill_kv + kv > plan.shared_kv:
+        elif plan.surplus and used_k + claim_share * p.claimed_kv + kv > plan.shared_kv:
             short = Shortfall.RESERVED_KV
         elif used_c + 1 > plan.shared_concurrency:
             short = Shortfall.POOL_CONCURRENCY
@@ -110,3 +114,8 @@ def first_shortfall(
             own.level -= tokens
             lease.drew_own = True
     return None
+
+
+def _slots(claimed: float) -> float:
+    """Whole sequences claimed: a fraction of one (a claim fading out) holds no slot back."""
+    return math.floor(claimed + 1e-9)

@@ -99,6 +99,8 @@ class MemoryStore(MemoryBook):
         p = self._pools[e.pool]
         e.holdback_concurrency = e.holdback_kv = 0.0
         self._update_holdback(e, p)
+        e.peak_recent_concurrency = e.peak_recent_kv = 0.0
+        self._update_claim(e, p)
         p.protected.discard(name)
         p.refused.pop(name, None)
         p.refused_top = None
@@ -150,8 +152,8 @@ class MemoryStore(MemoryBook):
         return outcome
 
     def _admit(self, reservation: Reservation, now: float) -> Outcome:
-        lease, plan = reservation.lease, reservation.plan
-        short = self._reserve(lease, plan, now, demand=reservation.demand)
+        lease, plan, share = reservation.lease, reservation.plan, reservation.claim_share
+        short = self._reserve(lease, plan, now, demand=reservation.demand, claim_share=share)
         if short is None:
             return self._after(Outcome(None), lease, now) if self.counters_on_admit else ADMITTED
         if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV) and reservation.victim_count:
@@ -163,12 +165,12 @@ class MemoryStore(MemoryBook):
                 reservation.victims[: reservation.victim_count],
             )
             ids = [v.lease_id for v in victims]
-            if victims and self._reserve(lease, plan, now, evict=ids) is None:
+            if victims and self._reserve(lease, plan, now, evict=ids, claim_share=share) is None:
                 return self._admitted(Outcome(None, evicted=tuple(victims)), lease, now)
         if (
             reservation.may_overcommit
             and short in _POOL_SHORTFALLS
-            and self._reserve(lease, plan, now, overcommit=True) is None
+            and self._reserve(lease, plan, now, overcommit=True, claim_share=share) is None
         ):
             return self._admitted(Outcome(None, overcommit=True), lease, now)
         return self._after(Outcome(short), lease, now)
@@ -191,6 +193,7 @@ class MemoryStore(MemoryBook):
         overcommit: bool = False,
         evict: Sequence[str] = (),
         demand: float = 0.0,
+        claim_share: float = 0.0,
     ) -> Shortfall | None:
         e = self._ents[lease.entitlement]
         p = self._pools[lease.pool]
@@ -201,7 +204,9 @@ class MemoryStore(MemoryBook):
             for v in map(self._leases.get, evict)
             if v is not None and v.preemptible and v.pool == lease.pool
         ]
-        short = first_shortfall(lease, plan, e, p, self._ents, victims, now, overcommit)
+        short = first_shortfall(
+            lease, plan, e, p, self._ents, victims, now, overcommit, claim_share
+        )
         if short is not None:
             return short
         for victim in victims:

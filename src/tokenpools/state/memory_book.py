@@ -49,8 +49,9 @@ class MemoryBook:
             p.preemptible_by_ent.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         if e.protected:
             self._update_holdback(e, p)
-            e.peak_concurrency = max(e.peak_concurrency, e.concurrency)  # control/backfill.py
-            e.peak_kv = max(e.peak_kv, e.kv)
+        e.peak_concurrency = max(e.peak_concurrency, e.concurrency)  # its claim's, backfill.py
+        e.peak_kv = max(e.peak_kv, e.kv)
+        self._update_claim(e, p)
         if not lease.reserved_path:
             count = p.inflight.get(e.name, 0)
             p.inflight[e.name] = count + 1
@@ -92,6 +93,7 @@ class MemoryBook:
                 del p.preemptible_by_ent[lease.entitlement]
         if e.protected:
             self._update_holdback(e, p)
+        self._update_claim(e, p)
         if not lease.reserved_path:
             count = p.inflight[e.name] - 1
             if count:
@@ -123,6 +125,14 @@ class MemoryBook:
         p.held_kv += hold_k - e.held_kv
         e.held_concurrency, e.held_kv = hold_c, hold_k
 
+    @staticmethod
+    def _update_claim(e: EntitlementAccount, p: PoolAccount) -> None:
+        claim_c = max(0.0, e.peak_recent_concurrency - e.concurrency)
+        claim_k = max(0.0, e.peak_recent_kv - e.kv)
+        p.claimed_concurrency += claim_c - e.claimed_concurrency
+        p.claimed_kv += claim_k - e.claimed_kv
+        e.claimed_concurrency, e.claimed_kv = claim_c, claim_k
+
     # -- reads: observation, scores, usage ---------------------------------------------
 
     def take_window(self, name: str, now: float) -> Window:
@@ -152,6 +162,7 @@ class MemoryBook:
             self._pools[e.pool].low = None
         e.debt, e.burst, e.priority = scores.debt, scores.burst, scores.priority
         e.peak_recent_concurrency, e.peak_recent_kv = scores.peak_concurrency, scores.peak_kv
+        self._update_claim(e, self._pools[e.pool])
 
     def claim_update(self, pool: str, period: int, now: float) -> bool:
         p = self._pools[pool]

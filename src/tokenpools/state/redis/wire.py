@@ -41,7 +41,9 @@ LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre")
 # HOLD_ARGS; the victims' names come after them.
 METER_ARGS = ("bucket", "w_in", "w_out", "w_cost", "holds")
 HOLD_ARGS = ("key", "measure", "limit", "until")
-ADMIT_GROUP = ("size", "at", *LEASE_ARGS, "demand", "may_overcommit", "more", *METER_ARGS)
+ADMIT_GROUP = (
+    "size", "at", *LEASE_ARGS, "demand", "may_overcommit", "claim_share", "more", *METER_ARGS
+)  # fmt: skip
 PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
 # A lease end's charge besides the tokens (`used`): ignored when `used` is 'all' (the lease's
 # worst case is charged).
@@ -82,6 +84,8 @@ POOL_COUNTERS = {
     "bucket": "b_level",
     "protected_bucket": "pb_level",
     "leases": "leases",
+    "claimed_concurrency": "cl_c",
+    "claimed_kv": "cl_k",
 }
 ENTITLEMENT_COUNTERS = {
     "concurrency": "conc",
@@ -234,6 +238,7 @@ def admit_args(
         *lease_args(lease),
         num(reservation.demand),
         "1" if reservation.may_overcommit else "0",
+        num(reservation.claim_share),
         "1" if more else "0",
         *metered,
         *plan_args(reservation.plan),

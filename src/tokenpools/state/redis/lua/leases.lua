@@ -26,12 +26,11 @@ local function book(id, l, e, p, now)
     p.pre_k = p.pre_k + l.kv
     redis.call('ZADD', P .. ':pre', redis.call('HINCRBY', P, 'seq', 1), id)
   end
-  if e.protected == 1 then
-    update_holdback(e, p)
-    -- control/backfill.py; a record written before peaks were kept has none
-    e.peak_c = math.max(e.peak_c or 0, e.conc)
-    e.peak_k = math.max(e.peak_k or 0, e.kv)
-  end
+  if e.protected == 1 then update_holdback(e, p) end
+  -- the window's peak (a record written before peaks were kept has none)
+  e.peak_c = math.max(e.peak_c or 0, e.conc)
+  e.peak_k = math.max(e.peak_k or 0, e.kv)
+  update_claim(e, p)
   if l.reserved == 0 then
     if redis.call('HINCRBY', P .. ':inf', l.ent, 1) == 1 then
       redis.call('ZADD', P .. ':low', fmt(e.priority), l.ent)
@@ -62,6 +61,7 @@ local function finish(id, l, e, p, now, used, observed, charge, how)
     redis.call('ZREM', P .. ':pre', id)
   end
   if e.protected == 1 then update_holdback(e, p) end
+  update_claim(e, p)
   if l.reserved == 0 then
     if redis.call('HINCRBY', P .. ':inf', l.ent, -1) <= 0 then
       redis.call('HDEL', P .. ':inf', l.ent)

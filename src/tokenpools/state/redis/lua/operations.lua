@@ -3,7 +3,8 @@
 local function configure_pool(now)
   local p = load(P)
   if p == nil then
-    p = { conc = 0.0, kv = 0.0, pre_c = 0.0, pre_k = 0.0, hold_c = 0.0, hold_k = 0.0, leases = 0 }
+    p = { conc = 0.0, kv = 0.0, pre_c = 0.0, pre_k = 0.0, hold_c = 0.0, hold_k = 0.0, leases = 0,
+      cl_c = 0.0, cl_k = 0.0 }
     new_bucket(p, 'b_', tonumber(ARGV[A.b_rate]), tonumber(ARGV[A.b_depth]), now)
     new_bucket(p, 'pb_', tonumber(ARGV[A.pb_rate]), tonumber(ARGV[A.pb_depth]), now)
     save(P, p, POOL_FIELDS)
@@ -24,7 +25,7 @@ local function configure_entitlement(p, now)
   if e == nil then
     e = { conc = 0.0, kv = 0.0, peak_c = 0.0, peak_k = 0.0, leases = 0, hold_c = 0.0,
       hold_k = 0.0, t_acc = now, window_start = now, conc_s = 0.0, kv_s = 0.0, settled = 0.0,
-      demand = 0.0, admitted = 0.0 }
+      demand = 0.0, admitted = 0.0, claim_c = 0.0, claim_k = 0.0, cl_c = 0.0, cl_k = 0.0 }
     new_bucket(e, 'o_', tonumber(ARGV[A.o_rate]), tonumber(ARGV[A.o_depth]), now)
     redis.call('HSET', key, 'debt', 0, 'burst', 0, 'priority', 0, 'peak_c', 0, 'peak_k', 0)
   else
@@ -59,6 +60,8 @@ local function remove_entitlement(p, now)
   end
   e.base_c, e.base_k = 0.0, 0.0
   update_holdback(e, p)
+  e.claim_c, e.claim_k = 0.0, 0.0
+  update_claim(e, p)
   redis.call('SREM', P .. ':prot', name)
   redis.call('ZREM', P .. ':ref', name)
   redis.call('HDEL', P .. ':reft', name)
@@ -139,9 +142,19 @@ end
 
 local function set_scores()
   local name = ARGV[A.name]
-  redis.call('HSET', ent_key(name), 'debt', ARGV[A.debt], 'burst', ARGV[A.burst],
+  local key = ent_key(name)
+  redis.call('HSET', key, 'debt', ARGV[A.debt], 'burst', ARGV[A.burst],
     'priority', ARGV[A.priority], 'peak_c', ARGV[A.peak_c], 'peak_k', ARGV[A.peak_k])
   redis.call('ZADD', P .. ':low', 'XX', ARGV[A.priority], name)
+  -- the claim (scores' peak_*) also lives in the record, where admissions read it
+  local e = load_ent(key)
+  if e ~= nil then
+    local p = load(P)
+    e.claim_c, e.claim_k = tonumber(ARGV[A.peak_c]), tonumber(ARGV[A.peak_k])
+    update_claim(e, p)
+    save_ent(key, e)
+    save(P, p, POOL_FIELDS)
+  end
   return 'ok'
 end
 

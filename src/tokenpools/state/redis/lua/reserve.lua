@@ -4,21 +4,15 @@
 
 local function counters(t, names)
   local out = {}
-  for _, f in ipairs(names) do out[#out + 1] = fmt(t[f]) end
+  for _, f in ipairs(names) do out[#out + 1] = fmt(t[f] or 0.0) end  -- none: written before it
   return out
 end
 
 -- One attempt to book lease `l` of entitlement `e`: nil if it fits (and is booked), else the
 -- comparison that failed. `victims` ({id, lease} pairs) count as gone, and end if it fits.
-local function attempt(p, e, l, plan, now, overcommit, victims)
+local function attempt(p, e, l, plan, now, overcommit, victims, share)
   local tokens, kv = l.tokens, l.kv
   local used_c, used_k, pre_c, pre_k = p.conc, p.kv, p.pre_c, p.pre_k
-  for _, victim in ipairs(victims) do
-    used_c = used_c - 1
-    pre_c = pre_c - 1
-    used_k = used_k - victim[2].kv
-    pre_k = pre_k - victim[2].kv
-  end
   local conc_after = e.conc + 1
   if conc_after > plan.ent_concurrency then return 'entitlement_concurrency' end
   refill(e, 'o_', now)
@@ -26,6 +20,15 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
   if plan.own_required == 1 and not own_ok then return 'entitlement_throughput' end
   local kv_after = e.kv + kv
   if kv_after > plan.ent_kv then return 'entitlement_kv' end
+  local within = own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv
+  -- the pool owes a protected request nothing beyond its baseline
+  if #victims > 0 and e.protected == 1 and not within then return 'pool_concurrency' end
+  for _, victim in ipairs(victims) do
+    used_c = used_c - 1
+    pre_c = pre_c - 1
+    used_k = used_k - victim[2].kv
+    pre_k = pre_k - victim[2].kv
+  end
   refill(p, 'b_', now)
   refill(p, 'pb_', now)
   local name = l.ent
@@ -34,7 +37,7 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
     return short
   end
 
-  if own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv then
+  if within then
     local lc, lk, lf = plan.reserved_concurrency, plan.reserved_kv, plan.reserved_bucket_floor
     if overcommit then
       lc, lk, lf = plan.overcommit_concurrency, plan.overcommit_kv, plan.overcommit_bucket_floor
@@ -60,12 +63,13 @@ local function attempt(p, e, l, plan, now, overcommit, victims)
     end
     if used_k - pre_k + hold_k + kv > plan.nonpreemptible_kv then return contended('reserved_kv') end
     if unreserved < plan.nonpreemptible_bucket_floor then return contended('reserved_throughput') end
-    -- surplus work borrows the unused baselines only as far as the plan lends them
-    if hold_c > plan.backfill_concurrency
-      and used_c + hold_c - plan.backfill_concurrency + 1 > plan.shared_concurrency then
+    -- surplus work leaves its share of what the others are expected to claim back free
+    -- whole sequences: a fraction of one (a claim fading out) holds no slot back
+    if plan.surplus == 1
+      and used_c + math.floor(share * (p.cl_c or 0.0) + 1e-9) + 1 > plan.shared_concurrency then
       return contended('reserved_concurrency')
     end
-    if hold_k > plan.backfill_kv and used_k + hold_k - plan.backfill_kv + kv > plan.shared_kv then
+    if plan.surplus == 1 and used_k + share * (p.cl_k or 0.0) + kv > plan.shared_kv then
       return contended('reserved_kv')
     end
     if used_c + 1 > plan.shared_concurrency then return contended('pool_concurrency') end
@@ -182,14 +186,15 @@ local function admit(p, o)
   end
   e.demand = e.demand + tonumber(ARGV[o + A.demand])
   local l = new_lease()
-  local short = attempt(p, e, l, plan, now, false, {})
+  local share = tonumber(ARGV[o + A.claim_share])
+  local short = attempt(p, e, l, plan, now, false, {}, share)
   local overcommit, evicted = 0, {}
   if short == 'pool_concurrency' or short == 'pool_kv' then
     local victims = {}
     if #order > 0 then victims = choose_victims(p, plan, l.kv, order) end
     if #victims > 0 then
       l = new_lease()
-      if attempt(p, e, l, plan, now, false, victims) == nil then
+      if attempt(p, e, l, plan, now, false, victims, share) == nil then
         for _, victim in ipairs(victims) do evicted[#evicted + 1] = lease_reply(victim[1], victim[2]) end
         short = nil
       end
@@ -197,7 +202,7 @@ local function admit(p, o)
   end
   if short ~= nil and ARGV[o + A.may_overcommit] == '1' and POOL_SHORTFALLS[short] then
     l = new_lease()
-    if attempt(p, e, l, plan, now, true, {}) == nil then
+    if attempt(p, e, l, plan, now, true, {}, share) == nil then
       overcommit = 1
       short = nil
     end

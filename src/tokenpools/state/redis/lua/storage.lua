@@ -69,10 +69,10 @@ local function save(key, t, fields)
 end
 
 local POOL_FIELDS = { 'conc', 'kv', 'pre_c', 'pre_k', 'hold_c', 'hold_k', 'leases',
-  'b_rate', 'b_depth', 'b_level', 'b_t', 'pb_rate', 'pb_depth', 'pb_level', 'pb_t' }
+  'b_rate', 'b_depth', 'b_level', 'b_t', 'pb_rate', 'pb_depth', 'pb_level', 'pb_t', 'cl_c', 'cl_k' }
 local ENT_FIELDS = { 'conc', 'kv', 'peak_c', 'peak_k', 'leases', 'protected', 'base_c', 'base_k',
   'hold_c', 'hold_k', 'o_rate', 'o_depth', 'o_level', 'o_t', 't_acc', 'conc_s', 'kv_s', 'settled', 'demand',
-  'admitted', 'window_start' }
+  'admitted', 'window_start', 'claim_c', 'claim_k', 'cl_c', 'cl_k' }
 local LEASE_FIELDS = { 'ent', 'tokens', 'kv', 'started', 'expires', 'pre', 'reserved', 'own',
   'owner', 'bucket', 'w_in', 'w_out', 'w_cost', 'holds' }
 
@@ -169,6 +169,16 @@ local function update_holdback(e, p)
   p.hold_c = p.hold_c + (hold_c - e.hold_c)
   p.hold_k = p.hold_k + (hold_k - e.hold_k)
   e.hold_c, e.hold_k = hold_c, hold_k
+end
+
+-- control/backfill.py: the pool keeps Σ max(0, claim − in flight) over its entitlements
+-- (records and pools written before claims were kept have none: 0)
+local function update_claim(e, p)
+  local c = max0((e.claim_c or 0.0) - e.conc)
+  local k = max0((e.claim_k or 0.0) - e.kv)
+  p.cl_c = (p.cl_c or 0.0) + (c - (e.cl_c or 0.0))
+  p.cl_k = (p.cl_k or 0.0) + (k - (e.cl_k or 0.0))
+  e.cl_c, e.cl_k = c, k
 end
 
 local function resync_protected_bucket(p, now)

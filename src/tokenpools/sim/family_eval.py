@@ -1,0 +1,123 @@
+"""Running the preemptible family (sim/family.py) and reading what matters from each run:
+what became of the preemptible work admitted, what the evicted part wasted, how much of the
+pool did useful work, and whether the protected tenants met their TTFT SLO in each phase."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenpools.sim.family import family_scenario, protected_phases
+from tokenpools.sim.metrics import summarize
+from tokenpools.sim.simulator import simulate
+
+# The issue's bar: completed / admitted is judged where at least this many were admitted.
+MIN_ADMITTED = 20
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseCheck:
+    tenant: str
+    phase: str
+    within_baseline: bool
+    slo_ttft_s: float
+    ttft_p99_s: float | None
+    rejected: int
+
+    @property
+    def met(self) -> bool:
+        return self.ttft_p99_s is None or self.ttft_p99_s <= self.slo_ttft_s
+
+
+@dataclass(frozen=True, slots=True)
+class MemberRun:
+    index: int
+    seed: int
+    policy: str
+    admitted: int  # preemptible attempts admitted and ended (completed or evicted)
+    completed: int
+    wasted_output_tokens: int
+    wasted_slot_s: float
+    utilization: float  # mean over phases
+    useful_utilization: float
+    phases: tuple[PhaseCheck, ...]
+
+    @property
+    def completed_per_admitted(self) -> float | None:
+        return self.completed / self.admitted if self.admitted else None
+
+    @property
+    def judged(self) -> bool:
+        return self.admitted >= MIN_ADMITTED
+
+
+def run_member(index: int, seed: int, policy: str) -> MemberRun:
+    scenario = family_scenario(index)
+    block = summarize(simulate(scenario, policy, seed))
+    batch = block["tenants"]["batch"]["totals"]
+    checks = []
+    for pp in protected_phases(scenario):
+        m = block["tenants"][pp.tenant]["phases"][pp.phase]
+        checks.append(
+            PhaseCheck(
+                pp.tenant,
+                pp.phase,
+                pp.within_baseline,
+                pp.slo_ttft_s,
+                m["ttft_p99_s"],
+                m["rejected"],
+            )
+        )
+    return MemberRun(
+        index,
+        seed,
+        policy,
+        batch["admitted"] - batch["in_flight_at_end"],
+        batch["completed"],
+        batch["wasted_output_tokens"],
+        batch["wasted_slot_s"],
+        statistics.fmean(block["utilization"].values()),
+        statistics.fmean(block["useful_utilization"].values()),
+        tuple(checks),
+    )
+
+
+def run_family(
+    indices: Iterable[int], seeds: Sequence[int], policies: Sequence[str]
+) -> list[MemberRun]:
+    return [run_member(i, s, p) for i in indices for s in seeds for p in policies]
+
+
+def aggregate(runs: Sequence[MemberRun]) -> dict[str, Any]:
+    """The family's verdict for one policy's runs."""
+    judged = [r for r in runs if r.judged]
+    ratios = [r.completed_per_admitted or 0.0 for r in judged]
+    promised = [c for r in runs for c in r.phases if c.within_baseline]
+    p99s = [c.ttft_p99_s for c in promised if c.ttft_p99_s is not None]
+    admitted = sum(r.admitted for r in runs)
+    return {
+        "runs": len(runs),
+        "judged_runs": len(judged),
+        "judged_below_half": sum(x < 0.5 for x in ratios),
+        "worst_completed_per_admitted": round(min(ratios), 4) if ratios else None,
+        "median_completed_per_admitted": round(statistics.median(ratios), 4) if ratios else None,
+        "preemptible_admitted": admitted,
+        "preemptible_completed": sum(r.completed for r in runs),
+        "completed_per_admitted": round(sum(r.completed for r in runs) / admitted, 4)
+        if admitted
+        else None,
+        "wasted_output_tokens": sum(r.wasted_output_tokens for r in runs),
+        "wasted_slot_s": round(sum(r.wasted_slot_s for r in runs), 1),
+        "utilization": round(statistics.fmean(r.utilization for r in runs), 4),
+        "useful_utilization": round(statistics.fmean(r.useful_utilization for r in runs), 4),
+        "promised_phases": len(promised),
+        "promised_phases_met": sum(c.met for c in promised),
+        "promised_met_share": round(sum(c.met for c in promised) / len(promised), 4)
+        if promised
+        else None,
+        "promised_p99_ttft_mean_s": round(statistics.fmean(p99s), 4) if p99s else None,
+        "promised_p99_ttft_worst_s": round(max(p99s), 4) if p99s else None,
+        "promised_rejected": sum(c.rejected for c in promised),
+    }
