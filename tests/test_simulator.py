@@ -40,7 +40,8 @@ def test_exp1_tokenpools_protects_guaranteed_and_keeps_the_engine_queue_empty() 
     assert s["engine"]["max_waiting"] <= 2
     spot = s["tenants"]["spot-b"]["phases"]["overload"]
     assert 0.3 <= spot["throttled_fraction"] <= 0.7
-    assert s["utilization"]["overload"] >= 0.90
+    # ~90 %: spot never sits on the guaranteed tenants' idle baselines (docs/decisions.md)
+    assert s["utilization"]["overload"] >= 0.89
     assert min(s["utilization"].values()) >= 0.80
 
 
@@ -106,9 +107,9 @@ def test_exp2_without_the_priority_margin_copilot_is_shed_on_window_noise() -> N
 def test_preemptible_work_mostly_completes_without_costing_protection_or_utilisation() -> None:
     _, s = run("beyond-preemptible-waste", "tokenpools")
     batch = s["tenants"]["batch"]["totals"]
-    assert batch["completed_per_admitted"] >= 0.5
-    assert 0 < batch["wasted_output_tokens"] < 5000
-    assert min(s["utilization"].values()) >= 0.85
+    assert batch["completed_per_admitted"] >= 0.8
+    assert 0 < batch["wasted_output_tokens"] < 2000
+    assert min(s["useful_utilization"].values()) >= 0.8
     scenario = load_scenario(EXPERIMENTS / "beyond-preemptible-waste.yaml")
     slo = {t.name: t.slo_ttft_s for t in scenario.tenants}
     for name in ("api", "assist"):
@@ -120,14 +121,15 @@ def test_preemptible_work_mostly_completes_without_costing_protection_or_utilisa
     assert (
         waste_table(exp1, {"policies": {"tokenpools": run("paper-exp1", "tokenpools")[1]}}) is None
     )
-    # Lending every idle baseline (backfillWindowS 0; who may evict is unchanged) wastes more.
+    # Claiming nothing (backfillWindowS 0; who may evict is unchanged) wastes several times
+    # more, and what it admits mostly does not complete.
     literal = scenario.tokenpools | {
         "policy": scenario.tokenpools["policy"] | {"backfillWindowS": 0}
     }
     lent = summarize(simulate(scenario.model_copy(update={"tokenpools": literal}), "tokenpools"))
-    assert (
-        lent["tenants"]["batch"]["totals"]["wasted_output_tokens"] > batch["wasted_output_tokens"]
-    )
+    lent_batch = lent["tenants"]["batch"]["totals"]
+    assert lent_batch["wasted_output_tokens"] > 3 * batch["wasted_output_tokens"]
+    assert lent_batch["completed_per_admitted"] < 0.5
 
 
 # -- determinism and the contract -----------------------------------------------------------

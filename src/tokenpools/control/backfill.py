@@ -6,15 +6,19 @@ Every bound entitlement above the surplus classes (dedicated, guaranteed, elasti
 its recent peak in flight, fading with time constant `backfill_window_s` towards its mean in
 flight plus two Poisson standard deviations (what an owner at that mean reaches in a burst),
 never above what the entitlement may ever hold, and its whole baseline while it has just
-(re)bound and nothing has been measured yet. The store keeps Σ max(0, claim − in flight) per
-pool, and a surplus request must leave `share` of it free, in the same atomic step as the
+(re)bound and nothing has been measured yet. What is open of a claim, max(0, claim − in
+flight), is what its owner may take back soon. Owners take it back independently: the store
+keeps per pool Σ open and Σ open², and counts open claims as min(Σ open, 2 √(Σ open²)) — their
+plain sum for up to four owners, growing as √n beyond (fifty owners do not all peak at
+once). A surplus request must leave `share` of that free, in the same atomic step as the
 capacity checks (state/checks.py, state/redis/lua/reserve.lua).
 
 `share` grows with how long the request is expected to run (its output tokens against the
 pool's typical request: what an owner takes back within a short request's life is less than
 within a long one's), and for preemptible work with how it has fared: every eviction of one
-of its requests raises its scale, every completion lowers it, so that it settles where
-`preemptible_completion_target` of its admitted requests complete. Spot work, which is never
+of its requests (to admit someone, or on a capacity loss) raises its scale, every completion
+lowers it, so that it settles where `preemptible_completion_target` of its admitted requests
+complete; a raised scale fades back with the claims' time constant. Spot work, which is never
 evicted, leaves its share of the claims free at scale 1.
 
 `backfill_window_s` = 0 claims nothing: surplus work fills every idle baseline, as the
@@ -78,6 +82,11 @@ def first_claim(baseline: Resources, previous: Scores, policy: Policy) -> tuple[
     )
 
 
+def open_claims(total: float, squares: float) -> float:
+    """What owners may take back soon, from Σ open and Σ open² of their claims."""
+    return min(total, SPREAD_SIGMAS * math.sqrt(max(0.0, squares)))
+
+
 def claim_share(output_tokens: float, typical_output: float, scale: float) -> float:
     """The part of the pool's open claims a surplus request must leave free."""
     if typical_output <= 0:  # nothing measured yet: as a long request
@@ -93,6 +102,17 @@ def rescaled(scale: float, evicted: bool, policy: Policy) -> float:
     step = SCALE_STEP * target if evicted else -SCALE_STEP * (1.0 - target)
     low, high = SCALE_RANGE
     return max(low, min(high, scale * math.exp(step)))
+
+
+def forgotten(scale: float, policy: Policy) -> float:
+    """A scale after one more update period. Raised, it fades back to 1 with the claims'
+    time constant: a tenant held back admits little, so completions could never lower it
+    again, and old evictions (a capacity loss) would shut it out for good. Lowered, it stays:
+    the completions that lowered it keep coming while it admits."""
+    if policy.backfill_window_s <= 0 or scale <= 1.0:
+        return scale
+    keep = math.exp(-policy.update_period_s / policy.backfill_window_s)
+    return math.exp(math.log(scale) * keep)
 
 
 def typical_output(previous: float, output_tokens: float) -> float:

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
-from tokenpools.control.backfill import BORROWERS, next_claim
-from tokenpools.control.catalog import PoolView
+from tokenpools.control.backfill import BORROWERS, forgotten, next_claim
+from tokenpools.control.catalog import EntitlementView, PoolView
 from tokenpools.control.decisions import CapacityChange, TickResult
 from tokenpools.control.endings import Endings
 from tokenpools.control.eviction import eviction_order
@@ -48,6 +48,9 @@ class Periodic(Endings):
         for name, pool_view in self._pools.items():
             if period > pool_view.last_period:
                 pool_view.last_period = period
+                for member in pool_view.members:  # this replica's own evidence fades too
+                    view = self._ents[member]
+                    view.claim_scale = forgotten(view.claim_scale, self.policy)
                 if self.store.claim_update(name, period, now):
                     self._update_scores(pool_view, now)
                     updated.append(name)
@@ -67,8 +70,7 @@ class Periodic(Endings):
             view = self._ents[name]
             ent = view.ent
             window = self.store.take_window(name, now)
-            obs = observe(window)
-            self.observations[name] = obs
+            obs = self.observations[name] = observe(window)
             old = self.store.scores(name, now)
             bound = view.state == BindingState.BOUND
             debt = (
@@ -85,11 +87,15 @@ class Periodic(Endings):
                     (view.plan.ent_concurrency, view.plan.ent_kv),
                     policy,
                 )
-                if bound and ent.service_class not in BORROWERS
+                if self._claims(view)
                 else (0.0, 0.0)
             )
             self._adopt_scores(view, Scores(debt, burst, 0.0, claim_c, claim_k))
             self.store.set_scores(name, view.scores, now)
+
+    @staticmethod
+    def _claims(view: EntitlementView) -> bool:
+        return view.state == BindingState.BOUND and view.ent.service_class not in BORROWERS
 
     def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
         return self.set_capacity(pool_name, now, replicas=replicas)

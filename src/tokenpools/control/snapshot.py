@@ -24,6 +24,8 @@ class PoolSnapshot:
     reserved_kv: float
     holdback_concurrency: float
     holdback_kv: float
+    claimed_concurrency: float  # what surplus work leaves free for the others (backfill.py)
+    claimed_kv: float
     bucket_tokens: float  # the pool's token bucket now; inf: no bucket
     slo_reference_ms: float
 
@@ -68,6 +70,8 @@ def snapshot(core: DecisionCore, now: float) -> Snapshot:
             c.kv_tokens,
             c.holdback_concurrency,
             c.holdback_kv,
+            c.claimed_concurrency,
+            c.claimed_kv,
             c.bucket,
             view.slo_reference_ms,
         )

@@ -118,6 +118,8 @@ class PoolAccount:
         "bucket",
         "claimed_concurrency",
         "claimed_kv",
+        "claimed_sq_concurrency",
+        "claimed_sq_kv",
         "concurrency",
         "held_concurrency",
         "held_kv",
@@ -139,7 +141,8 @@ class PoolAccount:
         self.bucket, self.protected_bucket = bucket, protected_bucket
         self.concurrency = self.kv = self.pre_concurrency = self.pre_kv = 0.0
         self.held_concurrency = self.held_kv = 0.0
-        self.claimed_concurrency = self.claimed_kv = 0.0
+        self.claimed_concurrency = self.claimed_kv = 0.0  # Σ open claims (backfill.py)
+        self.claimed_sq_concurrency = self.claimed_sq_kv = 0.0  # Σ of their squares
         self.leases = 0
         # entitlement → its in-flight leases on the shared path: the competitors of check 5.
         # Work inside a reserved baseline is not competing for shared capacity, so it neither

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from tokenpools.control.backfill import open_claims
 from tokenpools.control.store import Lease, ReservePlan, Shortfall
 from tokenpools.state.accounts import EntitlementAccount, PoolAccount
 
@@ -95,11 +96,19 @@ def first_shortfall(
         elif unreserved < plan.nonpreemptible_bucket_floor:
             short = Shortfall.RESERVED_THROUGHPUT
         # Surplus work leaves its share of what the others are expected to claim back free.
-        elif plan.surplus and used_c + _slots(claim_share * p.claimed_concurrency) + 1 > (
-            plan.shared_concurrency
+        elif (
+            plan.surplus
+            and used_c
+            + _slots(claim_share * open_claims(p.claimed_concurrency, p.claimed_sq_concurrency))
+            + 1
+            > plan.shared_concurrency
         ):
             short = Shortfall.RESERVED_CONCURRENCY
-        elif plan.surplus and used_k + claim_share * p.claimed_kv + kv > plan.shared_kv:
+        elif (
+            plan.surplus
+            and used_k + claim_share * open_claims(p.claimed_kv, p.claimed_sq_kv) + kv
+            > plan.shared_kv
+        ):
             short = Shortfall.RESERVED_KV
         elif used_c + 1 > plan.shared_concurrency:
             short = Shortfall.POOL_CONCURRENCY

@@ -131,6 +131,8 @@ class MemoryBook:
         claim_k = max(0.0, e.peak_recent_kv - e.kv)
         p.claimed_concurrency += claim_c - e.claimed_concurrency
         p.claimed_kv += claim_k - e.claimed_kv
+        p.claimed_sq_concurrency += claim_c * claim_c - e.claimed_concurrency**2
+        p.claimed_sq_kv += claim_k * claim_k - e.claimed_kv**2
         e.claimed_concurrency, e.claimed_kv = claim_c, claim_k
 
     # -- reads: observation, scores, usage ---------------------------------------------

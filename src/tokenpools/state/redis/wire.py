@@ -15,6 +15,7 @@ from dataclasses import fields
 from importlib.resources import files
 from typing import Any
 
+from tokenpools.control import backfill
 from tokenpools.control.store import (
     BudgetHold,
     EntitlementCounters,
@@ -138,6 +139,7 @@ def prelude() -> str:
             f"local ENT_COUNTERS = {_lua_list(list(ENTITLEMENT_COUNTERS.values()))}",
             f"local LEASE_ROW = {_lua_list(list(LEASE_ROW.values()))}",
             f"local ADMIT_FLAGS = {_lua_list(ADMIT_FLAGS)}",
+            f"local CLAIM_SIGMAS = {backfill.SPREAD_SIGMAS!r}  -- control/backfill.open_claims",
             "",
         ]
     )

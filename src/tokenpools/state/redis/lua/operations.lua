@@ -4,7 +4,7 @@ local function configure_pool(now)
   local p = load(P)
   if p == nil then
     p = { conc = 0.0, kv = 0.0, pre_c = 0.0, pre_k = 0.0, hold_c = 0.0, hold_k = 0.0, leases = 0,
-      cl_c = 0.0, cl_k = 0.0 }
+      cl_c = 0.0, cl_k = 0.0, cl_c2 = 0.0, cl_k2 = 0.0 }
     new_bucket(p, 'b_', tonumber(ARGV[A.b_rate]), tonumber(ARGV[A.b_depth]), now)
     new_bucket(p, 'pb_', tonumber(ARGV[A.pb_rate]), tonumber(ARGV[A.pb_depth]), now)
     save(P, p, POOL_FIELDS)

@@ -65,11 +65,11 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     if unreserved < plan.nonpreemptible_bucket_floor then return contended('reserved_throughput') end
     -- surplus work leaves its share of what the others are expected to claim back free
     -- whole sequences: a fraction of one (a claim fading out) holds no slot back
-    if plan.surplus == 1
-      and used_c + math.floor(share * (p.cl_c or 0.0) + 1e-9) + 1 > plan.shared_concurrency then
+    if plan.surplus == 1 and used_c + math.floor(share * open_claims(p.cl_c, p.cl_c2) + 1e-9)
+      + 1 > plan.shared_concurrency then
       return contended('reserved_concurrency')
     end
-    if plan.surplus == 1 and used_k + share * (p.cl_k or 0.0) + kv > plan.shared_kv then
+    if plan.surplus == 1 and used_k + share * open_claims(p.cl_k, p.cl_k2) + kv > plan.shared_kv then
       return contended('reserved_kv')
     end
     if used_c + 1 > plan.shared_concurrency then return contended('pool_concurrency') end

@@ -69,7 +69,8 @@ local function save(key, t, fields)
 end
 
 local POOL_FIELDS = { 'conc', 'kv', 'pre_c', 'pre_k', 'hold_c', 'hold_k', 'leases',
-  'b_rate', 'b_depth', 'b_level', 'b_t', 'pb_rate', 'pb_depth', 'pb_level', 'pb_t', 'cl_c', 'cl_k' }
+  'b_rate', 'b_depth', 'b_level', 'b_t', 'pb_rate', 'pb_depth', 'pb_level', 'pb_t', 'cl_c', 'cl_k',
+  'cl_c2', 'cl_k2' }
 local ENT_FIELDS = { 'conc', 'kv', 'peak_c', 'peak_k', 'leases', 'protected', 'base_c', 'base_k',
   'hold_c', 'hold_k', 'o_rate', 'o_depth', 'o_level', 'o_t', 't_acc', 'conc_s', 'kv_s', 'settled', 'demand',
   'admitted', 'window_start', 'claim_c', 'claim_k', 'cl_c', 'cl_k' }
@@ -171,14 +172,24 @@ local function update_holdback(e, p)
   e.hold_c, e.hold_k = hold_c, hold_k
 end
 
--- control/backfill.py: the pool keeps Σ max(0, claim − in flight) over its entitlements
--- (records and pools written before claims were kept have none: 0)
+-- control/backfill.py: the pool keeps Σ max(0, claim − in flight) over its entitlements, and
+-- Σ of their squares (records and pools written before claims were kept have none: 0)
 local function update_claim(e, p)
   local c = max0((e.claim_c or 0.0) - e.conc)
   local k = max0((e.claim_k or 0.0) - e.kv)
-  p.cl_c = (p.cl_c or 0.0) + (c - (e.cl_c or 0.0))
-  p.cl_k = (p.cl_k or 0.0) + (k - (e.cl_k or 0.0))
+  local old_c, old_k = e.cl_c or 0.0, e.cl_k or 0.0
+  p.cl_c = (p.cl_c or 0.0) + (c - old_c)
+  p.cl_k = (p.cl_k or 0.0) + (k - old_k)
+  p.cl_c2 = (p.cl_c2 or 0.0) + (c * c - old_c * old_c)
+  p.cl_k2 = (p.cl_k2 or 0.0) + (k * k - old_k * old_k)
   e.cl_c, e.cl_k = c, k
+end
+
+local function open_claims(total, squares)
+  local bound = CLAIM_SIGMAS * math.sqrt(max0(squares or 0.0))
+  total = total or 0.0
+  if bound < total then return bound end
+  return total
 end
 
 local function resync_protected_bucket(p, now)
