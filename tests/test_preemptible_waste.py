@@ -94,7 +94,7 @@ def test_surplus_work_leaves_the_others_claims_free_and_claims_fade_when_unused(
     for d in batch[:6]:
         assert isinstance(d, Admit)
         core.settle(d.lease.lease_id, Usage(64, 64), 0.4)
-    scale = core.entitlements["batch"].claim_scale
+    scale = core.pools["p"].claim_scale
     assert math.isclose(scale, rescaled(1.0, False, Policy()) ** 6)
     fits = 16 - math.floor(MAX_LENGTH_SHARE * scale * 10)
     assert sum(core.admit("batch", LONG, 0.5).admitted for _ in range(fits + 1)) == fits < 6
@@ -123,15 +123,15 @@ def test_evictions_make_preemptible_work_leave_more_free_and_completions_less() 
     for t in range(5, 405, 5):  # prod idle: its claim fades away
         core.tick(float(t))
     leases = [admit(core, "batch", t=401.0).lease for _ in range(16)]
-    assert core.entitlements["batch"].claim_scale == 1.0
+    assert core.pools["p"].claim_scale == 1.0
     for _ in range(4):
         admit(core, "prod", t=402.0)
-    raised = core.entitlements["batch"].claim_scale
+    raised = core.pools["p"].claim_scale
     assert raised == rescaled(rescaled(rescaled(rescaled(1.0, True, Policy()), True, Policy()),
                                        True, Policy()), True, Policy())  # fmt: skip
     assert raised > 2.0
     core.settle(leases[0].lease_id, Usage(64, 64), 403.0)
-    assert core.entitlements["batch"].claim_scale == rescaled(raised, False, Policy())
+    assert core.pools["p"].claim_scale == rescaled(raised, False, Policy())
 
 
 @given(

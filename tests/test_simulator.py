@@ -109,7 +109,7 @@ def test_preemptible_work_mostly_completes_without_costing_protection_or_utilisa
     batch = s["tenants"]["batch"]["totals"]
     assert batch["completed_per_admitted"] >= 0.8
     assert 0 < batch["wasted_output_tokens"] < 2000
-    assert min(s["useful_utilization"].values()) >= 0.8
+    assert min(s["useful_utilization"].values()) >= 0.75
     scenario = load_scenario(EXPERIMENTS / "beyond-preemptible-waste.yaml")
     slo = {t.name: t.slo_ttft_s for t in scenario.tenants}
     for name in ("api", "assist"):

@@ -15,11 +15,12 @@ capacity checks (state/checks.py, state/redis/lua/reserve.lua).
 
 `share` grows with how long the request is expected to run (its output tokens against the
 pool's typical request: what an owner takes back within a short request's life is less than
-within a long one's), and for preemptible work with how it has fared: every eviction of one
-of its requests (to admit someone, or on a capacity loss) raises its scale, every completion
-lowers it, so that it settles where `preemptible_completion_target` of its admitted requests
-complete; a raised scale fades back with the claims' time constant. Spot work, which is never
-evicted, leaves its share of the claims free at scale 1.
+within a long one's), times the pool's scale, learnt from how its preemptible work fares:
+every eviction of a preemptible request (to admit someone, or on a capacity loss) raises it,
+every completion lowers it, so that it settles where `preemptible_completion_target` of the
+admitted ones complete; a raised scale fades back with the claims' time constant. Spot work
+leaves the same share free: what is safe for preemptible work is safe for spot, and spot,
+which outranks it, must not be held back further than it.
 
 `backfill_window_s` = 0 claims nothing: surplus work fills every idle baseline, as the
 paper's work-conserving rule does.
@@ -39,7 +40,7 @@ BORROWERS = frozenset({ServiceClass.SPOT, ServiceClass.PREEMPTIBLE})
 
 SPREAD_SIGMAS = 2.0  # a claim fades towards mean + this many √mean (Poisson in flight)
 MAX_LENGTH_SHARE = 1.5  # a long request leaves at most this multiple of the claims free
-SCALE_RANGE = (0.25, 4.0)  # a preemptible entitlement's scale stays within this
+SCALE_RANGE = (0.25, 4.0)  # a pool's scale stays within this
 SCALE_STEP = 0.25  # log-scale step per eviction (× target) and per completion (× 1 − target)
 OUTPUT_EWMA = 0.05  # weight of each settled request in the pool's typical output
 
@@ -97,7 +98,7 @@ def claim_share(output_tokens: float, typical_output: float, scale: float) -> fl
 
 
 def rescaled(scale: float, evicted: bool, policy: Policy) -> float:
-    """A preemptible entitlement's scale after one of its requests ended."""
+    """A pool's scale after one of its preemptible requests ended."""
     target = policy.preemptible_completion_target
     step = SCALE_STEP * target if evicted else -SCALE_STEP * (1.0 - target)
     low, high = SCALE_RANGE

@@ -33,13 +33,15 @@ def bucket_of(account: Account, entitlement: str) -> str:
 
 def window(period: Period, zone: zoneinfo.ZoneInfo, now: float) -> tuple[float, float]:
     """The window holding `now`: [start, end) in epoch seconds, aligned in `zone` (days start
-    at local midnight, weeks on Monday, months on the 1st; a DST change is a 23/25-hour day)."""
+    at local midnight, weeks on Monday, months on the 1st; a DST change is a 23/25-hour day).
+    Hours are whole UTC hours, as the ledger's: local hours in every whole-hour zone, and no
+    overlapping or missing hour where a DST change moves a half-hour zone by 30 minutes."""
     if period == Period.LIFETIME:
         return 0.0, INF
-    local = datetime.fromtimestamp(now, zone)
     if period == Period.HOUR:
-        start = local.replace(minute=0, second=0, microsecond=0)
-        return start.timestamp(), start.timestamp() + 3600
+        start = now - now % 3600
+        return start, start + 3600
+    local = datetime.fromtimestamp(now, zone)
     day = local.replace(hour=0, minute=0, second=0, microsecond=0, tzinfo=None)
     if period == Period.WEEK:
         day -= timedelta(days=day.weekday())

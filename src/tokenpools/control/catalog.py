@@ -42,9 +42,6 @@ class EntitlementView:
     priority: float = 0.0
     scores: Scores = field(default_factory=Scores)  # the latest, priority included
     may_evict: bool = False  # control/eviction.py, from the class and the debt
-    # preemptible: how much of the pool's open claims its requests leave free, learnt from
-    # how its requests ended here (control/backfill.py)
-    claim_scale: float = 1.0
 
 
 @dataclass(slots=True)
@@ -55,6 +52,9 @@ class PoolView:
     mean_service_s: float  # EWMA of lease durations, for Retry-After
     members: list[str]
     typical_output: float = 0.0  # EWMA of settled requests' output tokens (0: none yet)
+    # how much of the open claims surplus work leaves free, learnt from how the pool's
+    # preemptible requests ended here (control/backfill.py)
+    claim_scale: float = 1.0
     last_period: int = -1
     scores_pending: bool = False  # another replica's update of this period is not read yet
     preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
@@ -109,6 +109,7 @@ class Catalog:
                 members=[e.name for e in config.entitlements.values() if e.pool == name],
                 last_period=old.last_period if old else -1,
                 typical_output=old.typical_output if old else 0.0,
+                claim_scale=old.claim_scale if old else 1.0,
                 per_replica_override=old.per_replica_override if old else None,
             )
         self._pools = pools
@@ -170,7 +171,6 @@ class Catalog:
                     self._claim_baseline(ent, now)
                 plan = plans.reserve_plan(pool, ent, bound, policy)
                 max_tokens, max_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
-                was = self._ents.get(ent.name)
                 self._ents[ent.name] = EntitlementView(
                     ent=ent,
                     state=state,
@@ -181,7 +181,6 @@ class Catalog:
                     default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
                     max_tokens=max_tokens,
                     max_kv=max_kv,
-                    claim_scale=was.claim_scale if was is not None else 1.0,
                 )
                 self._refresh_priority(ent.name, now)
             self._arrange_surplus(view)
@@ -217,9 +216,9 @@ class Catalog:
                 )
 
     def _note_evicted(self, leases: Iterable[Lease]) -> None:
-        """Preemptible leases were evicted: their entitlements leave more of the claims free."""
+        """Preemptible leases were evicted: surplus work in their pools leaves more free."""
         for lease in leases:
-            view = self._ents.get(lease.entitlement)
+            view = self._pools.get(lease.pool)
             if view is not None:
                 view.claim_scale = rescaled(view.claim_scale, True, self.policy)
 

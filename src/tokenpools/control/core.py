@@ -154,9 +154,7 @@ class DecisionCore(Periodic):
         )
         order = pool_view.preemptible_order
         share = (
-            claim_share(
-                out, pool_view.typical_output, view.claim_scale if view.preemptible else 1.0
-            )
+            claim_share(out, pool_view.typical_output, pool_view.claim_scale)
             if view.plan.surplus
             else 0.0
         )

@@ -64,7 +64,7 @@ class Endings(Catalog):
 
     def ended(self, ending: Ending, now: float) -> None:
         """A settled request's duration feeds the Retry-After estimate, its output the pool's
-        typical request, and a preemptible one its entitlement's claim scale."""
+        typical request, and a preemptible one its pool's claim scale."""
         if ending.charged is not None:
             self._served(ending.lease, ending.output_tokens, now)
 
@@ -74,9 +74,8 @@ class Endings(Catalog):
             duration = max(0.0, now - lease.started_at)
             pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * duration
             pool_view.typical_output = typical_output(pool_view.typical_output, output_tokens)
-        view = self._ents.get(lease.entitlement)
-        if lease.preemptible and view is not None:
-            view.claim_scale = rescaled(view.claim_scale, False, self.policy)
+            if lease.preemptible:
+                pool_view.claim_scale = rescaled(pool_view.claim_scale, False, self.policy)
 
     def used_tokens(self, lease: Lease, usage: Usage) -> float:
         """What a finished request is charged, in its pool's weighted tokens."""

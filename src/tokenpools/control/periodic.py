@@ -48,9 +48,7 @@ class Periodic(Endings):
         for name, pool_view in self._pools.items():
             if period > pool_view.last_period:
                 pool_view.last_period = period
-                for member in pool_view.members:  # this replica's own evidence fades too
-                    view = self._ents[member]
-                    view.claim_scale = forgotten(view.claim_scale, self.policy)
+                pool_view.claim_scale = forgotten(pool_view.claim_scale, self.policy)
                 if self.store.claim_update(name, period, now):
                     self._update_scores(pool_view, now)
                     updated.append(name)
