@@ -34,8 +34,11 @@ FAST = EngineProfile(
 
 
 def config_data(backend_url: str, **policy: Any) -> dict[str, Any]:
+    # backfillWindowS 0: surplus work claims nothing for the others, so these tests of the
+    # gateway's mechanics (evictions, streams, leases) can fill the pool at once; the claims
+    # are tests/test_preemptible_waste.py's and test_preemptible_family.py's
     return {
-        "policy": {"retryAfterMinS": 1, **policy},
+        "policy": {"retryAfterMinS": 1, "backfillWindowS": 0, **policy},
         "gateway": {"adminKeys": [hash_key(KEYS["admin"])], "maxBodyBytes": 65536},
         "pools": [
             {

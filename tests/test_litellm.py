@@ -54,7 +54,8 @@ def tokenpools_config(redis_url: str) -> dict[str, Any]:
                 "apiKeys": keys, **more}  # fmt: skip
 
     return {
-        "policy": {"retryAfterMinS": 1, "updatePeriodS": UPDATE_PERIOD_S},
+        # backfillWindowS 0: spot and batch fill the pool at once (tests/gateway_setup.py)
+        "policy": {"retryAfterMinS": 1, "updatePeriodS": UPDATE_PERIOD_S, "backfillWindowS": 0},
         # 1 character per token: the estimate the admission reserves is far from the engine's
         # count, so a settlement on the engine's usage is told from one on the reservation
         "gateway": {"charsPerToken": 1},

@@ -90,11 +90,9 @@ def open_claims(total: float, squares: float) -> float:
 
 def claim_share(output_tokens: float, typical_output: float, scale: float) -> float:
     """The part of the pool's open claims a surplus request must leave free."""
-    if typical_output <= 0:  # nothing measured yet: as a long request
-        length = MAX_LENGTH_SHARE
-    else:
-        length = min(MAX_LENGTH_SHARE, output_tokens / typical_output)
-    return length * scale
+    if typical_output <= 0:  # nothing measured yet: as a typical request
+        return scale
+    return min(MAX_LENGTH_SHARE, output_tokens / typical_output) * scale
 
 
 def rescaled(scale: float, evicted: bool, policy: Policy) -> float:

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from tokenpools.model.service_class import PROTECTED, ServiceClass
+from tokenpools.model.service_class import PROTECTED
 from tokenpools.sim.scenario import Scenario
 
 PHASE_S = 30.0
@@ -205,8 +205,3 @@ def protected_phases(scenario: Scenario) -> list[ProtectedPhase]:
             within = fits and offered <= ent.baseline.concurrency * (1 + 1e-9)
             out.append(ProtectedPhase(tenant.name, phase.name, slo, within))
     return out
-
-
-def is_preemptible(scenario: Scenario, tenant: str) -> bool:
-    ent = scenario.config().entitlements[tenant]
-    return ent.service_class == ServiceClass.PREEMPTIBLE

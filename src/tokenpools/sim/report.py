@@ -116,14 +116,15 @@ def waste_table(scenario: Scenario, summary: dict[str, Any]) -> str | None:
     names = [t.name for t in scenario.tenants if block["tenants"][t.name]["class"] == "preemptible"]
     if not names:
         return None
-    head = ["policy", "admitted", "completed", "completed / admitted", "evicted"]
+    head = ["policy", "admitted", "completed", "completed / admitted (ended)", "evicted"]
     head += ["output tokens wasted", "slot-seconds wasted"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for policy, b in summary["policies"].items():
         t = [b["tenants"][n]["totals"] for n in names]
         admitted, completed = sum(x["admitted"] for x in t), sum(x["completed"] for x in t)
+        ended = admitted - sum(x.get("in_flight_at_end", 0) for x in t)
         cells = [f"`{policy}`", str(admitted), str(completed)]
-        cells.append(_fmt(completed / admitted if admitted else None))
+        cells.append(_fmt(completed / ended if ended else None))
         cells.append(str(sum(x["evicted"] for x in t)))
         cells.append(f"{sum(x['wasted_output_tokens'] for x in t):,}")
         cells.append(f"{sum(x['wasted_slot_s'] for x in t):,.0f}")
