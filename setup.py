@@ -16,6 +16,7 @@ COMPILED = [
     "src/tokenpools/state/memory.py",
     "src/tokenpools/state/metering.py",
     "src/tokenpools/control/autoscale.py",
+    "src/tokenpools/control/backfill.py",
     "src/tokenpools/control/binding.py",
     "src/tokenpools/control/budgets.py",
     "src/tokenpools/control/catalog.py",

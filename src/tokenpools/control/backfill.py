@@ -88,6 +88,17 @@ def open_claims(total: float, squares: float) -> float:
     return min(total, SPREAD_SIGMAS * math.sqrt(max(0.0, squares)))
 
 
+def slots_kept(share: float, total: float, squares: float) -> float:
+    """The sequences a surplus request leaves free: whole ones, so a fraction of one (a
+    claim fading out) holds no slot back."""
+    return math.floor(share * open_claims(total, squares) + 1e-9)
+
+
+def kv_kept(share: float, total: float, squares: float) -> float:
+    """The KV tokens a surplus request leaves free."""
+    return share * open_claims(total, squares)
+
+
 def claim_share(output_tokens: float, typical_output: float, scale: float) -> float:
     """The part of the pool's open claims a surplus request must leave free."""
     if typical_output <= 0:  # nothing measured yet: as a typical request

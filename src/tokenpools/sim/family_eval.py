@@ -13,7 +13,7 @@ from tokenpools.sim.family import family_scenario, protected_phases
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.simulator import simulate
 
-# The bar: completed / admitted is judged where at least this many were admitted.
+# completed / admitted is judged where at least this many admitted requests ended.
 MIN_ADMITTED = 20
 
 
@@ -36,7 +36,7 @@ class MemberRun:
     index: int
     seed: int
     policy: str
-    admitted: int  # preemptible attempts admitted and ended (completed or evicted)
+    ended: int  # preemptible attempts admitted that ended (completed or evicted)
     completed: int
     wasted_output_tokens: int
     wasted_slot_s: float
@@ -46,11 +46,11 @@ class MemberRun:
 
     @property
     def completed_per_admitted(self) -> float | None:
-        return self.completed / self.admitted if self.admitted else None
+        return self.completed / self.ended if self.ended else None
 
     @property
     def judged(self) -> bool:
-        return self.admitted >= MIN_ADMITTED
+        return self.ended >= MIN_ADMITTED
 
 
 def run_member(index: int, seed: int, policy: str) -> MemberRun:
@@ -96,17 +96,17 @@ def aggregate(runs: Sequence[MemberRun]) -> dict[str, Any]:
     ratios = [r.completed_per_admitted or 0.0 for r in judged]
     promised = [c for r in runs for c in r.phases if c.within_baseline]
     p99s = [c.ttft_p99_s for c in promised if c.ttft_p99_s is not None]
-    admitted = sum(r.admitted for r in runs)
+    ended = sum(r.ended for r in runs)
     return {
         "runs": len(runs),
         "judged_runs": len(judged),
         "judged_below_half": sum(x < 0.5 for x in ratios),
         "worst_completed_per_admitted": round(min(ratios), 4) if ratios else None,
         "median_completed_per_admitted": round(statistics.median(ratios), 4) if ratios else None,
-        "preemptible_admitted": admitted,
+        "preemptible_ended": ended,
         "preemptible_completed": sum(r.completed for r in runs),
-        "completed_per_admitted": round(sum(r.completed for r in runs) / admitted, 4)
-        if admitted
+        "completed_per_admitted": round(sum(r.completed for r in runs) / ended, 4)
+        if ended
         else None,
         "wasted_output_tokens": sum(r.wasted_output_tokens for r in runs),
         "wasted_slot_s": round(sum(r.wasted_slot_s for r in runs), 1),

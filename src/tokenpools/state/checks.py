@@ -4,10 +4,9 @@ them."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
-from tokenpools.control.backfill import open_claims
+from tokenpools.control.backfill import kv_kept, slots_kept
 from tokenpools.control.store import Lease, ReservePlan, Shortfall
 from tokenpools.state.accounts import EntitlementAccount, PoolAccount
 
@@ -99,15 +98,14 @@ def first_shortfall(
         elif (
             plan.surplus
             and used_c
-            + _slots(claim_share * open_claims(p.claimed_concurrency, p.claimed_sq_concurrency))
             + 1
+            + slots_kept(claim_share, p.claimed_concurrency, p.claimed_sq_concurrency)
             > plan.shared_concurrency
         ):
             short = Shortfall.RESERVED_CONCURRENCY
         elif (
             plan.surplus
-            and used_k + claim_share * open_claims(p.claimed_kv, p.claimed_sq_kv) + kv
-            > plan.shared_kv
+            and used_k + kv + kv_kept(claim_share, p.claimed_kv, p.claimed_sq_kv) > plan.shared_kv
         ):
             short = Shortfall.RESERVED_KV
         elif used_c + 1 > plan.shared_concurrency:
@@ -123,8 +121,3 @@ def first_shortfall(
             own.level -= tokens
             lease.drew_own = True
     return None
-
-
-def _slots(claimed: float) -> float:
-    """Whole sequences claimed: a fraction of one (a claim fading out) holds no slot back."""
-    return math.floor(claimed + 1e-9)

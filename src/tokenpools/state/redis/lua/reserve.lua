@@ -64,7 +64,8 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     if used_k - pre_k + hold_k + kv > plan.nonpreemptible_kv then return contended('reserved_kv') end
     if unreserved < plan.nonpreemptible_bucket_floor then return contended('reserved_throughput') end
     -- surplus work leaves its share of what the others are expected to claim back free
-    -- whole sequences: a fraction of one (a claim fading out) holds no slot back
+    -- (control/backfill.py's slots_kept and kv_kept: whole sequences, so a fading claim's
+    -- fraction of one holds no slot back)
     if plan.surplus == 1 and used_c + math.floor(share * open_claims(p.cl_c, p.cl_c2) + 1e-9)
       + 1 > plan.shared_concurrency then
       return contended('reserved_concurrency')
