@@ -1,7 +1,11 @@
 """A throwaway PostgreSQL server for the ledger's tests: Debian's binaries (`.ci/run` installs
 `postgresql`), a fresh cluster in a temporary directory, on a free loopback port, trust auth,
 killed afterwards. PostgreSQL refuses to run as root: as root it runs as the `postgres` user
-the package creates."""
+the package creates.
+
+`PostgresServer` can also be stopped (a fast shutdown: clients are disconnected, open
+transactions rolled back) and started again on the same data directory and port, for the
+fault tests: the same URL answers again, with everything committed before the stop."""
 
 from __future__ import annotations
 
@@ -25,30 +29,83 @@ def _binary(name: str) -> str:
     return found
 
 
+_QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+
+
+class PostgresServer:
+    """A cluster of its own (database `postgres`, user `tokenpools`) on a fixed loopback port:
+    `start()`, `stop()` and `start()` again keep its data and its URL."""
+
+    def __init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="tokenpools-pg-")
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres")
+            self._as_user = ["runuser", "-u", "postgres", "--"]
+        self.data, self.port = os.path.join(self.root, "data"), free_port()
+        self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
+        self._proc: subprocess.Popen[bytes] | None = None
+        subprocess.run(
+            [*self._as_user, _binary("initdb"), "-D", self.data, "-U", "tokenpools",
+             "--auth=trust", "-E", "UTF8"],
+            check=True,
+            **_QUIET,
+        )  # fmt: skip
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout_s: float = 30) -> None:
+        """Start the server (a no-op if it runs); returns once it accepts connections."""
+        if self.running:
+            return
+        self._proc = subprocess.Popen(
+            [*self._as_user, _binary("postgres"), "-D", self.data, "-p", str(self.port),
+             "-k", self.root, "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
+            **_QUIET,
+        )  # fmt: skip
+        wait_port(self.port, self._proc, timeout_s=timeout_s)
+
+    def stop(self, mode: str = "fast", timeout_s: float = 30) -> None:
+        """Shut the server down (`fast`: disconnect clients, roll back what is open; `immediate`:
+        as a crash would); returns once its process has exited."""
+        if not self.running:
+            return
+        subprocess.run(
+            [*self._as_user, _binary("pg_ctl"), "stop", "-D", self.data, "-m", mode, "-w",
+             "-t", str(int(timeout_s))],
+            check=False,
+            **_QUIET,
+        )  # fmt: skip
+        assert self._proc is not None
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(10)
+
+    def close(self) -> None:
+        """Stop the server and remove its data."""
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def restartable_postgres() -> Iterator[PostgresServer]:
+    """A started `PostgresServer`, removed afterwards."""
+    server = PostgresServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
 @contextlib.contextmanager
 def postgres_server() -> Iterator[str]:
     """Yields the server's URL (database `postgres`, user `tokenpools`)."""
-    root = tempfile.mkdtemp(prefix="tokenpools-pg-")
-    as_user: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = os.path.join(root, "data"), free_port()
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    subprocess.run(
-        [*as_user, _binary("initdb"), "-D", data, "-U", "tokenpools", "--auth=trust", "-E", "UTF8"],
-        check=True,
-        **quiet,
-    )
-    proc = subprocess.Popen(
-        [*as_user, _binary("postgres"), "-D", data, "-p", str(port), "-k", root,
-         "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-        **quiet,
-    )  # fmt: skip
-    try:
-        wait_port(port, proc, timeout_s=30)
-        yield f"postgresql://tokenpools@127.0.0.1:{port}/postgres"
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(root, ignore_errors=True)
+    with restartable_postgres() as server:
+        yield server.url

@@ -28,7 +28,8 @@ from tokenpools.model.config import Config
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.tokenizing.counter import PromptCounter
-from tokenpools.usage.flusher import Flusher
+from tokenpools.usage.database import Bucket, LedgerUnavailable, UsageDatabase
+from tokenpools.usage.flusher import Flusher, LedgerStatus
 from tokenpools.usage.notices import Notifier
 
 log = logging.getLogger("tokenpools.admission")
@@ -56,10 +57,14 @@ class AdmissionRuntime:
         self.listeners: list[DecisionListener] = []
         self.samplers: list[Callable[[Snapshot], None]] = []  # one snapshot per update period
         self._next_renewal = self._next_sample = 0.0
-        self._next_flush = clock() + config.usage.flush_interval_s
-        self.ledger = Flusher(self.driver, config.usage.database_url, clock)
+        self._next_notice = clock() + config.usage.flush_interval_s
+        u = config.usage
+        database = UsageDatabase(u.database_url, u.deployment, u.database_timeout_s)
+        durable = config.state.backend == "redis"  # its pending usage outlives this process
+        self.ledger = Flusher(self.driver.background, self.core.store, database, clock, durable)
         self.notifier = Notifier()
         self._ticking: asyncio.Task[None] | None = None
+        self._flushing: asyncio.Task[None] | None = None
         self.directory = Directory(config)  # who calls, and where their requests go
         self.counters = _counters(config)  # prompt tokens, per pool
 
@@ -145,9 +150,8 @@ class AdmissionRuntime:
                 snap = await self.driver.background(snapshot, self.core, now)
                 for sample in self.samplers:
                     sample(snap)
-        if now >= self._next_flush:  # the usage ledger to SQL
-            self._next_flush = now + self.config.usage.flush_interval_s
-            await self.flush_usage()
+        if now >= self._next_notice:  # budget thresholds crossed
+            self._next_notice = now + self.config.usage.flush_interval_s
             webhook = self.config.usage.webhook
             await self.notifier.check(self.core, self.driver.background, webhook, now)
         if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
@@ -159,11 +163,27 @@ class AdmissionRuntime:
                     self.evict(admitted.lease.lease_id)
 
     async def flush_usage(self) -> int:
-        """Write the usage the store counted since the last flush to SQL; rows written."""
+        """Write the usage the store counted and SQL does not have yet; rows written. Raises
+        LedgerUnavailable (or StoreUnavailable) when it cannot: the rows stay pending."""
+        timeout_s = self.config.usage.database_timeout_s
         try:
-            return await self.ledger.flush(list(self.config.pools))
-        except Exception:  # logged by the flusher; taken again next time
-            return 0
+            return await asyncio.wait_for(self.ledger.flush(list(self.config.pools)), timeout_s)
+        except TimeoutError:
+            raise LedgerUnavailable(
+                f"usage database {self.ledger.database.name}: timed out"
+            ) from None
+
+    def ledger_status(self) -> LedgerStatus:
+        return self.ledger.status()
+
+    async def usage(self, start: float, end: float) -> list[Bucket]:
+        """The ledger's buckets of hours in [start, end), with every request settled before
+        the call; LedgerUnavailable names why not."""
+        try:
+            await self.flush_usage()
+        except StoreUnavailable as exc:  # what SQL has is still an answer... but not all of it
+            raise LedgerUnavailable(f"state store unreachable: {exc}") from exc
+        return await asyncio.to_thread(self.ledger.database.read, start, end)
 
     @property
     def running(self) -> bool:
@@ -172,16 +192,31 @@ class AdmissionRuntime:
     async def start(self, tick_interval_s: float) -> None:
         await self.driver.start()
         self._ticking = asyncio.create_task(self._tick_every(tick_interval_s))
+        self._flushing = asyncio.create_task(self._flush_every())
 
     async def stop(self) -> None:
-        if self._ticking is not None:
-            self._ticking.cancel()
-            await asyncio.gather(self._ticking, return_exceptions=True)
-            self._ticking = None
-        await self.flush_usage()  # what is in memory; what Redis holds is taken there later
+        for task in (self._ticking, self._flushing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._ticking = self._flushing = None
+        pools = list(self.config.pools)
+        await self.ledger.final(pools, 2 * self.config.usage.database_timeout_s)
         await self.driver.aclose()
         await self.ledger.aclose()
         await self.notifier.aclose()
+
+    async def _flush_every(self) -> None:
+        """The usage ledger to SQL, beside the ticks (never inside one: a database that blocks
+        must not delay leases), backing off while the database is away."""
+        while True:
+            await asyncio.sleep(self.ledger.backoff_s(self.config.usage.flush_interval_s))
+            try:
+                await self.ledger.flush(list(self.config.pools))
+            except (LedgerUnavailable, StoreUnavailable):
+                pass  # counted and logged by the flusher; the rows stay pending
+            except Exception:  # a bad flush must not end flushing for good
+                log.exception("usage flush failed")
 
     async def _tick_every(self, interval_s: float) -> None:
         while True:

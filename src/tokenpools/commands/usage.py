@@ -4,6 +4,7 @@ not run; what the store has not flushed yet is not in it (`/admin/usage` flushes
 
 from __future__ import annotations
 
+import sys
 import time
 import zoneinfo
 from pathlib import Path
@@ -16,7 +17,7 @@ from rich.table import Table
 from tokenpools.commands.common import fail
 from tokenpools.model.budgets import UsageSettings
 from tokenpools.model.config import ConfigError, load_config
-from tokenpools.usage.database import UsageDatabase
+from tokenpools.usage.database import LedgerUnavailable, UsageDatabase
 from tokenpools.usage.query import BadQuery, parse_query
 from tokenpools.usage.report import group, to_csv
 
@@ -35,6 +36,9 @@ def usage(
     ] = "tenant",
     per: Annotated[str, typer.Option(help="hour, day, month or all")] = "day",
     csv: Annotated[bool, typer.Option("--csv", help="CSV on stdout instead of a table")] = False,
+    deployment: Annotated[
+        str | None, typer.Option(help="whose rows (default: the config's usage.deployment)")
+    ] = None,
 ) -> None:
     """Usage from the ledger: requests, tokens and cost, grouped."""
     settings = UsageSettings()
@@ -51,24 +55,28 @@ def usage(
     except BadQuery as exc:
         fail(str(exc))
     url = database or settings.database_url
-    try:
-        db = UsageDatabase(url)
-    except Exception as exc:  # a file that cannot be opened, a server that does not answer
-        fail(f"cannot open the usage database {url}: {exc}")
+    db = UsageDatabase(url, deployment or settings.deployment, settings.database_timeout_s)
     try:
         rows = group(db.read(query.start, query.end), query.by, query.per, zone)
+    except LedgerUnavailable as exc:  # a file that cannot be opened, a server that is away
+        fail(str(exc))
     finally:
         db.close()
     if csv:
         typer.echo(to_csv(rows), nl=False)
         return
-    Console().print(_table(rows, query.by, query.per))
+    # Not a terminal: as wide as the table needs, so no number or name is ever cut.
+    console = Console() if sys.stdout.isatty() else Console(width=1_000_000)
+    console.print(_table(rows, query.by, query.per), crop=False)
 
 
 def _table(rows: list[dict[str, Any]], by: tuple[str, ...], per: str) -> Table:
     table = Table(title=f"usage per {per}" if per != "all" else "usage")
     for column in (*(["period"] if per != "all" else []), *by, *COLUMNS, "refused"):
-        table.add_column(column, justify="left" if column in (*by, "period") else "right")
+        left = column in (*by, "period")
+        table.add_column(
+            column, justify="left" if left else "right", no_wrap=True, min_width=len(column)
+        )
     for row in rows:
         refused = sum(row["refusals"].values())
         cells = [*([row["period"]] if per != "all" else []), *(row[d] for d in by)]

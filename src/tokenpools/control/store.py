@@ -55,6 +55,24 @@ class Charge:
 NO_CHARGE = Charge()
 
 
+def counted(charge: Charge, worst: Charge, measure: str) -> float:
+    """What a budget counts of a request's charge in its measure: at most what the request
+    reserved (its worst case), so an engine that counts more prompt tokens than admission
+    estimated cannot take a budget over its limit. The ledger keeps the engine's counts and
+    records the excess (`overrun`). The Redis script ports this (lua/metering.lua)."""
+    if measure == "cached":
+        return min(charge.cached, worst.input)
+    used: float = getattr(charge, measure)
+    cap: float = getattr(worst, measure)
+    return min(used, cap)
+
+
+def overrun(charge: Charge, worst: Charge) -> tuple[float, float]:
+    """(weighted tokens, cost) a request's charge has over its reservation: served, recorded
+    in the ledger, and not counted by its budgets."""
+    return max(0.0, charge.tokens - worst.tokens), max(0.0, charge.cost - worst.cost)
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetHold:
     """One budget a request reserves against, in its current window."""
@@ -92,7 +110,20 @@ class UsageRow:
     hour: int
     bucket: str
     values: Mapping[str, float]  # requests, input, output, cached, cost, evicted, expired,
-    version: int  # and "refused:<reason>" per refusal reason
+    version: int  # over_tokens, over_cost, and "refused:<reason>" per refusal reason
+
+
+@dataclass(frozen=True, slots=True)
+class PendingUsage:
+    """A pool's ledger rows not yet written to SQL: the oldest `rows` (at most the limit
+    asked), how many there are in all, when the oldest of them first changed (INF: none), and
+    how many the store dropped unwritten since the last read (Redis expires a row after 8 days).
+    """
+
+    rows: Sequence[UsageRow]
+    count: int
+    oldest: float
+    lost: int = 0
 
 
 @dataclass(slots=True)
@@ -307,13 +338,15 @@ class Store(Protocol):
 
     def take_window(self, name: str, now: float) -> Window: ...
 
-    def take_usage(self, pool: str, now: float) -> list[UsageRow]:
-        """The usage-ledger buckets of a pool's entitlements changed since the last take (by
-        any replica), with their totals; taking again returns nothing new."""
+    def pending_usage(self, pool: str, now: float, limit: int) -> PendingUsage:
+        """The usage-ledger rows of a pool's entitlements changed since they were last
+        acknowledged (by any replica), oldest first, with their totals. Reading changes
+        nothing: a row stays pending until `ack_usage` says it is committed."""
         ...
 
-    def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
-        """Rows taken but not written anywhere: taken again next time."""
+    def ack_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
+        """These rows are committed to SQL: each stops being pending unless its bucket changed
+        since (a newer version), which is then written next time."""
         ...
 
     def budget_usage(

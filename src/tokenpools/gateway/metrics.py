@@ -223,6 +223,25 @@ class _StateCollector(Collector):
         )
         for name, counter in gw.counters.items():
             estimated.add_metric([name], counter.fallbacks)
+        ledger = gw.admission.ledger_status()
+        pending = GaugeMetricFamily(
+            "tokenpools_usage_pending_rows",
+            "Usage-ledger rows counted in the store and not yet committed to SQL",
+        )
+        pending.add_metric([], ledger.pending_rows)
+        oldest = GaugeMetricFamily(
+            "tokenpools_usage_oldest_pending_seconds",
+            "How long the oldest pending usage-ledger row has waited for SQL (0: none)",
+        )
+        oldest.add_metric([], ledger.oldest_pending_s)
+        failures = CounterMetricFamily(
+            "tokenpools_usage_flush_failures", "Usage-ledger flushes that failed"
+        )
+        failures.add_metric([], ledger.flush_failures)
+        written = CounterMetricFamily(
+            "tokenpools_usage_rows_written", "Usage-ledger rows committed to SQL"
+        )
+        written.add_metric([], ledger.rows_written)
         for name, pool in gw.pools.items():
             for b in pool.backends:
                 families["backend_healthy"].add_metric([name, b.spec.url], float(b.healthy))
@@ -231,7 +250,7 @@ class _StateCollector(Collector):
             up.add_metric([], 1)
         except StoreUnavailable:
             up.add_metric([], 0)
-        yield from (*families.values(), up, fallback, estimated)
+        yield from (*families.values(), up, fallback, estimated, pending, oldest, failures, written)
 
     def _collect_state(self, families: dict[str, GaugeMetricFamily]) -> None:
         now = self.gateway.clock()

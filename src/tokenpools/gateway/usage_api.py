@@ -1,10 +1,9 @@
 """`/admin/usage` (the ledger, grouped; JSON or CSV) and `/admin/budgets` (each budget's
 current window): admin keys only. The usage the store holds is flushed to SQL first, so an
-answer includes every request settled before it."""
+answer includes every request settled before it; while the ledger's database cannot be
+written or read, a 503 names why (the usage waits in the store)."""
 
 from __future__ import annotations
-
-import asyncio
 
 from aiohttp import web
 
@@ -13,6 +12,7 @@ from tokenpools.control.store import StoreUnavailable
 from tokenpools.gateway.admin import not_admin
 from tokenpools.gateway.responses import error
 from tokenpools.gateway.runtime import GATEWAY
+from tokenpools.usage.database import LedgerUnavailable
 from tokenpools.usage.query import BadQuery, parse_query
 from tokenpools.usage.report import group, to_csv
 
@@ -30,9 +30,10 @@ async def admin_usage(request: web.Request) -> web.Response:
         query = parse_query(params, budgets.zone, gw.clock())
     except BadQuery as exc:
         return error(400, str(exc), "invalid_request_error", "invalid_parameter")
-    await gw.admission.flush_usage()
-    db = await gw.admission.ledger.database()
-    buckets = await asyncio.to_thread(db.read, query.start, query.end)
+    try:
+        buckets = await gw.admission.usage(query.start, query.end)
+    except LedgerUnavailable as exc:
+        return error(503, str(exc), "server_error", "ledger_unavailable")
     rows = group(buckets, query.by, query.per, budgets.zone)
     if fmt == "csv":
         return web.Response(text=to_csv(rows), content_type="text/csv")

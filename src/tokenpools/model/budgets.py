@@ -4,6 +4,7 @@ prices are micro-units per million tokens, so a request's cost is an integer div
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -75,17 +76,24 @@ class UsageSettings:
     database: str = ""  # sqlite:///path or postgresql://...; empty: default_database()
     flush_interval_s: float = 10.0
     webhook: Webhook | None = None
+    deployment: str = "default"  # every ledger row's, and what reports read
+    database_timeout_s: float = 10.0  # a statement, a connection: then the rows wait
+    origin: str = ""  # the config file's absolute path ("" when not from a file)
 
     @property
     def database_url(self) -> str:
-        return self.database or default_database()
+        return self.database or default_database(self.deployment, self.origin)
 
 
-def default_database() -> str:
+def default_database(deployment: str = "default", origin: str = "") -> str:
     """SQLite in the user's state directory (XDG), so a plain `tokenpools serve` needs no
-    server and writes nothing into the working directory."""
+    server and writes nothing into the working directory: a file per deployment and config
+    file, so gateways of unrelated configs on one machine never share a ledger."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return f"sqlite:///{Path(base) / 'tokenpools' / 'usage.sqlite3'}"
+    name = deployment
+    if origin:
+        name += "-" + hashlib.sha256(origin.encode()).hexdigest()[:10]
+    return f"sqlite:///{Path(base) / 'tokenpools' / f'usage-{name}.sqlite3'}"
 
 
 def micro_units(amount: str | float | int) -> int:

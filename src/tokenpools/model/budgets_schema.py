@@ -137,6 +137,10 @@ class UsageSpec(Strict):
     timeZone: str = "UTC"
     database: Annotated[str, Field(pattern=r"^(sqlite:///.+|postgres(ql)?://\S+)$")] | None = None
     flushIntervalS: Pos = 10.0
+    # every ledger row carries it and every report reads only its own: deployments sharing a
+    # database stay apart
+    deployment: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")] = "default"
+    databaseTimeoutS: Annotated[float, Field(gt=0, le=300)] = 10.0
     webhook: WebhookSpec | None = None
 
     @field_validator("timeZone")
@@ -152,4 +156,11 @@ class UsageSpec(Strict):
 
     def to_settings(self) -> UsageSettings:
         webhook = None if self.webhook is None else self.webhook.to_webhook()
-        return UsageSettings(self.timeZone, self.database or "", self.flushIntervalS, webhook)
+        return UsageSettings(
+            self.timeZone,
+            self.database or "",
+            self.flushIntervalS,
+            webhook,
+            self.deployment,
+            self.databaseTimeoutS,
+        )

@@ -5,7 +5,7 @@ errors that name the field, into the frozen `Config` the rest of the code sees.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +120,11 @@ def load_config(path: str | Path) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     try:
-        return parse_config(data)
+        config = parse_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: invalid config\n{exc}") from None
+    # the default ledger is this file's own (model/budgets.py default_database)
+    return replace(config, usage=replace(config.usage, origin=str(path.resolve())))
 
 
 def format_errors(exc: ValidationError) -> str:

@@ -14,6 +14,7 @@ from tokenpools.control.store import (
     Charge,
     EntitlementCounters,
     Lease,
+    PendingUsage,
     PoolCounters,
     Scores,
     UsageRow,
@@ -115,7 +116,7 @@ class MemoryBook:
             charge = meter.worst
         if meter.holds:
             self._budgets.charge(meter, charge)
-        self._usage.ended(lease.pool, meter.bucket, now, charge, how)
+        self._usage.ended(lease.pool, meter.bucket, now, charge, how, meter.worst)
 
     @staticmethod
     def _update_holdback(e: EntitlementAccount, p: PoolAccount) -> None:
@@ -140,11 +141,11 @@ class MemoryBook:
     def take_window(self, name: str, now: float) -> Window:
         return self._ents[name].take_window(now)
 
-    def take_usage(self, pool: str, now: float) -> list[UsageRow]:
-        return self._usage.take(pool, now)
+    def pending_usage(self, pool: str, now: float, limit: int) -> PendingUsage:
+        return self._usage.pending(pool, limit)
 
-    def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
-        self._usage.put_back(pool, rows)
+    def ack_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
+        self._usage.ack(pool, rows)
 
     def budget_usage(
         self, holds: Sequence[BudgetHold], now: float

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenpools.control.store import INF, Charge, Meter, UsageRow
+from tokenpools.control.store import INF, Charge, Meter, PendingUsage, UsageRow, counted, overrun
 
 HOUR = 3600
 # A bucket's values: requests, the Charge's measures, evicted, expired, and per refusal
@@ -60,13 +60,13 @@ class BudgetBook:
         return tuple(left)
 
     def charge(self, meter: Meter, charge: Charge) -> None:
-        """A lease ended: its holds go, its charge is used."""
+        """A lease ended: its holds go, its charge is used (at most its reservation)."""
         holds, needs = meter.holds, meter.needs
         for i in range(len(holds)):
             hold = holds[i]
             c = self._counters[hold.key]
             c.held -= needs[i]
-            c.used += getattr(charge, hold.measure)
+            c.used += counted(charge, meter.worst, hold.measure)
 
     def left(self, meter: Meter) -> tuple[float, ...]:
         out = []
@@ -101,46 +101,55 @@ class _Hour:
     """One hour of one ledger bucket, as counted here."""
 
     pool: str
+    bucket: str
     hour: int
     values: dict[str, float] = field(default_factory=dict)
     version: int = 0
+    since: float = INF  # when it first changed after its last acknowledged write; INF: written
 
-    def row(self, source: str, bucket: str) -> UsageRow:
-        return UsageRow(source, self.hour, bucket, dict(self.values), self.version)
+    def row(self, source: str) -> UsageRow:
+        return UsageRow(source, self.hour, self.bucket, dict(self.values), self.version)
 
 
 class UsageBook:
     """Usage buckets: each bucket's latest hour is open (one lookup per event, by the bucket's
-    name, which names its entitlement and so its pool); a bucket's earlier hours wait, closed,
-    until taken. Written on every lease end and refusal: plain dict increments."""
+    name, which names its entitlement and so its pool). An hour that changed stays pending, in
+    the order it first changed, until a write of its latest version is acknowledged; an hour
+    that is no longer a bucket's latest is forgotten then. Written on every lease end and
+    refusal: plain dict increments."""
 
     def __init__(self, source: str) -> None:
         self.source = source
         self._open: dict[str, _Hour] = {}  # bucket -> its latest hour
-        self._closed: list[tuple[str, _Hour]] = []  # earlier hours changed since the last take
-        self._dirty: set[str] = set()  # buckets whose open hour changed since the last take
+        self._pending: dict[str, dict[tuple[str, int], _Hour]] = {}  # pool -> oldest first
 
     def _values(self, pool: str, bucket: str, now: float) -> dict[str, float]:
         hour = int(now // HOUR) * HOUR
         h = self._open.get(bucket)
         if h is None or hour > h.hour:
-            if h is not None and bucket in self._dirty:
-                self._closed.append((bucket, h))
-            h = self._open[bucket] = _Hour(pool, hour)
+            h = self._open[bucket] = _Hour(pool, bucket, hour)
         h.version += 1
-        self._dirty.add(bucket)
+        if h.since == INF:
+            h.since = now
+            self._pending.setdefault(pool, {})[(bucket, hour)] = h
         return h.values
 
-    def ended(self, pool: str, bucket: str, now: float, charge: Charge, how: str) -> None:
-        """A lease ended, charged `charge`; `how`: settled, released, evicted or expired."""
+    def ended(
+        self, pool: str, bucket: str, now: float, charge: Charge, how: str, worst: Charge
+    ) -> None:
+        """A lease ended, charged `charge` (it reserved `worst`); `how`: settled, released,
+        evicted or expired."""
         v = self._values(pool, bucket, now)
         v["requests"] = v.get("requests", 0.0) + 1.0
+        over_tokens, over_cost = overrun(charge, worst)
         for measure, amount in (
             ("input", charge.input),
             ("output", charge.output),
             ("cached", charge.cached),
             ("tokens", charge.tokens),
             ("cost", charge.cost),
+            ("over_tokens", over_tokens),
+            ("over_cost", over_cost),
         ):
             if amount:
                 v[measure] = v.get(measure, 0.0) + amount
@@ -152,22 +161,20 @@ class UsageBook:
         name = _REFUSED.get(reason) or _REFUSED.setdefault(reason, f"refused:{reason}")
         v[name] = v.get(name, 0.0) + 1.0
 
-    def take(self, pool: str, now: float) -> list[UsageRow]:
-        """The pool's hours changed since the last take; hours that can no longer change
-        (not a bucket's latest) are forgotten once taken."""
-        rows = [h.row(self.source, b) for b, h in self._closed if h.pool == pool]
-        self._closed = [(b, h) for b, h in self._closed if h.pool != pool]
-        for bucket in [b for b in self._dirty if self._open[b].pool == pool]:
-            self._dirty.discard(bucket)
-            rows.append(self._open[bucket].row(self.source, bucket))
-        return rows
+    def pending(self, pool: str, limit: int) -> PendingUsage:
+        hours = self._pending.get(pool, {})
+        rows: list[UsageRow] = []
+        for h in hours.values():
+            if len(rows) >= limit:
+                break
+            rows.append(h.row(self.source))
+        oldest = next(iter(hours.values())).since if hours else INF
+        return PendingUsage(rows, len(hours), oldest)
 
-    def put_back(self, pool: str, rows: Sequence[UsageRow]) -> None:
-        """Rows taken but not written: taken again (the newest totals of each hour)."""
+    def ack(self, pool: str, rows: Sequence[UsageRow]) -> None:
+        hours = self._pending.get(pool, {})
         for row in rows:
-            h = self._open.get(row.bucket)
-            if h is not None and h.hour == row.hour:
-                self._dirty.add(row.bucket)  # its newest totals are still here
-            elif not any(b == row.bucket and c.hour == row.hour for b, c in self._closed):
-                again = _Hour(pool, row.hour, dict(row.values), row.version)
-                self._closed.append((row.bucket, again))
+            h = hours.get((row.bucket, row.hour))
+            if h is not None and h.version == row.version:  # not changed since it was read
+                del hours[(row.bucket, row.hour)]
+                h.since = INF

@@ -28,6 +28,7 @@ from tokenpools.control.store import (
     EntitlementCounters,
     Lease,
     Outcome,
+    PendingUsage,
     PoolCounters,
     Reservation,
     Scores,
@@ -271,13 +272,15 @@ class RedisStore(RedisLink):
 
     # -- budgets and the usage ledger ----------------------------------------------------
 
-    def take_usage(self, pool: str, now: float) -> list[UsageRow]:
+    def pending_usage(self, pool: str, now: float, limit: int) -> PendingUsage:
         source = f"redis:{self._prefix}:{pool}:{self.epoch(pool)}"
-        return [wire.usage_row(source, row) for row in self._call(pool, "take_usage", now, ())]
+        args = wire.args("pending_usage", limit=str(limit))
+        return wire.pending_usage(source, self._call(pool, "pending_usage", now, args))
 
-    def put_back_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
+    def ack_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
         if rows:
-            self._call(pool, "put_back_usage", now, [f"{r.hour}:{r.bucket}" for r in rows])
+            pairs = [a for r in rows for a in (f"{r.hour}:{r.bucket}", str(r.version))]
+            self._call(pool, "ack_usage", now, pairs)
 
     def budget_usage(
         self, holds: Sequence[BudgetHold], now: float

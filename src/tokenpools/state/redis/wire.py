@@ -17,9 +17,11 @@ from typing import Any
 
 from tokenpools.control import backfill
 from tokenpools.control.store import (
+    INF,
     BudgetHold,
     EntitlementCounters,
     Lease,
+    PendingUsage,
     PoolCounters,
     Reservation,
     ReservePlan,
@@ -71,8 +73,8 @@ OPS: dict[str, tuple[str, ...]] = {
     "claim_update": ("period",),
     "pool_counters": (),
     "entitlement_counters": ("name",),
-    "take_usage": (),  # the ledger buckets changed since the last take, and their totals
-    "put_back_usage": (),  # then the members ("<hour>:<bucket>") to take again
+    "pending_usage": ("limit",),  # the oldest ledger rows not yet written, and their totals
+    "ack_usage": (),  # then member ("<hour>:<bucket>"), version pairs committed to SQL
 }
 # Counter dataclass field -> the Lua hash field it is read from, in dataclass order.
 POOL_COUNTERS = {
@@ -262,8 +264,19 @@ def layers_args(
     ]
 
 
+def pending_usage(source: str, reply: Sequence[Any]) -> PendingUsage:
+    """A pending_usage reply: count, oldest, lost, then the rows."""
+    count, oldest, lost, rows = reply
+    return PendingUsage(
+        [usage_row(source, row) for row in rows],
+        int(_text(count)),
+        float(_text(oldest)) if _text(oldest) else INF,
+        int(_text(lost)),
+    )
+
+
 def usage_row(source: str, row: Sequence[Any]) -> UsageRow:
-    """A take_usage row: "<hour>:<bucket>", then field, value pairs ('v': its version)."""
+    """A pending_usage row: "<hour>:<bucket>", then field, value pairs ('v': its version)."""
     member, *pairs = (_text(v) for v in row)
     hour, bucket = member.split(":", 1)
     values = {pairs[i]: float(pairs[i + 1]) for i in range(0, len(pairs), 2)}

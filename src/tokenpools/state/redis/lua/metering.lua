@@ -6,7 +6,9 @@
 --                         n:<threshold> once its notice is claimed
 --   P:u:<hour>:<b> hash   one hour's usage of one ledger bucket: a field per measure and
 --                         count, v its version
---   P:ud           set    "<hour>:<bucket>" changed since the last take_usage
+--   P:up           zset   "<hour>:<bucket>" not yet written to SQL, scored by when it first
+--                         changed after its last acknowledged write (an earlier version kept
+--                         a set P:ud: its members join once)
 
 local HOUR = 3600
 local LEDGER_TTL = 8 * 24 * 3600  -- a bucket is taken (written to SQL) well before this
@@ -54,6 +56,14 @@ local function budget_hold(holds, w)
   end
 end
 
+-- What a budget counts of a charge in measure m: at most the reservation (control/store.py
+-- counted).
+local function counted(charge, w, m)
+  local cap = w[m]
+  if m == 'cached' then cap = w.input end
+  return math.min(charge[m], cap)
+end
+
 local function budget_left(holds)
   local left = {}
   for _, h in ipairs(holds) do
@@ -71,7 +81,7 @@ local function ledger_add(bucket, now, values)
   end
   redis.call('HINCRBY', key, 'v', 1)
   redis.call('EXPIRE', key, LEDGER_TTL)
-  redis.call('SADD', P .. ':ud', member)
+  redis.call('ZADD', P .. ':up', 'NX', fmt(now), member)
 end
 
 local function ledger_refused(bucket, reason, now)
@@ -87,21 +97,51 @@ local function meter_end(l, now, charge, how)
   for i = 1, #holds, 2 do
     local key, m = holds[i], holds[i + 1]
     local used, held = budget_counter(key)
-    redis.call('HSET', key, 'held', fmt(held - w[m]), 'used', fmt(used + charge[m]))
+    redis.call('HSET', key, 'held', fmt(held - w[m]), 'used', fmt(used + counted(charge, w, m)))
   end
   local values = { requests = 1, input = charge.input, output = charge.output,
-    cached = charge.cached, tokens = charge.tokens, cost = charge.cost }
+    cached = charge.cached, tokens = charge.tokens, cost = charge.cost,
+    over_tokens = math.max(0, charge.tokens - w.tokens),
+    over_cost = math.max(0, charge.cost - w.cost) }
   if how == 'evicted' or how == 'expired' then values[how] = 1 end
   ledger_add(l.bucket, now, values)
 end
 
-local function take_usage()
-  local rows = {}
-  for _, member in ipairs(redis.call('SMEMBERS', P .. ':ud')) do
-    local row = { member }
-    for _, v in ipairs(redis.call('HGETALL', P .. ':u:' .. member)) do row[#row + 1] = v end
-    rows[#rows + 1] = row
+-- The oldest `limit` pending rows, as {count, oldest, lost, rows}: how many are pending, when
+-- the oldest first changed ('' when none), how many had expired unwritten (LEDGER_TTL) and are
+-- dropped now, and each row: "<hour>:<bucket>", then field, value pairs. Changes nothing else.
+local function pending_usage(limit, now)
+  local queue, old = P .. ':up', P .. ':ud'
+  if redis.call('EXISTS', old) == 1 then
+    for _, member in ipairs(redis.call('SMEMBERS', old)) do
+      redis.call('ZADD', queue, 'NX', fmt(now), member)
+    end
+    redis.call('DEL', old)
   end
-  redis.call('DEL', P .. ':ud')
-  return rows
+  local rows, lost = {}, 0
+  local members = redis.call('ZRANGE', queue, 0, limit - 1)
+  for _, member in ipairs(members) do
+    local values = redis.call('HGETALL', P .. ':u:' .. member)
+    if #values == 0 then
+      redis.call('ZREM', queue, member)
+      lost = lost + 1
+    else
+      local row = { member }
+      for _, v in ipairs(values) do row[#row + 1] = v end
+      rows[#rows + 1] = row
+    end
+  end
+  local first = redis.call('ZRANGE', queue, 0, 0, 'WITHSCORES')
+  return { tostring(redis.call('ZCARD', queue)), first[2] or '', tostring(lost), rows }
+end
+
+-- Rows committed to SQL, as member, version pairs from `from` on: each leaves the queue unless
+-- it changed since (its version moved on).
+local function ack_usage(from)
+  for i = from, #ARGV, 2 do
+    if redis.call('HGET', P .. ':u:' .. ARGV[i], 'v') == ARGV[i + 1] then
+      redis.call('ZREM', P .. ':up', ARGV[i])
+    end
+  end
+  return 'ok'
 end

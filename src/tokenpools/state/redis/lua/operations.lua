@@ -266,11 +266,8 @@ if op == 'finish' then
   save(P, p, POOL_FIELDS)
   return ended
 end
-if op == 'take_usage' then return take_usage() end
-if op == 'put_back_usage' then
-  for i = H.owner + 1, #ARGV do redis.call('SADD', P .. ':ud', ARGV[i]) end  -- after the header
-  return 'ok'
-end
+if op == 'pending_usage' then return pending_usage(tonumber(ARGV[A.limit]), now) end
+if op == 'ack_usage' then return ack_usage(H.owner + 1) end  -- the pairs follow the header
 p = load(P)
 if op == 'configure_entitlement' then return configure_entitlement(p, now) end
 if op == 'remove_entitlement' then return remove_entitlement(p, now) end
