@@ -309,7 +309,7 @@ async def experiment1(args: argparse.Namespace, litellm: Path, target: str) -> d
     timeline: Timeline = []
     try:
         emulator = await lab.emulator(scenario.engine.profile, 1.0)
-        config = gateway_config(scenario, emulator.url, keys)
+        config = gateway_config(scenario, emulator.url, keys, lab.dir / f"{target}-usage.sqlite3")
         config["pools"][0]["servedModels"] = [model]
         if target == "tokenpools":
             initial, timeline = joining(scenario, config, lab.dir / f"{target}.yaml")

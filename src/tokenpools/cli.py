@@ -196,7 +196,8 @@ def demo(
         "in parallel, straight to an identical emulated backend..."
     )
     with progress(loaded.duration_s) as advance:
-        results = asyncio.run(run_demo(loaded, speed, lambda t: advance("over HTTP", t)))
+        ledger = out / "usage.sqlite3"  # the demo's own; the user's default ledger stays apart
+        results = asyncio.run(run_demo(loaded, speed, lambda t: advance("over HTTP", t), ledger))
     typer.echo(write_demo(loaded, results, out, json_path))
     drawn = " and figures" if any(out.glob("*.png")) else ""
     typer.echo(f"\nwrote {out / 'summary.json'}{drawn}" + (f", {json_path}" if json_path else ""))

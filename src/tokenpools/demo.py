@@ -13,6 +13,7 @@ import asyncio
 import copy
 import json
 import subprocess
+import tempfile
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,9 +56,13 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-def gateway_config(scenario: Scenario, backend: str, keys: dict[str, str]) -> dict[str, Any]:
-    """The scenario's tokenpools config, with the backend, the model and the tenants' keys."""
+def gateway_config(
+    scenario: Scenario, backend: str, keys: dict[str, str], ledger: Path
+) -> dict[str, Any]:
+    """The scenario's tokenpools config, with the backend, the model, the tenants' keys and
+    a usage ledger of the demo's own (never the user's default one)."""
     data = copy.deepcopy(scenario.tokenpools)
+    data["usage"] = {"database": f"sqlite:///{ledger.resolve()}", "deployment": "demo"}
     pool = data["pools"][0]
     pool["backends"] = [{"url": backend}]
     pool["servedModels"] = [MODEL]
@@ -77,14 +82,20 @@ def without_entitlements(data: dict[str, Any], names: set[str]) -> dict[str, Any
 
 
 async def run_demo(
-    scenario: Scenario, speed: float = 1.0, progress: Callable[[float], None] | None = None
+    scenario: Scenario,
+    speed: float = 1.0,
+    progress: Callable[[float], None] | None = None,
+    ledger: Path | None = None,
 ) -> tuple[RunResult, RunResult]:
+    """`ledger`: the SQLite file of the demo's usage (default: one in a temporary folder)."""
+    if ledger is None:
+        ledger = Path(tempfile.mkdtemp(prefix="tokenpools-demo-")) / "usage.sqlite3"
     profile = load_profile(scenario.engine.profile)
     keys = {t.name: f"sk-demo-{t.name}" for t in scenario.tenants}
     emu_with, url_with = await _emulator(scenario.engine.profile, speed)
     emu_without, url_without = await _emulator(scenario.engine.profile, speed)
     profile = profile.faster(speed)  # demand in slots follows the engines' pace
-    data = gateway_config(scenario, url_with, keys)
+    data = gateway_config(scenario, url_with, keys, ledger)
     joining = {t.entitlement or t.name: t for t in scenario.tenants if t.entitlement_while_active}
     absent = set(joining)
     gateway = Gateway(parse_config(without_entitlements(data, absent)))
