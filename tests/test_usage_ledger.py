@@ -289,3 +289,25 @@ def pending_rows() -> list[UsageRow]:
     core = DecisionCore(parse_config(CONFIG), MemoryStore(), now=0.0)
     traffic(core, 6, 1_800_000_000.0)
     return pending(core.store, 1_800_020_000.0)
+
+
+def test_the_usage_table_cuts_nothing_when_piped(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tokenpools.cli import app as cli
+
+    url = f"sqlite:///{tmp_path / 'wide.sqlite3'}"
+    db = UsageDatabase(url, "wide")
+    tenant = "a-tenant-with-a-rather-long-name-" + "x" * 30
+    big = {"requests": 123_456_789_012.0, "input": 98_765_432_109_876.0, "cost": 5e12}
+    row = UsageRow("memory:x", 1_800_000_000, "\x1f".join((tenant, "e", "k", "m")), big, 1)
+    db.write([row])
+    db.close()
+    out = CliRunner().invoke(
+        cli, ["usage", "--database", url, "--deployment", "wide", "--per", "all", "--by",
+              "tenant,entitlement,key,model", "--from", "2026-01-01", "--to", "2027-12-31"],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert tenant in out.output and "…" not in out.output
+    for number in ("123,456,789,012", "98,765,432,109,876", "5000000"):
+        assert number in out.output, out.output
