@@ -72,7 +72,9 @@ def run(core: DecisionCore, rng: random.Random) -> dict[str, float]:
             d = core.admit("a", RequestCost(estimate, rng.randint(0, 200), 1, account), now)
             if isinstance(d, Admit):
                 assert d.lease.meter is not None
-                assert d.lease.meter.worst == worst_case(pool, estimate, d.lease.meter.worst.output)
+                assert d.lease.meter.worst == worst_case(
+                    pool, estimate, int(d.lease.meter.worst.output)
+                )
                 held.append((d, estimate))
         for b in budget_status(core, now):
             assert b["used"] + b["held"] <= b["limit"], b  # never above, at any instant
