@@ -29,9 +29,6 @@ def _binary(name: str) -> str:
     return found
 
 
-_QUIET = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-
-
 class PostgresServer:
     """A cluster of its own (database `postgres`, user `tokenpools`) on a fixed loopback port:
     `start()`, `stop()` and `start()` again keep its data and its URL."""
@@ -49,7 +46,8 @@ class PostgresServer:
             [*self._as_user, _binary("initdb"), "-D", self.data, "-U", "tokenpools",
              "--auth=trust", "-E", "UTF8"],
             check=True,
-            **_QUIET,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
     @property
@@ -63,7 +61,8 @@ class PostgresServer:
         self._proc = subprocess.Popen(
             [*self._as_user, _binary("postgres"), "-D", self.data, "-p", str(self.port),
              "-k", self.root, "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-            **_QUIET,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )  # fmt: skip
         wait_port(self.port, self._proc, timeout_s=timeout_s)
 
@@ -76,7 +75,8 @@ class PostgresServer:
             [*self._as_user, _binary("pg_ctl"), "stop", "-D", self.data, "-m", mode, "-w",
              "-t", str(int(timeout_s))],
             check=False,
-            **_QUIET,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )  # fmt: skip
         assert self._proc is not None
         try:

@@ -2,38 +2,43 @@
 real gateway processes (`tokenpools serve`) in front of an emulated engine, on the memory store
 and on Redis, write their ledger to a real PostgreSQL server or to a SQLite file, while 16-32
 clients of the official (async) openai client send whole answers and streams (n = 1 or 2),
-and a fault schedule drawn by hypothesis runs against them:
+and hypothesis draws the faults: a restart and a lock in either order, perhaps a third of
+either kind, each with its own gap and length; on Redis perhaps a kill.
 
 - `outage`: PostgreSQL is shut down (fast: its connections cut, open transactions rolled
-  back) for a while, then started again on the same data and port;
+  back) for 2.5-3.5 s, then started again on the same data and port. The gateways get
+  `usage.databaseTimeoutS: 1`, so that this is an outage to them, not a wait;
 - `lock`: the ledger's table is locked from a connection of the test's own for longer than
   `replicaTimeoutS` (PostgreSQL: `LOCK TABLE usage_buckets IN ACCESS EXCLUSIVE MODE`; SQLite:
   `BEGIN EXCLUSIVE`). SQLite has no server to stop: there an outage is a lock too;
-- `kill` (Redis only): replica 0 is killed with SIGKILL during the first fault, so mid-flush:
-  its in-flight requests end by lease expiry, and what it had taken to write is not lost. On
-  the memory store a SIGKILL loses what was not flushed (documented), so memory runs end with
-  a graceful stop instead, after which nothing may be missing.
+- `kill` (Redis only): replica 0 is killed with SIGKILL 0.3-2 s after the first fault began,
+  so while its flushes fail or wait: its requests in flight end by lease expiry, and the rows
+  it was writing are not lost. On the memory store a SIGKILL loses what was not flushed
+  (documented), so memory runs end with a graceful stop instead; nothing may be missing then.
 
 Meanwhile `/admin/usage` is polled on every live replica (the dashboard does every 15 s): it
-answers 200, or 503 with an OpenAI error body while the database is down, never anything else,
-and leaves no transaction open on PostgreSQL; `/metrics` shows rows pending and flushes failing
-during an outage, and no rows pending once it is over.
+answers 200, or 503 with an OpenAI error body naming the database while it is down, never
+anything else, and leaves no transaction open on PostgreSQL; `/metrics` shows rows pending and
+flushes failing during an outage, and no rows pending once the load is over.
 
 At the end the ledger's rows (read with the test's own SQL connection, for this run's
 `deployment` only) equal, bucket by bucket (tenant x key x model), what the clients saw
 settled: requests, prompt and completion tokens, cost at the pool's prices, no eviction, no
-expiry. Requests whose outcome a client cannot know exactly (hang-ups mid-stream; requests in
-flight at the killed replica) use keys of their own and are checked with bounds. No stream is
-cut by a ledger stall: every stream not at the killed replica ends with its final usage chunk,
-having streamed every token it counts. `test_long_streams_outlive_a_table_lock` pins the
-harshest case: streams running across a 5 s table lock, with requests settling meanwhile.
+expiry. Requests a client cannot know the charge of (hang-ups mid-stream; requests in flight
+at the killed replica) are under keys of their own and checked with bounds. No stream is cut by
+a ledger stall: every stream not at the killed replica ends with its final usage chunk, having
+streamed every token it counts. `test_long_streams_outlive_a_table_lock` pins the harshest
+case: 8 streams of ~8 s across a 5 s table lock on Redis, the database's default timeout (a
+flush waits through the whole lock), answers settling meanwhile.
 
-More examples: TOKENPOOLS_FAULT_EXAMPLES=N (2 per store x database by default)."""
+More examples: TOKENPOOLS_FAULT_EXAMPLES=N (2 per store x database by default; the first is
+always hypothesis's simplest schedule)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -64,6 +69,7 @@ psycopg = pytest.importorskip("psycopg")
 LEASE_TTL_S = 2.0
 REPLICA_TIMEOUT_S = 2.0
 FLUSH_INTERVAL_S = 0.5
+DATABASE_TIMEOUT_S = 1.0  # usage.databaseTimeoutS of the drawn runs (Plan)
 EMULATOR_SPEED = 0.5  # ~75 tokens/s per stream
 MAX_TOKENS = (8, 32, 128, 300)  # 300: a stream of ~4 s
 LONG_STREAM = 600  # ~8 s
@@ -106,19 +112,25 @@ def _seconds(lo: float, hi: float) -> st.SearchStrategy[float]:
     return st.floats(lo, hi).map(lambda s: round(s, 2))
 
 
-FAULTS = st.one_of(
-    st.builds(Fault, st.just("outage"), _seconds(0.3, 1.0), _seconds(1.0, 2.5)),
-    st.builds(
-        Fault,
-        st.just("lock"),
-        _seconds(0.3, 1.0),
-        _seconds(REPLICA_TIMEOUT_S + 0.5, REPLICA_TIMEOUT_S + 1.5),
-    ),
-)
+HOLDS = {
+    "outage": _seconds(2.5, 3.5),  # over 2 x databaseTimeoutS + flushIntervalS: see fault_checks
+    "lock": _seconds(REPLICA_TIMEOUT_S + 0.5, REPLICA_TIMEOUT_S + 1.5),  # past replicaTimeoutS
+}
+
+
+@st.composite
+def fault_lists(draw: st.DrawFn) -> tuple[Fault, ...]:
+    """A restart and a lock, in either order, perhaps a third of either kind; drawn gaps and
+    lengths."""
+    kinds = draw(st.permutations(["outage", "lock"]))
+    kinds += draw(st.lists(st.sampled_from(["outage", "lock"]), max_size=1))
+    return tuple(Fault(k, draw(_seconds(0.3, 1.0)), draw(HOLDS[k])) for k in kinds)
+
+
 SCHEDULES = st.builds(
     Schedule,
-    st.lists(FAULTS, min_size=1, max_size=3).map(tuple),
-    st.none() | _seconds(0.3, 2.0),
+    fault_lists(),
+    _seconds(0.3, 2.0) | st.none(),
     st.integers(16, 32),
     st.integers(0, 2**16),
 )
@@ -130,6 +142,10 @@ class Plan:
     database: str  # postgres | sqlite
     schedule: Schedule
     long_streams: bool = False  # half the clients stream LONG_STREAM tokens, half short answers
+    # usage.databaseTimeoutS: how long a flush or /admin/usage waits for the database before
+    # it counts as unreachable (a failure; a 503). Short, so that the drawn outages are
+    # outages; None: the default (10 s), so that a flush blocks through a whole table lock.
+    database_timeout_s: float | None = DATABASE_TIMEOUT_S
 
     @property
     def kills(self) -> bool:
@@ -179,6 +195,31 @@ class Seen:
     open_transactions: list[str] = field(default_factory=list)
     killed_at: float | None = None
     ledger: dict[Bucket, dict[str, float]] = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+
+    def at(self, t: float) -> str:
+        return f"t={t - self.t0:.2f}s"
+
+    def around(self, window: Window) -> str:
+        """What /admin/usage answered and /metrics said around a fault: for a failure message."""
+
+        def value(v: float | None) -> str:
+            return "-" if v is None else f"{v:g}"
+
+        calls = [
+            f"{self.at(c.start)}..{c.end - self.t0:.2f}s replica {c.replica}: {c.status}"
+            for c in self.admin
+            if c.end >= window.start and c.start <= window.end
+        ]
+        samples = [
+            f"{self.at(t)} replica {r}: {' '.join(map(value, values.values()))}"
+            for t, r, values in self.metrics
+            if window.start - 0.5 <= t <= window.end + 2.0
+        ]
+        return (
+            f"{window.kind} {self.at(window.start)}..{window.end - self.t0:.2f}s;"
+            f" /admin/usage calls: {calls}; {', '.join(LEDGER_METRICS)}: {samples}"
+        )
 
     def settle(self, bucket: Bucket, prompt: int, completion: int) -> None:
         totals = self.settled.setdefault(bucket, Counter())
@@ -197,8 +238,6 @@ LEDGER_COLUMNS = ("requests", "input_tokens", "output_tokens", "cached_tokens",
 def _summed(rows: list[tuple[Any, ...]]) -> dict[Bucket, dict[str, float]]:
     """Rows of (tenant, key_label, model, *LEDGER_COLUMNS, refusals JSON), every source and
     hour added up per (tenant, key_label, model)."""
-    import json
-
     out: dict[Bucket, dict[str, float]] = {}
     for tenant, label, model, *values, refusals in rows:
         totals = out.setdefault((tenant, label, model), dict.fromkeys(LEDGER_COLUMNS, 0.0))
@@ -296,7 +335,7 @@ class Sqlite:
         self.path, self.url = path, f"sqlite:///{path}"
 
     def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self.path, timeout=5, isolation_level=None)
+        return sqlite3.connect(self.path, timeout=5, isolation_level=None, check_same_thread=False)
 
     async def outage(self, hold_s: float, seen: Seen) -> None:
         await self.lock(hold_s, seen)
@@ -348,7 +387,11 @@ def gateway_config(
     if plan.store == "redis":
         state = {"backend": "redis", "url": redis_url, "keyPrefix": deployment,
                  "timeoutMs": 1000, "replicaTimeoutS": REPLICA_TIMEOUT_S}  # fmt: skip
-    keys = {t: [] for t in TENANTS}
+    usage = {"database": database.url, "flushIntervalS": FLUSH_INTERVAL_S,
+             "deployment": deployment}  # fmt: skip
+    if plan.database_timeout_s is not None:
+        usage["databaseTimeoutS"] = plan.database_timeout_s
+    keys: dict[str, list[dict[str, str]]] = {t: [] for t in TENANTS}
     for tenant in TENANTS:
         for replica in range(REPLICAS):
             key, label = key_of(tenant, replica)
@@ -358,8 +401,7 @@ def gateway_config(
         "state": state,
         "policy": {"leaseTtlS": LEASE_TTL_S},
         "gateway": {"adminKeys": [hash_key("sk-admin")]},
-        "usage": {"database": database.url, "flushIntervalS": FLUSH_INTERVAL_S,
-                  "deployment": deployment},
+        "usage": usage,
         "pools": [{"name": "p", "model": "Llama-3.1-8B", "servedModels": list(MODELS),
                    "prices": {"inputPerMillion": 1, "outputPerMillion": 3},
                    "backends": [{"url": backend, "timeoutS": 60}],
@@ -405,15 +447,19 @@ class Run:
     database: Database
     seen: Seen = field(default_factory=Seen)
     dead: set[int] = field(default_factory=set)
-    stopping: bool = False
+    stopping: bool = False  # the clients' load
+    observing: bool = True  # /metrics, until the gateways are stopped
     fault_began: asyncio.Event = field(default_factory=asyncio.Event)
-    t0: float = field(default_factory=time.monotonic)
 
     def live(self) -> list[int]:
         return [r for r in range(REPLICAS) if r not in self.dead]
 
+    @property
+    def t0(self) -> float:
+        return self.seen.t0
+
     def at(self, t: float) -> str:
-        return f"t={t - self.t0:.2f}s"
+        return self.seen.at(t)
 
 
 # -- the clients -------------------------------------------------------------------------------
@@ -426,7 +472,8 @@ async def client_loop(run: Run, i: int, clients: dict[tuple[int, str], Any]) -> 
     while not run.stopping:
         replica = home if home not in run.dead else run.live()[0]
         if run.plan.long_streams:
-            kind, max_tokens = ("stream", LONG_STREAM) if i % 2 == 0 else ("whole", 32)
+            long = i // REPLICAS % 2 == 0  # as many long streams at each replica
+            kind, max_tokens = ("stream", LONG_STREAM) if long else ("whole", 32)
         else:
             kind = rng.choices(("whole", "stream", "hang-up"), (4, 5, 1))[0]
             max_tokens = rng.choice(MAX_TOKENS)
@@ -510,7 +557,7 @@ async def kill_victim(run: Run) -> None:
 async def poll_admin_usage(run: Run, http: httpx.AsyncClient, replica: int) -> None:
     """`/admin/usage` on one replica, again and again; after each answer, no transaction of a
     gateway's may be left open."""
-    while not run.stopping and replica not in run.dead:
+    while not run.stopping and replica not in run.dead:  # not in the drain: it flushes too
         start = time.monotonic()
         try:
             r = await http.get(run.urls[replica] + "/admin/usage", params=USAGE_QUERY,
@@ -528,7 +575,7 @@ async def poll_admin_usage(run: Run, http: httpx.AsyncClient, replica: int) -> N
 
 
 async def sample_metrics(run: Run, http: httpx.AsyncClient) -> None:
-    while not run.stopping:
+    while run.observing:
         for replica in run.live():
             with contextlib.suppress(httpx.HTTPError):
                 text = (await http.get(run.urls[replica] + "/metrics", timeout=5)).text
@@ -572,7 +619,12 @@ async def drain(run: Run, http: httpx.AsyncClient) -> None:
         except AssertionError as exc:
             run.seen.problems.append(f"after the load: {exc}")
     for r in run.live():  # with the database back, the ledger answers
-        answer = await http.get(run.urls[r] + "/admin/usage", params=USAGE_QUERY, headers=ADMIN)
+        url = run.urls[r] + "/admin/usage"
+        try:
+            answer = await http.get(url, params=USAGE_QUERY, headers=ADMIN, timeout=20)
+        except httpx.HTTPError as exc:
+            run.seen.problems.append(f"after the load, /admin/usage on replica {r}: {exc!r}")
+            continue
         if answer.status_code != 200 or "rows" not in _json(answer):
             run.seen.problems.append(
                 f"after the load, /admin/usage on replica {r}: {answer.status_code} {answer.text}"
@@ -622,14 +674,15 @@ async def run_plan(plan: Plan, backend: str, redis_url: str, database: Database,
 
 
 async def exercise(run: Run) -> None:
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits) as shared, httpx.AsyncClient() as http:
+    async with httpx.AsyncClient() as http:
         keys = [key_of(t, r)[0] for t in TENANTS for r in range(REPLICAS)] + [HANG_UP_KEY]
         clients = {
-            (r, key): openai.AsyncOpenAI(base_url=run.urls[r] + "/v1", api_key=key,
-                                         max_retries=0, timeout=30, http_client=shared)
-            for r in range(REPLICAS) for key in keys
-        }  # fmt: skip
+            (r, key): openai.AsyncOpenAI(
+                base_url=run.urls[r] + "/v1", api_key=key, max_retries=0, timeout=30
+            )
+            for r in range(REPLICAS)
+            for key in keys
+        }
         observers = [asyncio.create_task(sample_metrics(run, http))] + [
             asyncio.create_task(poll_admin_usage(run, http, r)) for r in range(REPLICAS)
         ]
@@ -643,10 +696,13 @@ async def exercise(run: Run) -> None:
         try:
             await asyncio.gather(*faults)
             await asyncio.sleep(max(1.0, LOAD_S - (time.monotonic() - run.t0)))
-        finally:
             run.stopping = True
+            await asyncio.gather(*load)
+            await drain(run, http)
+        finally:
+            run.stopping, run.observing = True, False
             await asyncio.gather(*load, *observers, return_exceptions=True)
-        await drain(run, http)
+            await asyncio.gather(*(c.close() for c in clients.values()))
         await stop_gateways(run)
 
 
@@ -680,6 +736,8 @@ def ledger_mismatches(seen: Seen) -> list[str]:
             bad.append(f"cost {got['cost_micros']:g} micros, not input + 3 x output")
         if got["weighted_tokens"] != got["input_tokens"] + got["output_tokens"]:
             bad.append(f"weighted tokens {got['weighted_tokens']:g}, not input + output")
+        if got["cached_tokens"]:  # the emulator caches nothing
+            bad.append(f"{got['cached_tokens']:g} cached tokens")
         if got["evictions"]:
             bad.append(f"{got['evictions']:g} evictions")
         if got["expirations"] > at_victim:
@@ -694,20 +752,30 @@ def ledger_mismatches(seen: Seen) -> list[str]:
 def fault_checks(seen: Seen, plan: Plan) -> list[str]:
     """/admin/usage's answers, open transactions, the ledger's metrics during outages."""
     out = []
-    for call in seen.admin:
-        if call.status not in (200, 503):
-            out.append(f"/admin/usage on replica {call.replica}: {call.status} {call.body!r}")
-        elif call.status == 503 and not _openai_error(call.body):
-            out.append(f"/admin/usage 503 without an OpenAI error body: {call.body!r}")
+    odd = Counter(
+        f"{c.status} {c.body!r}"
+        for c in seen.admin
+        if c.status not in (200, 503) or (c.status == 503 and not _openai_error(c.body))
+    )
+    out += [f"/admin/usage answered {answer} ({n} times; only 200, or 503 with an OpenAI error "
+            "naming the database, are right)" for answer, n in odd.items()]  # fmt: skip
+    timeout_s = plan.database_timeout_s or 10.0  # the gateway's default
     for window in (w for w in seen.windows if w.kind == "outage"):
-        inside = [c for c in seen.admin if window.start <= c.start and c.end <= window.end]
-        if not inside:
-            out.append(
-                f"no /admin/usage call answered during a {window.end - window.start:.1f} s outage"
-            )
-        out += [f"/admin/usage answered {c.status} while the database was down: {c.body!r}"
-                for c in inside if c.status != 503]  # fmt: skip
-        out += _outage_metrics(seen, window)
+        down_s = window.end - window.start
+        called = [c for c in seen.admin if window.start <= c.start <= window.end]
+        # answered while the database was still down: only a 503 is right
+        wrong = [c for c in called if c.end <= window.end and c.status != 503]
+        bad = [f"/admin/usage answered {len(wrong)} times while the database was down, not with"
+               f" a 503: {wrong[0].status} {wrong[0].body!r}"] if wrong else []  # fmt: skip
+        if down_s >= timeout_s + 1.0 and not any(c.status == 503 for c in called):
+            bad.append(f"no 503 from /admin/usage during a {down_s:.1f} s outage "
+                       f"(databaseTimeoutS {timeout_s:g}; called {len(called)} times)")  # fmt: skip
+        # a flush begun while the database was down must fail, within databaseTimeoutS; one
+        # may wait first behind another (/admin/usage flushes too) for as long
+        if down_s >= 2 * timeout_s + FLUSH_INTERVAL_S:
+            bad += _outage_metrics(seen, window, grace_s=timeout_s + 0.5)
+        if bad:
+            out += [*bad, f"around the outage: {seen.around(window)}"]
     out += [f"a gateway's connection left a transaction open: {t}" for t in seen.open_transactions]
     if plan.kills and seen.killed_at is None:
         out.append("the replica was never killed")
@@ -715,19 +783,23 @@ def fault_checks(seen: Seen, plan: Plan) -> list[str]:
 
 
 def _openai_error(body: Any) -> bool:
+    """`{"error": {"message", "type", "code"}}`, naming the database as the cause."""
     error = body.get("error") if isinstance(body, dict) else None
-    return isinstance(error, dict) and all(
-        isinstance(error.get(k), str) and error[k] for k in ("message", "type", "code")
+    return (
+        isinstance(error, dict)
+        and all(isinstance(error.get(k), str) and error[k] for k in ("message", "type", "code"))
+        and any(w in f"{error['message']} {error['code']}".lower() for w in ("database", "ledger"))
     )
 
 
-def _outage_metrics(seen: Seen, window: Window) -> list[str]:
-    """During an outage rows wait (pending > 0) and flushes fail (the counter goes up)."""
+def _outage_metrics(seen: Seen, window: Window, grace_s: float) -> list[str]:
+    """During an outage rows wait (pending > 0) and flushes fail (the counter goes up; a flush
+    begun during the outage may take databaseTimeoutS to fail: `grace_s` after its end)."""
     pending, failures_rose = False, False
     for replica in range(REPLICAS):
         mine = [(t, v) for t, r, v in seen.metrics if r == replica]
         before = [v[LEDGER_METRICS[2]] for t, v in mine if t <= window.start]
-        during = [v for t, v in mine if window.start <= t <= window.end + 0.5]
+        during = [v for t, v in mine if window.start <= t <= window.end + grace_s]
         pending |= any((v[LEDGER_METRICS[0]] or 0) > 0 for v in during)
         if before and during and before[-1] is not None:
             failures_rose |= any((v[LEDGER_METRICS[2]] or 0) > before[-1] for v in during)
@@ -819,7 +891,7 @@ def test_long_streams_outlive_a_table_lock(
     """Two replicas on Redis; the ledger's table locked for 5 s (over replicaTimeoutS and
     leaseTtlS) while 8 streams of ~8 s run across it and short answers settle meanwhile."""
     schedule = Schedule((Fault("lock", 0.5, 5.0),), None, clients=16, seed=7)
-    plan = Plan("redis", "postgres", schedule, long_streams=True)
+    plan = Plan("redis", "postgres", schedule, long_streams=True, database_timeout_s=None)
     seen = run_and_check(plan, backend, redis_url, pg, tmp_path_factory.mktemp("ledger-lock"))
     (lock,) = seen.windows
     across = [s for s in seen.streams if s[0] < lock.start and lock.end < s[1]]

@@ -311,3 +311,69 @@ def test_the_usage_table_cuts_nothing_when_piped(tmp_path: Path) -> None:
     assert tenant in out.output and "…" not in out.output
     for number in ("123,456,789,012", "98,765,432,109,876", "5000000"):
         assert number in out.output, out.output
+
+
+def test_the_flusher_keeps_rows_through_failures_and_backs_off_only_while_failing(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    from tokenpools.usage.flusher import Flusher
+
+    async def run(store: Any, *args: Any) -> Any:
+        return store(*args)
+
+    core = DecisionCore(parse_config(CONFIG), MemoryStore(), now=0.0)
+    expected = traffic(core, 7, 1_800_000_000.0)
+    clock = [1_800_020_000.0]
+    away = UsageDatabase("postgresql://u@127.0.0.1:9/x", "d", timeout_s=1.0)
+    flusher = Flusher(run, core.store, away, lambda: clock[0], durable=False)
+
+    async def scenario() -> None:
+        for streak in (1, 2, 3):
+            with pytest.raises(LedgerUnavailable):
+                await flusher.flush(["p"])
+            assert flusher.backoff_s(10.0) == min(60.0, 10.0 * 2**streak)
+            status = flusher.status()
+            assert status.flush_failures == streak and status.pending_rows > 0
+            assert status.error is not None and "127.0.0.1:9" in status.error
+            clock[0] += 30
+        assert flusher.status().oldest_pending_s >= 90  # the first change waits since then
+        flusher.database = UsageDatabase(f"sqlite:///{tmp_path / 'back.sqlite3'}", "d")
+        assert await flusher.flush(["p"]) > 0
+        assert flusher.backoff_s(10.0) == 10.0  # back to the interval at once
+        assert flusher.status().pending_rows == 0 and flusher.status().oldest_pending_s == 0
+        assert await flusher.flush(["p"]) == 0  # nothing twice
+
+    asyncio.run(scenario())
+    assert summed(flusher.database) == expected
+    away.close()
+    flusher.database.close()
+
+
+def test_a_memory_store_stopping_with_the_database_away_logs_every_row(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import asyncio
+    import json
+
+    from tokenpools.usage.flusher import Flusher
+
+    async def run(store: Any, *args: Any) -> Any:
+        return store(*args)
+
+    core = DecisionCore(parse_config(CONFIG), MemoryStore(), now=0.0)
+    expected = traffic(core, 8, 1_800_000_000.0)
+    away = UsageDatabase("postgresql://u@127.0.0.1:9/x", "d", timeout_s=1.0)
+    flusher = Flusher(run, core.store, away, lambda: 1_800_020_000.0, durable=False)
+    with caplog.at_level("ERROR", logger="tokenpools.usage"):
+        asyncio.run(flusher.final(["p"], timeout_s=5.0))
+    away.close()
+    records = [
+        json.loads(r.getMessage()[r.getMessage().index("{") :])
+        for r in caplog.records
+        if "not written at shutdown" in r.getMessage()
+    ]
+    assert len(records) == len(pending(core.store, 1_800_020_000.0))
+    assert sum(r["values"].get("requests", 0) for r in records) == expected["requests"]
+    assert sum(r["values"].get("cost", 0) for r in records) == expected["cost_micros"]

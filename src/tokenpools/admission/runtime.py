@@ -165,7 +165,8 @@ class AdmissionRuntime:
     async def flush_usage(self) -> int:
         """Write the usage the store counted and SQL does not have yet; rows written. Raises
         LedgerUnavailable (or StoreUnavailable) when it cannot: the rows stay pending."""
-        timeout_s = self.config.usage.database_timeout_s
+        # a safety net only: the database's own timeouts end a stuck flush first, counted
+        timeout_s = 2 * self.config.usage.database_timeout_s + 1
         try:
             return await asyncio.wait_for(self.ledger.flush(list(self.config.pools)), timeout_s)
         except TimeoutError:

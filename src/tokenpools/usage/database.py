@@ -213,7 +213,9 @@ class UsageDatabase:
                     conn, "INSERT INTO tokenpools_schema (version) VALUES (?)", (version,)
                 )
         if self._sqlite is not None:
-            with self._connection() as conn:  # readers never wait for the writer
+            # readers never wait for the writer; only a speed-up, so a file locked by someone
+            # else keeps its mode and is asked again at the next start
+            with contextlib.suppress(sqlite3.Error), self._connection() as conn:
                 conn.execute("PRAGMA journal_mode=WAL")
         self._migrated = True
 

@@ -56,6 +56,7 @@ class Flusher:
         self._lock = asyncio.Lock()
         self.written = 0  # rows committed, since start
         self.failures = 0  # flushes that failed, since start
+        self._streak = 0  # failed in a row
         self.pending = 0  # rows waiting, at the last flush
         self.oldest = INF  # when the oldest of them first changed
         self.error: str | None = None  # why the last flush failed; None: it did not
@@ -106,6 +107,7 @@ class Flusher:
     def _failed(self, exc: Exception) -> None:
         now = self.clock()
         self.failures += 1
+        self._streak += 1
         self.error = str(exc)
         if self._down_since == INF:
             self._down_since = now
@@ -122,7 +124,7 @@ class Flusher:
                 "usage: written again after %.0f s (%d rows)",
                 self.clock() - self._down_since, written,
             )  # fmt: skip
-        self._down_since, self._logged, self.error = INF, -INF, None
+        self._down_since, self._logged, self.error, self._streak = INF, -INF, None, 0
 
     def status(self) -> LedgerStatus:
         return LedgerStatus(
@@ -134,9 +136,7 @@ class Flusher:
 
     def backoff_s(self, interval_s: float) -> float:
         """How long until the next flush: the interval, doubled per failure in a row."""
-        if self._down_since == INF:
-            return interval_s
-        streak = min(self.failures, 16)
+        streak = min(self._streak, 16)
         return min(MAX_BACKOFF_S, max(interval_s, interval_s * math.pow(2, streak)))
 
     async def final(self, pools: Sequence[str], timeout_s: float) -> None:
