@@ -767,7 +767,10 @@ def fault_checks(seen: Seen, plan: Plan) -> list[str]:
         wrong = [c for c in called if c.end <= window.end and c.status != 503]
         bad = [f"/admin/usage answered {len(wrong)} times while the database was down, not with"
                f" a 503: {wrong[0].status} {wrong[0].body!r}"] if wrong else []  # fmt: skip
-        if down_s >= timeout_s + 1.0 and not any(c.status == 503 for c in called):
+        # some answer in the outage says so (a call may wait behind a flush, then for its own
+        # connection, and the database be back by then: a 200 is right for that one)
+        overlapping = [c for c in seen.admin if c.end >= window.start and c.start <= window.end]
+        if down_s >= timeout_s + 1.0 and not any(c.status == 503 for c in overlapping):
             bad.append(f"no 503 from /admin/usage during a {down_s:.1f} s outage "
                        f"(databaseTimeoutS {timeout_s:g}; called {len(called)} times)")  # fmt: skip
         # a flush begun while the database was down must fail, within databaseTimeoutS; one
