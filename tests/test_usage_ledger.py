@@ -7,6 +7,7 @@ is versioned and migrated."""
 
 from __future__ import annotations
 
+import os
 import random
 import secrets
 import sqlite3
@@ -377,3 +378,23 @@ def test_a_memory_store_stopping_with_the_database_away_logs_every_row(
     assert len(records) == len(pending(core.store, 1_800_020_000.0))
     assert sum(r["values"].get("requests", 0) for r in records) == expected["requests"]
     assert sum(r["values"].get("cost", 0) for r in records) == expected["cost_micros"]
+
+
+def test_the_default_ledger_is_each_config_files_own(tmp_path: Path) -> None:
+    import yaml
+
+    from tokenpools.model.config import load_config
+
+    paths = [tmp_path / "a" / "gw.yaml", tmp_path / "b" / "gw.yaml", tmp_path / "c.yaml"]
+    for path, deployment in zip(paths, ["default", "default", "staging"], strict=True):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(yaml.safe_dump({**CONFIG, "usage": {"deployment": deployment}}))
+    a, b, c = (load_config(p).usage for p in paths)
+    assert a.database_url != b.database_url  # same names, other files: other ledgers
+    assert load_config(paths[0]).usage.database_url == a.database_url  # a restart: the same
+    assert "usage-staging-" in c.database_url and (c.deployment, a.deployment) == (
+        "staging",
+        "default",
+    )
+    home = os.environ["XDG_STATE_HOME"]  # the tests' own (conftest), never the user's
+    assert all(u.database_url.startswith(f"sqlite:///{home}/tokenpools/") for u in (a, b, c))
