@@ -12,6 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenpools.gateway.http_layer import GatewayRunner
+
 
 class ServerThread:
     def __init__(self, app: web.Application) -> None:
@@ -26,7 +28,7 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.runner = GatewayRunner(self.app, handler_cancellation=True, access_log=None)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())

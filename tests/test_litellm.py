@@ -12,6 +12,7 @@ Marked `litellm`: `pytest -m 'not litellm'` leaves them out where LiteLLM is not
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import threading
@@ -24,9 +25,11 @@ import httpx
 import openai
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
 
 from tests.gateway_setup import FAST
 from tests.servers import ServerThread, wait_until
+from tests.test_hostile_input import HEADER_BYTES, chat_request, send
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.store import Store
 from tokenpools.emulator.server import EMULATOR
@@ -436,3 +439,17 @@ def test_a_budget_is_enforced_inside_litellm_as_at_the_gateway(lite: Stack) -> N
     key = f"{PREFIX}:{{p}}:b:capped-total@lifetime"
     used, held = (float(v or 0) for v in lite.store.client.hmget(key, "used", "held"))
     assert 0 < used <= CAPPED_LIMIT and held == 0
+
+
+@settings(max_examples=30, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@given(key=HEADER_BYTES)
+def test_any_key_is_refused_cleanly_inside_litellm(stack: Stack, key: bytes) -> None:
+    """The hostile-input strategies where they apply inside LiteLLM: its custom auth (keys).
+    Bytes LiteLLM's server refuses as HTTP are its own; everything else is a 401, never a 5xx."""
+    body = json.dumps(_chat()).encode()
+    raw = chat_request(b"Authorization: Bearer " + key, body=body)
+    status, answer = send(stack.url, raw)
+    assert status in (400, 401), (key, status, answer[:300])
+    if status == 401 and len(key) >= 12:
+        assert key not in answer

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from tokenpools.engine.profile import load_profile
 from tokenpools.gateway.app import make_app as make_gateway
+from tokenpools.gateway.http_layer import GatewayRunner
 from tokenpools.gateway.runtime import Gateway
 from tokenpools.loadgen import LoadRun, Target
 from tokenpools.model.config import parse_config
@@ -48,7 +49,7 @@ async def _emulator(profile: str, speed: float) -> tuple[subprocess.Popen[bytes]
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

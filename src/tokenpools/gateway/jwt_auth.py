@@ -18,12 +18,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import aiohttp
 import jwt
@@ -61,6 +62,18 @@ class JwtVerifier:
             self._adopt(_read_file(settings.jwks_file))
 
     async def verify(self, token: str) -> Claims:
+        """The token's claims, or TokenRefused naming why not. The one boundary for tokens:
+        whatever the JWT library (or anything under it) raises for a token a client sent is a
+        refusal, never an error of the gateway's."""
+        try:
+            return await self._verify(token)
+        except TokenRefused:
+            raise
+        except Exception as exc:  # a token this code or the library did not foresee
+            log.debug("token refused", exc_info=True)
+            raise TokenRefused(f"invalid token ({type(exc).__name__})") from None
+
+    async def _verify(self, token: str) -> Claims:
         known = self._verified.get(token)
         if known is not None:
             verified, exp, nbf = known
@@ -73,11 +86,13 @@ class JwtVerifier:
             header = jwt.get_unverified_header(token)
         except jwt.DecodeError:
             raise TokenRefused("malformed token: not a JWT") from None
-        alg, kid = header.get("alg"), header.get("kid")
-        if alg not in s.algorithms:
-            allowed = ", ".join(s.algorithms)
-            raise TokenRefused(f"token algorithm {alg!r} is not allowed ({allowed})")
-        key = await self._key(kid if isinstance(kid, str) else None)
+        except jwt.InvalidTokenError as exc:  # a header field of the wrong type, say
+            raise TokenRefused(f"malformed token header: {exc}") from None
+        alg = _checked_header(header, s.algorithms)
+        kid = header.get("kid")
+        key = await self._key(kid)
+        if not _fits(alg, key):
+            raise TokenRefused(f"token algorithm {alg} does not fit key {kid!r} ({key.key_type})")
         try:
             claims = jwt.decode(
                 token,
@@ -106,13 +121,15 @@ class JwtVerifier:
 
     def _check_times(self, claims: dict[str, Any]) -> None:
         now, leeway = self.clock(), self.settings.leeway_s
-        exp, nbf = claims.get("exp"), claims.get("nbf")
-        if not isinstance(exp, int | float) or isinstance(exp, bool):
-            raise TokenRefused("the token has no numeric 'exp' claim")
+        exp, nbf, iat = claims.get("exp"), claims.get("nbf"), claims.get("iat")
+        if not _is_time(exp):
+            raise TokenRefused("the token has no 'exp' claim that is a finite number")
         if now > exp + leeway:
             raise TokenRefused("token expired")
-        if nbf is not None and (not _is_number(nbf) or now < nbf - leeway):
+        if nbf is not None and (not _is_time(nbf) or now < nbf - leeway):
             raise TokenRefused("token not yet valid (nbf)")
+        if iat is not None and not _is_time(iat):
+            raise TokenRefused("the token's 'iat' claim is not a finite number")
 
     def _claims(self, claims: dict[str, Any]) -> Claims:
         s = self.settings
@@ -132,8 +149,9 @@ class JwtVerifier:
 
     # -- keys ----------------------------------------------------------------------------
 
-    async def _key(self, kid: str | None) -> jwt.PyJWK:
+    async def _key(self, kid: object) -> jwt.PyJWK:
         now = self.clock()
+        assert kid is None or isinstance(kid, str)  # _checked_header made sure
         key = self._pick(kid)
         if key is not None:
             self._refresh_if_stale()
@@ -199,5 +217,38 @@ def _read_file(path: str) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def _is_time(value: object) -> TypeGuard[float]:
+    """A JSON number that is a moment: not a bool, not NaN or infinite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _checked_header(header: object, algorithms: Sequence[str]) -> str:
+    """The token's algorithm, once its header is one this verifier can use: an object, an
+    allowed `alg`, a string `kid` (or none), and no `crit` extension (none is understood, and
+    RFC 7515 says a token naming one that is not must be refused)."""
+    if not isinstance(header, dict):
+        raise TokenRefused("malformed token: its header is not a JSON object")
+    alg = header.get("alg")
+    if not isinstance(alg, str) or alg not in algorithms:
+        shown = (
+            repr(alg)
+            if isinstance(alg, str) and len(alg) <= 16
+            else f"of type {type(alg).__name__}"
+        )
+        raise TokenRefused(f"token algorithm {shown} is not allowed ({', '.join(algorithms)})")
+    kid = header.get("kid")
+    if kid is not None and (not isinstance(kid, str) or len(kid) > 256):
+        raise TokenRefused("the token's key id (kid) is not a string")
+    if "crit" in header:
+        raise TokenRefused("the token names critical header extensions (crit): none is supported")
+    return alg
+
+
+# The key type (JWK `kty`) each algorithm family signs with.
+_FAMILY = {"RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP", "HS": "oct"}
+
+
+def _fits(alg: str, key: jwt.PyJWK) -> bool:
+    """Whether a token's algorithm can be checked with this key at all (an ES256 token against
+    an RSA key, or HS256 against a public key, cannot)."""
+    return _FAMILY.get(alg[:2]) == key.key_type

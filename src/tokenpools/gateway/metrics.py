@@ -18,6 +18,7 @@ from tokenpools.control.budgets import budget_status
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
+from tokenpools.gateway.http_layer import REFUSED
 
 if TYPE_CHECKING:
     from tokenpools.control.tenancy import Caller
@@ -242,6 +243,13 @@ class _StateCollector(Collector):
             "tokenpools_usage_rows_written", "Usage-ledger rows committed to SQL"
         )
         written.add_metric([], ledger.rows_written)
+        http_refused = CounterMetricFamily(
+            "tokenpools_http_refused",
+            "Requests the HTTP parser could not read (framing, headers, method), by code",
+            labels=["code"],
+        )
+        for code, count in sorted(REFUSED.counts.items()):
+            http_refused.add_metric([code], count)
         for name, pool in gw.pools.items():
             for b in pool.backends:
                 families["backend_healthy"].add_metric([name, b.spec.url], float(b.healthy))
@@ -250,7 +258,8 @@ class _StateCollector(Collector):
             up.add_metric([], 1)
         except StoreUnavailable:
             up.add_metric([], 0)
-        yield from (*families.values(), up, fallback, estimated, pending, oldest, failures, written)
+        yield from families.values()
+        yield from (up, fallback, estimated, pending, oldest, failures, written, http_refused)
 
     def _collect_state(self, families: dict[str, GaugeMetricFamily]) -> None:
         now = self.gateway.clock()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from tokenpools.admission.config_file import ConfigFile, reload_from
 from tokenpools.gateway.app import make_app
+from tokenpools.gateway.http_layer import GatewayRunner
 from tokenpools.gateway.request_log import LogFormat, setup_logging
 from tokenpools.gateway.runtime import READY_CHECKS, Gateway
 from tokenpools.gateway.tracing import otlp_tracing
@@ -124,13 +126,45 @@ def serve(
         base = yaml.safe_load(path.read_text()) if path is not None else {}
         base = {k: v for k, v in (base or {}).items() if k not in ("pools", "entitlements")}
         application = build_kubernetes(Kube(load_client()), namespace, base, **options)
-    web.run_app(
-        application,
-        loop=_new_loop(),
-        host=host,
-        port=port,
-        handler_cancellation=True,
-        shutdown_timeout=shutdown_timeout_s,
-        access_log=None,
-        print=lambda msg: log.info(msg.strip()),
-    )
+    _run(application, _new_loop(), host, port, shutdown_timeout_s)
+
+
+def _run(
+    app: web.Application,
+    loop: asyncio.AbstractEventLoop,
+    host: str,
+    port: int,
+    shutdown_timeout_s: float,
+) -> None:
+    """aiohttp's run_app, on the gateway's runner (gateway/http_layer.py): until SIGTERM or
+    SIGINT, then a graceful stop."""
+
+    async def main() -> None:
+        runner = GatewayRunner(
+            app,
+            handle_signals=True,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout_s,
+        )
+        await runner.setup()  # SIGTERM and SIGINT now end the loop (aiohttp's GracefulExit)
+        try:
+            await web.TCPSite(runner, host, port).start()
+            log.info("serving on http://%s:%d", host, port)
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.set_event_loop(loop)
+    task = loop.create_task(main())
+    try:
+        loop.run_until_complete(task)
+    except (web.GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                loop.run_until_complete(task)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -12,7 +12,9 @@ _HASH_RE = re.compile(KEY_HASH_PATTERN)
 
 
 def hash_key(key: str) -> str:
-    return PREFIX + hashlib.sha256(key.encode()).hexdigest()
+    # surrogateescape: a header's bytes that are not UTF-8 reach here as surrogates; they hash
+    # (to nothing stored) instead of failing, and every valid key hashes as plain UTF-8
+    return PREFIX + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def is_key_hash(value: str) -> bool:
