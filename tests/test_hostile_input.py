@@ -349,3 +349,22 @@ def test_after_the_storm_it_still_serves_and_counted_what_it_refused(server: Ser
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'tokenpools_http_refused_total{code="bad_http_request"}' in metrics
     still_serves(server)
+
+
+def test_refusals_are_logged_at_most_once_per_interval_and_all_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tokenpools.gateway.http_layer import LOG_EVERY_S, HttpLayerRefusals
+
+    now = [0.0]
+    refusals = HttpLayerRefusals(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="tokenpools.gateway"):
+        for i in range(1000):  # a flood: one a millisecond
+            now[0] = i / 1000
+            refusals.refused("bad_http_request", "203.0.113.9")
+        now[0] += LOG_EVERY_S
+        refusals.refused("bad_http_method", "203.0.113.9")
+    lines = [r for r in caplog.records if "HTTP parser" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.WARNING and not r.exc_info for r in lines)
+    assert "and 999 more" in lines[1].getMessage()
+    assert refusals.counts == {"bad_http_request": 1000, "bad_http_method": 1}

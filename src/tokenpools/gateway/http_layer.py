@@ -27,7 +27,9 @@ from tokenpools.openai_api import error_body
 log = logging.getLogger("tokenpools.gateway")
 LOG_EVERY_S = 10.0
 
-# The kinds of refusal, most specific first: (exception class, status, code, message).
+# The kinds of refusal, most specific first: (exception class, status, code, message). aiohttp's
+# C parser reports every other fault (a CR, LF, NUL or control byte in a header, obs-fold, a
+# line without a colon, bad Content-Length or chunk framing, a bad version) as one kind.
 _KINDS: tuple[tuple[type[Exception], int, str, str], ...] = (
     (http_exceptions.BadHttpMethod, 400, "bad_http_method", "the request method is not valid"),
     (
@@ -36,21 +38,13 @@ _KINDS: tuple[tuple[type[Exception], int, str, str], ...] = (
         "header_too_large",
         "a request line or header field is longer than the gateway accepts",
     ),
-    (
-        http_exceptions.InvalidHeader,
-        400,
-        "bad_http_header",
-        "a header field is not valid HTTP/1.1 (its name, or a CR, LF or NUL in its value)",
-    ),
-    (
-        http_exceptions.PayloadEncodingError,
-        400,
-        "bad_http_framing",
-        "the request body's framing (Content-Length, Transfer-Encoding) is not valid",
-    ),
     (http_exceptions.InvalidURLError, 400, "bad_http_target", "the request target is not valid"),
 )
-_DEFAULT = (400, "bad_http_request", "the request is not valid HTTP/1.1")
+_DEFAULT = (
+    400,
+    "bad_http_request",
+    "the request is not valid HTTP/1.1 (its framing, or a header's name or value)",
+)
 
 
 class HttpLayerRefusals:
