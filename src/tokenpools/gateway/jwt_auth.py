@@ -65,6 +65,13 @@ class JwtVerifier:
         """The token's claims, or TokenRefused naming why not. The one boundary for tokens:
         whatever the JWT library (or anything under it) raises for a token a client sent is a
         refusal, never an error of the gateway's."""
+        known = self._verified.get(token)
+        if known is not None:  # verified before (its claims checked then): only time moved
+            verified, exp, nbf = known
+            self._check_times({"exp": exp, "nbf": nbf})
+            self._verified.move_to_end(token)
+            self._refresh_if_stale()
+            return verified
         try:
             return await self._verify(token)
         except TokenRefused:
@@ -74,13 +81,6 @@ class JwtVerifier:
             raise TokenRefused(f"invalid token ({type(exc).__name__})") from None
 
     async def _verify(self, token: str) -> Claims:
-        known = self._verified.get(token)
-        if known is not None:
-            verified, exp, nbf = known
-            self._check_times({"exp": exp, "nbf": nbf})
-            self._verified.move_to_end(token)
-            self._refresh_if_stale()
-            return verified
         s = self.settings
         try:
             header = jwt.get_unverified_header(token)
