@@ -15,6 +15,7 @@ import pytest
 
 from tests.gateway_setup import KEYS, MODEL, admin, client, config_data
 from tests.servers import ServerThread, wait_until
+from tests.test_hostile_input import send
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.gateway.request_log import JsonFormatter
 from tokenpools.model.config import parse_config
@@ -134,6 +135,7 @@ def test_the_grafana_dashboard_reads_only_metrics_the_gateway_exports(
     with pytest.raises(openai.BadRequestError):  # a refusal, so its counter has a series
         c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                   max_tokens=10**6)  # fmt: skip
+    send(gateway.url, b"G@T / HTTP/1.1\r\n\r\n")  # refused by the HTTP parser: counted
     text = httpx.get(f"{gateway.url}/metrics").text
     series = {
         re.split(r"[{ ]", line, maxsplit=1)[0]
