@@ -16,7 +16,7 @@ from dataclasses import replace
 import openai
 import pytest
 
-from tests.servers import ServerThread
+from tests.servers import ServerThread, wait_until
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.processes import free_port, wait_ready
@@ -43,6 +43,10 @@ def gateway(llama: str) -> Iterator[tuple[ServerThread, Gateway]]:
 
 
 def settled(server: ServerThread, gw: Gateway, name: str) -> float:
+    """Tokens settled for `name` since the last call, once every request has ended: the
+    gateway settles a stream after its client has the last chunk, so wait for that, not for
+    the client."""
+    wait_until(lambda: server.call(lambda: len(gw.admission.in_flight)) == 0)
     window = server.call(lambda: gw.core.store.take_window(name, time.time()))
     return window.settled_tokens
 
