@@ -119,6 +119,9 @@ class AdmissionRuntime:
         if config.state != self.config.state:
             log.warning("the state section changed: it takes effect at the next restart")
             config = replace(config, state=self.config.state)
+        old, new = self.config.usage, config.usage
+        if (old.database_url, old.deployment) != (new.database_url, new.deployment):
+            log.warning("usage.database and usage.deployment take effect at the next restart")
         counters = _counters(config)  # first: an unreadable tokenizer file rejects the reload
         check_cluster_budgets(config)
         for lease in await self.driver.background(self.core.apply_config, config, self.clock()):
