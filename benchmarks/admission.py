@@ -13,6 +13,7 @@ The baseline, measured in the same process and run, is a bare per-key token buck
 plain rate limiter does per request), so `ratio_to_baseline` survives a noisy machine.
 
     python benchmarks/admission.py --json out/admission.json [--repeats 5] [--decisions 200000]
+    python benchmarks/admission.py --json /tmp/admission.json --smoke    # the test suite's run
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from smoke import parse_args
 from tokenpools import core_build
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
@@ -47,6 +49,15 @@ CLASSES = [
 PROTECTED = ("guaranteed", "dedicated")
 # Offered load ≈ 1.2 × the pool's 200,000 tokens/s at a mean cost of ~790 tokens per request.
 STEP_S = 1 / 300
+# The JSON: one row per entitlement count (paths as in benchmarks/smoke.py).
+FIELDS = (
+    "[].entitlements", "[].decisions_per_s", "[].p50_us", "[].p99_us",
+    "[].decisions_per_s_min", "[].decisions_per_s_max", "[].p99_us_max", "[].admitted_fraction",
+    "[].tick_ms", "[].baseline_token_bucket_per_s", "[].ratio_to_baseline", "[].repeats",
+    "[].core", "[].decisions",
+)  # fmt: skip
+# enough decisions to fill the pool's 1,024 slots, so the full and evicting paths run
+SMOKE = {"repeats": 1, "decisions": 3000}
 
 
 def build_config(n_entitlements: int, budgets: bool = False) -> Config:
@@ -173,7 +184,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decisions", type=int, default=200_000)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     rows = []
     for n in (10, 100, 1000):
         runs = []

@@ -5,6 +5,7 @@ at all (the simulator's requests), the usage ledger only (every gateway request)
 ledger plus a budget on every entitlement.
 
     python benchmarks/budgets.py --json out/budgets.json --repeats 5
+    python benchmarks/budgets.py --json /tmp/budgets.json --smoke    # the test suite's run
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from admission import run_core
+from smoke import parse_args
+
+# The JSON: one row per entitlement count (paths as in benchmarks/smoke.py).
+FIELDS = (
+    "[].entitlements", "[].without_per_s", "[].ledger_only_per_s", "[].ratio_to_ledger_only",
+    "[].with_budgets_per_s", "[].without_range", "[].with_budgets_range", "[].ratio",
+    "[].repeats",
+)  # fmt: skip
+SMOKE = {"repeats": 1, "decisions": 3000}
 
 
 def main() -> None:
@@ -24,7 +34,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decisions", type=int, default=100_000)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     rows = []
     for n in (10, 100, 1000):
         without, ledger, with_budgets = [], [], []

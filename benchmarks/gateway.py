@@ -13,6 +13,9 @@ source with the same interpreter (pure Python core); this one's access log goes 
 
     git worktree add /tmp/baseline 0bdc6db
     python benchmarks/gateway.py --json out/gateway.json --baseline-src /tmp/baseline --pin
+    python benchmarks/gateway.py --json /tmp/gateway.json --smoke    # the test suite's run
+
+`--smoke` also measures this checkout as its own baseline, so that path runs too.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from smoke import parse_args
 from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port, stop, wait_ready
 
@@ -40,6 +44,17 @@ KEY = "sk-bench"
 ADMIN_KEY = "sk-bench-admin"
 MODEL = "bench"
 DASHBOARD = "gateway-dashboard-open"  # the same gateway process as `gateway`, with a page polling
+# The JSON (paths as in benchmarks/smoke.py): a row per mode and target; per target the closed
+# loop's runs (req/s), their median and the gateway's CPU per request (none for `direct`).
+FIELDS = (
+    "rows.[].mode", "rows.[].target", "rows.[].rps", "rows.[].p50_ms", "rows.[].p99_ms",
+    "rows.[].p99_ms_runs", "rows.[].cpu_ms_per_req", "rows.[].requests",
+    "max_rps.*.runs", "max_rps.*.cpu_ms_per_req", "max_rps.*.max_rps",
+    "max_rps.direct", "max_rps.gateway", "max_rps.gateway-no-access-log",
+    "max_rps.gateway-dashboard-open",
+    "pinned",
+)  # fmt: skip
+SMOKE = {"seconds": 0.25, "repeats": 1, "rate": 40.0, "baseline_src": ROOT}
 
 
 def body(stream: bool) -> dict[str, Any]:
@@ -252,7 +267,7 @@ def main() -> None:
         "--baseline-src", type=Path, help="a checkout of an older commit, measured alongside"
     )
     parser.add_argument("--pin", action="store_true", help="the gateways on core 1, the rest on 0")
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

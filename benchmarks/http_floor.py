@@ -7,6 +7,7 @@ run) on core 0; targets interleaved, 3 runs each. CPU is the target process's us
 over the requests it served (/proc).
 
     python benchmarks/http_floor.py --json out/http_floor.json
+    python benchmarks/http_floor.py --json /tmp/http_floor.json --smoke    # the test suite's run
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from benchmarks.gateway import bench_config, closed_loop, cpu_seconds
+from benchmarks.smoke import parse_args
 
 from tokenpools.processes import free_port, wait_ready
 
@@ -34,6 +36,13 @@ CANNED = json.dumps(
      "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok " * 8},
                   "finish_reason": "length"}]}
 ).encode()  # fmt: skip
+# The JSON (paths as in benchmarks/smoke.py): per target, each run's req/s and CPU per request.
+FIELDS = (
+    "bare-canned.req_s", "bare-canned.cpu_ms_per_req", "bare-canned.cpu_ms_per_req_median",
+    "bare-proxy.req_s", "bare-proxy.cpu_ms_per_req", "bare-proxy.cpu_ms_per_req_median",
+    "gateway.req_s", "gateway.cpu_ms_per_req", "gateway.cpu_ms_per_req_median",
+)  # fmt: skip
+SMOKE = {"seconds": 0.25, "repeats": 1}
 
 
 def bare(mode: str, port: int, upstream: str) -> None:
@@ -133,7 +142,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bare", nargs=3, metavar=("MODE", "PORT", "UPSTREAM"))
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     if args.bare:
         bare(args.bare[0], int(args.bare[1]), args.bare[2])
         return

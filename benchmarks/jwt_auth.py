@@ -5,6 +5,7 @@ token on each (a signature check each). CPU per request in-process, the median o
 Prints and writes JSON.
 
     .venv-pure/bin/python benchmarks/jwt_auth.py --json out/jwt_auth.json
+    .venv-pure/bin/python benchmarks/jwt_auth.py --json /tmp/jwt_auth.json --smoke  # the tests'
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ import jwt
 from aiohttp.test_utils import make_mocked_request
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
+from smoke import parse_args
 from tokenpools.control.tenancy import Caller, Directory
 from tokenpools.gateway.auth import Authenticator
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 
 ISSUER, AUDIENCE = "https://idp.example.test", "tokenpools"
+# The JSON (paths as in benchmarks/smoke.py): per credential, µs per request.
+FIELDS = (
+    "API key.median_us", "API key.min_us", "API key.max_us",
+    "JWT RS256, the same token each request.median_us",
+    "JWT RS256, a new token each request.median_us",
+    "JWT ES256, the same token each request.median_us",
+    "JWT ES256, a new token each request.median_us",
+    "*.median_us", "*.min_us", "*.max_us",
+)  # fmt: skip
+SMOKE = {"requests": 20, "repeats": 1}
 
 
 def keys() -> dict[str, Any]:
@@ -97,7 +109,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     rows = asyncio.run(measure(args.requests, args.repeats, args.json))
     args.json.write_text(json.dumps(rows, indent=2) + "\n")

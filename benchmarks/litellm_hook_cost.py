@@ -1,10 +1,13 @@
 """The LiteLLM integration's own CPU per request, measured inside LiteLLM's interpreter without
 LiteLLM's server around it: custom auth, the pre-call hook (prompt count, admission) and the
-success hook (settlement), each request in a task of its own as LiteLLM runs it. Prints JSON.
+success hook (settlement), each request in a task of its own as LiteLLM runs it. Prints JSON
+(and writes it to `--json`).
 
     .venv-litellm/bin/python benchmarks/litellm_hook_cost.py CONFIG MODEL KEY [--requests N]
+    .venv-litellm/bin/python benchmarks/litellm_hook_cost.py --json /tmp/hook.json --smoke
 
-benchmarks/vs_litellm.py runs it with its own config.
+benchmarks/vs_litellm.py runs it with its own config. Without CONFIG MODEL KEY it writes one:
+benchmarks/gateway.py's `bench_config` without backends (LiteLLM routes).
 """
 
 from __future__ import annotations
@@ -14,13 +17,24 @@ import asyncio
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import litellm
+import yaml
+
+from gateway import KEY, MODEL, bench_config
+from smoke import parse_args
+
+# The JSON (paths as in benchmarks/smoke.py): the median µs per request, and each run's.
+FIELDS = ("us_per_request", "runs_us")
+SMOKE = {"requests": 50, "repeats": 1}
 
 
-async def measure(config: Path, model: str, key: str, requests: int) -> dict[str, float]:
+async def measure(
+    config: Path, model: str, key: str, requests: int, repeats: int = 5
+) -> dict[str, float]:
     os.environ["TOKENPOOLS_CONFIG"] = str(config)  # read on first use, as inside LiteLLM
     from tokenpools.integrations.litellm import proxy_handler_instance as hook
     from tokenpools.integrations.litellm import user_api_key_auth as auth_of
@@ -36,7 +50,7 @@ async def measure(config: Path, model: str, key: str, requests: int) -> dict[str
 
     await asyncio.create_task(one(-1))  # starts the runtime (ticks, store)
     runs = []
-    for _ in range(5):
+    for _ in range(repeats):
         started = time.process_time()
         for i in range(requests):
             await asyncio.create_task(one(i))
@@ -48,12 +62,26 @@ async def measure(config: Path, model: str, key: str, requests: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", type=Path)
-    parser.add_argument("model")
-    parser.add_argument("key")
+    parser.add_argument("config", type=Path, nargs="?")
+    parser.add_argument("model", nargs="?", default=MODEL)
+    parser.add_argument("key", nargs="?", default=KEY)
     parser.add_argument("--requests", type=int, default=2000)
-    args = parser.parse_args()
-    print(json.dumps(asyncio.run(measure(args.config, args.model, args.key, args.requests))))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parse_args(parser, SMOKE)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = args.config
+        if config is None:  # the benchmark's own: one pool too large to refuse, one key
+            own = bench_config("http://127.0.0.1:9")
+            for pool in own["pools"]:
+                pool.pop("backends")
+            config = Path(tmp) / "hook.yaml"
+            config.write_text(yaml.safe_dump(own))
+        result = asyncio.run(measure(config, args.model, args.key, args.requests, args.repeats))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

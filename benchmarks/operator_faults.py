@@ -6,6 +6,7 @@ entitlements lost, lease pods replaced, and the passes until the loop writes not
 scheduler stand-ins, not a real cluster.
 
     python benchmarks/operator_faults.py [--seeds 1 2 3] [--rates 0.1 0.2] [--json out.json]
+    python benchmarks/operator_faults.py --json /tmp/operator_faults.json --smoke    # the tests'
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' stand
 from tests.kube.harness import running_bench
 from tests.kube.soak import soak
 
+from smoke import parse_args
+
+# The JSON (paths as in benchmarks/smoke.py): a row per rate and seed, tests/kube/soak.py's
+# SoakResult with both.
+FIELDS = (
+    "[].rate", "[].seed", "[].bound_before", "[].writes", "[].failed", "[].worst_lease_age_s",
+    "[].lost", "[].pods_replaced", "[].passes_to_settle", "[].applied_after_edit",
+)  # fmt: skip
+SMOKE = {"seeds": [1], "rates": [0.2], "minutes": 1}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -29,7 +40,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.2])
     parser.add_argument("--minutes", type=int, default=12)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     logging.disable(logging.WARNING)  # every injected fault is logged otherwise
     rows = []
     for rate in args.rates:
@@ -46,6 +57,7 @@ def main() -> None:
                 "passes after one edit"
             )
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
 
 

@@ -9,6 +9,11 @@ last client finished.
 
 `--base SRC` runs the same scenario, alternated, with the gateway from another source tree
 (for example a worktree of an older commit's `src`), as a baseline measured in the same run.
+
+    python benchmarks/pause_http.py --json /tmp/pause_http.json --smoke    # the test suite's run
+
+`--smoke`: 1.3 s of load with 2 pauses, both counts 1 s after the last client (the JSON's
+`booked_after_10s` is then the second), and this checkout's `src` as its own `--base`.
 """
 
 from __future__ import annotations
@@ -31,12 +36,27 @@ import aiohttp
 import redis
 import yaml
 
+from smoke import parse_args
 from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port, redis_server, spawn, stop, wait_ready
 
 SLOTS = 64
 GOLD_BASELINE = 8
 KEYS = {"gold": "sk-gold", "elastic": "sk-elastic", "spot": "sk-spot"}
+# The JSON (paths as in benchmarks/smoke.py): per gateway ("this", and "base" with --base), the
+# slots still booked, gold's refusals, and every run's answers by tenant and status.
+FIELDS = (
+    "this.booked_after_10s_median", "this.booked_after_10s", "this.gold_refused",
+    "this.runs.[].answers", "this.runs.[].booked_after_1s", "this.runs.[].booked_after_10s",
+    "*.booked_after_10s_median", "*.gold_refused", "*.runs.[].answers",
+)  # fmt: skip
+SMOKE = {
+    "repeats": 1,
+    "load_seconds": 1.3,
+    "pauses": 2,
+    "after_seconds": 1.0,
+    "base": str(Path(__file__).resolve().parent.parent / "src"),
+}
 
 
 def config(backend: str, redis_url: str) -> dict[str, Any]:
@@ -65,9 +85,12 @@ def config(backend: str, redis_url: str) -> dict[str, Any]:
     }
 
 
-async def load(url: str, redis_pid: int, clients: int = 24) -> collections.Counter[str]:
+async def load(
+    url: str, redis_pid: int, seconds: float, pauses: int, clients: int = 24
+) -> collections.Counter[str]:
+    """`clients` for `seconds`, Redis paused `pauses` times from 0.5 s on."""
     answers: collections.Counter[str] = collections.Counter()
-    end = time.monotonic() + 5.0
+    end = time.monotonic() + seconds
 
     async def client(i: int, session: aiohttp.ClientSession) -> None:
         who = "gold" if i < GOLD_BASELINE else ("elastic", "spot")[i % 2]
@@ -81,16 +104,16 @@ async def load(url: str, redis_pid: int, clients: int = 24) -> collections.Count
                 if r.status != 200:
                     await asyncio.sleep(min(float(r.headers.get("retry-after-ms", 200)), 500) / 1e3)
 
-    async def pauses() -> None:
+    async def pause() -> None:
         await asyncio.sleep(0.5)
-        for _ in range(10):
+        for _ in range(pauses):
             os.kill(redis_pid, signal.SIGSTOP)
             await asyncio.sleep(0.2)
             os.kill(redis_pid, signal.SIGCONT)
             await asyncio.sleep(0.2)
 
     async with aiohttp.ClientSession() as session:
-        await asyncio.gather(pauses(), *(client(i, session) for i in range(clients)))
+        await asyncio.gather(pause(), *(client(i, session) for i in range(clients)))
     return answers
 
 
@@ -99,7 +122,7 @@ def booked(r: redis.Redis) -> float:
     return float(value) if value is not None else 0.0
 
 
-def scenario(src: str | None) -> dict[str, Any]:
+def scenario(src: str | None, args: argparse.Namespace) -> dict[str, Any]:
     with redis_server() as (redis_url, redis_proc), tempfile.TemporaryDirectory() as work:
         emu_port, port = free_port(), free_port()
         backend = f"http://127.0.0.1:{emu_port}"
@@ -117,11 +140,12 @@ def scenario(src: str | None) -> dict[str, Any]:
         try:
             asyncio.run(wait_ready(f"{backend}/health", emulator))
             asyncio.run(wait_ready(f"http://127.0.0.1:{port}/readyz", gateway))
-            answers = asyncio.run(load(f"http://127.0.0.1:{port}", redis_proc.pid))
+            url = f"http://127.0.0.1:{port}"
+            answers = asyncio.run(load(url, redis_proc.pid, args.load_seconds, args.pauses))
             r = redis.Redis.from_url(redis_url)
             time.sleep(1.0)  # a measurement point, not a synchronisation
             after_1s = booked(r)
-            time.sleep(9.0)
+            time.sleep(max(0.0, args.after_seconds - 1.0))
             after_10s = booked(r)
         finally:
             stop(emulator, gateway)
@@ -133,11 +157,16 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--base", help="the gateway's source tree for the baseline runs")
-    args = parser.parse_args()
+    parser.add_argument("--load-seconds", type=float, default=5.0, help="of clients")
+    parser.add_argument("--pauses", type=int, default=10, help="of Redis, 200 ms each")
+    parser.add_argument(
+        "--after-seconds", type=float, default=10.0, help="the second count, after the last client"
+    )
+    args = parse_args(parser, SMOKE)
     runs: dict[str, list[dict[str, Any]]] = {"this": [], **({"base": []} if args.base else {})}
     for run in range(args.repeats):
         for name in runs:
-            runs[name].append(scenario(args.base if name == "base" else None))
+            runs[name].append(scenario(args.base if name == "base" else None, args))
             print(f"run {run} {name}: {runs[name][-1]}", file=sys.stderr)
     result = {
         name: {

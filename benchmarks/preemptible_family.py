@@ -11,6 +11,10 @@ baseline's source), so both are judged on the same members by the same rules.
 
     python benchmarks/preemptible_family.py --json out/family.json --members 60 \
         --baseline-src /tmp/base --policies none,priority-shed
+    python benchmarks/preemptible_family.py --json /tmp/family.json --smoke  # the tests' run
+
+`--smoke`: member 0, seed 1, with `none` beside tokenpools and this checkout as its own
+baseline, so every path runs.
 """
 
 from __future__ import annotations
@@ -25,8 +29,31 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from smoke import parse_args
+
 ROOT = Path(__file__).resolve().parent.parent
 MEASUREMENT = ("family.py", "family_eval.py", "metrics.py")  # laid over a baseline's sim/
+# The JSON (paths as in benchmarks/smoke.py): per policy (and "tokenpools (baseline)" with
+# --baseline-src) the aggregate of sim/family_eval.py and every run.
+FIELDS = (
+    "members", "first", "seeds",
+    "aggregate.tokenpools.runs", "aggregate.tokenpools.judged_runs",
+    "aggregate.tokenpools.judged_below_half", "aggregate.tokenpools.worst_completed_per_admitted",
+    "aggregate.tokenpools.median_completed_per_admitted", "aggregate.tokenpools.preemptible_ended",
+    "aggregate.tokenpools.preemptible_completed", "aggregate.tokenpools.completed_per_admitted",
+    "aggregate.tokenpools.wasted_output_tokens", "aggregate.tokenpools.wasted_slot_s",
+    "aggregate.tokenpools.utilization", "aggregate.tokenpools.useful_utilization",
+    "aggregate.tokenpools.promised_phases", "aggregate.tokenpools.promised_phases_met",
+    "aggregate.tokenpools.promised_met_share", "aggregate.tokenpools.promised_p99_ttft_mean_s",
+    "aggregate.tokenpools.promised_p99_ttft_worst_s", "aggregate.tokenpools.promised_rejected",
+    "aggregate.*.runs", "aggregate.*.preemptible_ended", "aggregate.*.useful_utilization",
+    "runs.tokenpools.[].index", "runs.tokenpools.[].seed", "runs.tokenpools.[].policy",
+    "runs.tokenpools.[].ended", "runs.tokenpools.[].completed",
+    "runs.tokenpools.[].wasted_output_tokens", "runs.tokenpools.[].wasted_slot_s",
+    "runs.tokenpools.[].utilization", "runs.tokenpools.[].useful_utilization",
+    "runs.tokenpools.[].phases", "runs.*.[].policy",
+)  # fmt: skip
+SMOKE = {"members": 1, "seeds": "1", "policies": "none", "baseline_src": ROOT}
 
 
 def worker(first: int, members: int, seeds: list[int], policies: list[str]) -> None:
@@ -60,7 +87,7 @@ def main() -> None:
     parser.add_argument("--baseline-src", type=Path)
     parser.add_argument("--policies", default="", help="other policies, e.g. none,priority-shed")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     seeds = [int(s) for s in args.seeds.split(",")]
     others = [p for p in args.policies.split(",") if p]
     if args.worker:

@@ -8,6 +8,9 @@
    ~90 % load (tokenpools.real_engines.calibrate); each load measured `--repeats` times.
 
     python benchmarks/real_llamacpp.py --json out/real_llamacpp.json [--repeats 3]
+    python benchmarks/real_llamacpp.py --json /tmp/real_llamacpp.json --smoke  # the tests' run
+
+`--smoke`: one run of each part, seconds long, and a first fit from one request per point.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from smoke import parse_args
 from tokenpools.engine.profile import load_profile
 from tokenpools.processes import free_port, spawn, stop, wait_ready
 from tokenpools.real_engines.calibrate import calibrate, fit
@@ -30,6 +34,40 @@ from tokenpools.real_engines.llamacpp import LlamaCppServer
 from tokenpools.real_engines.protection import KEYS, Load, gateway_config, protection
 
 SLOTS = 4
+# The JSON (paths as in benchmarks/smoke.py): the headline medians, each protection figure's
+# spread over the runs, and the calibration as tokenpools.real_engines.calibrate reports it.
+FIELDS = (
+    "unloaded_ttft_p50_s",
+    "with_tokenpools.guaranteed_ttft_p50_s", "with_tokenpools.guaranteed_ttft_p99_s",
+    "with_tokenpools.spot_rejected_fraction",
+    "without.guaranteed_ttft_p50_s", "without.guaranteed_ttft_p99_s",
+    "calibration_mape.overall",
+    "spread.unloaded.guaranteed_ttft_p50_s.median",
+    "spread.with_tokenpools.guaranteed_ttft_p99_s.median",
+    "spread.with_tokenpools.spot_rejected_fraction.median",
+    "spread.without.guaranteed_ttft_p99_s.median",
+    "spread.*.guaranteed_ttft_p50_s.min", "spread.*.guaranteed_ttft_p50_s.max",
+    "calibration.first_fit.t0_s", "calibration.first_fit.prefill_s_per_token",
+    "calibration.first_fit.decode_s_per_seq", "calibration.first_fit.extra_prompt_tokens",
+    "calibration.first_fit.points",
+    "calibration.first_capacity_rps", "calibration.capacity_rps",
+    "calibration.profile.t0_s", "calibration.profile.prefill_s_per_token",
+    "calibration.profile.decode_s_per_seq", "calibration.fit_mape", "calibration.mape",
+    "calibration.30%.rate_rps", "calibration.30%.real", "calibration.30%.simulated",
+    "calibration.30%.ape", "calibration.30%.ape_first_fit",
+    "calibration.50%.rate_rps", "calibration.50%.real.ttft_p50_s",
+    "calibration.50%.simulated.ttft_p50_s", "calibration.50%.ape",
+    "calibration.70%.rate_rps", "calibration.90%.rate_rps", "calibration.90%.real.ttft_p90_s",
+    "calibration.90%.simulated.ttft_p90_s", "calibration.90%.ape",
+)  # fmt: skip
+# Every load generator sends its first request at once, so even 2 s runs answer some.
+SMOKE = {
+    "repeats": 1,
+    "seconds": 1.5,
+    "unloaded_seconds": 1.0,
+    "calibration_seconds": 2.0,
+    "fit_requests": 1,
+}
 
 
 def spread(runs: list[dict[str, float]], key: str) -> dict[str, float]:
@@ -37,7 +75,9 @@ def spread(runs: list[dict[str, float]], key: str) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-async def protection_runs(llama: str, repeats: int, seconds: float) -> dict[str, Any]:
+async def protection_runs(
+    llama: str, repeats: int, seconds: float, unloaded_s: float
+) -> dict[str, Any]:
     port = free_port()
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(gateway_config(llama, SLOTS), f)
@@ -49,7 +89,7 @@ async def protection_runs(llama: str, repeats: int, seconds: float) -> dict[str,
         unloaded, with_tp, without = [], [], []
         for run in range(repeats):
             unloaded.append(
-                (await protection(llama, KEYS, Load(seconds=8, spot_workers=0))).summary()
+                (await protection(llama, KEYS, Load(seconds=unloaded_s, spot_workers=0))).summary()
             )
             with_tp.append((await protection(gw, KEYS, load)).summary())
             without.append((await protection(llama, KEYS, load)).summary())
@@ -68,8 +108,10 @@ async def protection_runs(llama: str, repeats: int, seconds: float) -> dict[str,
         Path(f.name).unlink()
 
 
-async def calibration(llama: str, seconds: float, repeats: int) -> dict[str, Any]:
-    fitted = await fit(llama, SLOTS)
+async def calibration(
+    llama: str, seconds: float, repeats: int, fit_requests: int
+) -> dict[str, Any]:
+    fitted = await fit(llama, SLOTS, fit_requests)
     print(
         f"first fit: t0 {fitted.t0_s * 1000:.1f} ms, prefill "
         f"{fitted.prefill_s_per_token * 1000:.3f} ms/token, decode "
@@ -111,8 +153,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     server = LlamaCppServer(slots=SLOTS)
     llama = server.start()
     try:
-        runs = await protection_runs(llama, args.repeats, args.seconds)
-        cal = await calibration(llama, args.calibration_seconds, args.repeats)
+        runs = await protection_runs(llama, args.repeats, args.seconds, args.unloaded_seconds)
+        cal = await calibration(llama, args.calibration_seconds, args.repeats, args.fit_requests)
     finally:
         server.stop()
     mape = {
@@ -142,8 +184,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=20.0, help="per protection run")
+    parser.add_argument("--unloaded-seconds", type=float, default=8.0, help="per unloaded run")
     parser.add_argument("--calibration-seconds", type=float, default=40.0, help="per load run")
-    args = parser.parse_args()
+    parser.add_argument("--fit-requests", type=int, default=6, help="per point of the first fit")
+    args = parse_args(parser, SMOKE)
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -8,6 +8,7 @@
    the redis-server process and of this process, per arrival. Each repeat uses a fresh pool.
 
     python benchmarks/redis_cpu.py --json out/redis_cpu.json [--repeats 3]
+    python benchmarks/redis_cpu.py --json /tmp/redis_cpu.json --smoke    # the test suite's run
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import redis
 import redis.asyncio
 
 from redis_store import core_config
+from smoke import parse_args
 from tokenpools import core_build
 from tokenpools.admission.driver import StoreDriver
 from tokenpools.control.core import DecisionCore
@@ -41,6 +43,15 @@ from tokenpools.state.redis.store import RedisStore
 
 SCRIPT = "redis.call('HSET', KEYS[1], 'x', ARGV[1]) return {ARGV[1], ARGV[2]}"
 ARGS = [repr(1000.123456789 + i) for i in range(45)]
+# The JSON (paths as in benchmarks/smoke.py): the medians, and every run.
+FIELDS = (
+    "client_cpu_per_call_redis_py_us", "client_cpu_per_call_multiplexed_us",
+    "redis_cpu_per_arrival_us", "client_cpu_per_arrival_us", "core",
+    "runs.redis_py_us", "runs.multiplexed_us", "runs.arrival.[].redis_cpu_us",
+    "runs.arrival.[].client_cpu_us", "runs.arrival.[].arrivals_per_s",
+    "runs.arrival.[].admitted",
+)  # fmt: skip
+SMOKE = {"repeats": 1, "calls": 500, "arrivals": 300}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -49,7 +60,7 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def client_cpu_us(call: Callable[[], Awaitable[Any]], n: int = 20000) -> float:
+async def client_cpu_us(call: Callable[[], Awaitable[Any]], n: int) -> float:
     sent = 0
 
     async def worker() -> None:
@@ -63,58 +74,66 @@ async def client_cpu_us(call: Callable[[], Awaitable[Any]], n: int = 20000) -> f
     return (time.process_time() - start) / n * 1e6
 
 
-async def redis_py(url: str) -> float:
+async def redis_py(url: str, calls: int) -> float:
     client = redis.asyncio.Redis(
         connection_pool=redis.asyncio.BlockingConnectionPool.from_url(url, max_connections=32)
     )
     script = client.register_script(SCRIPT)
     await script(keys=["k"], args=ARGS)
-    cpu = await client_cpu_us(lambda: script(keys=["k"], args=ARGS))
+    cpu = await client_cpu_us(lambda: script(keys=["k"], args=ARGS), calls)
     await client.aclose()
     return cpu
 
 
-async def multiplexed(url: str) -> float:
+async def multiplexed(url: str, calls: int) -> float:
     client = async_client(url, 1.0)
     script = client.register_script(SCRIPT)
     await script(keys=["k"], args=ARGS)
-    cpu = await client_cpu_us(lambda: script(keys=["k"], args=ARGS))
+    cpu = await client_cpu_us(lambda: script(keys=["k"], args=ARGS), calls)
     await client.aclose()
     return cpu
 
 
-async def arrivals(core: DecisionCore, n: int, seed: int) -> None:
+async def arrivals(core: DecisionCore, n: int, seed: int) -> int:
+    """`n` arrivals, 48 in flight, the admitted ones settled; returns how many were admitted."""
     assert isinstance(core.store, RedisStore)
     ledger = StoreDriver(core, RedisHotPath(core.store))
     await ledger.start()
     names, rng, sent, t = list(core.entitlements), random.Random(seed), 0, 1000.0
+    admitted = 0
 
     async def worker() -> None:
-        nonlocal sent, t
+        nonlocal sent, t, admitted
         while sent < n:
             sent += 1
             t += 0.0005
             cost = RequestCost(rng.randint(50, 800), rng.randint(16, 256))
-            decision = await ledger.admit(rng.choice(names), cost, t)
-            if isinstance(decision, Admit):
-                used = core.used_tokens(decision.lease, Usage(cost.input_tokens, 32))
-                await ledger.shared.settle(decision.lease, used, t)  # type: ignore[union-attr]
-                core.finished(decision.lease, t)
+            decision = await ledger.admit([rng.choice(names)], cost, t)  # one layer
+            if isinstance(decision, Admit):  # settled as StoreDriver.end does, awaited here
+                admitted += 1
+                ending = core.prepare_end(decision.lease, Usage(cost.input_tokens, 32))
+                assert ledger.shared is not None and ending.charged is not None
+                await ledger.shared.settle(ending.lease, ending.charged, t, ending.charge)
+                core.ended(ending, t)
 
     await asyncio.gather(*(worker() for _ in range(48)))
     await ledger.aclose()
+    return admitted
 
 
-def per_arrival(url: str, redis_pid: int, run: int, n: int = 6000) -> dict[str, float]:
+def per_arrival(url: str, redis_pid: int, run: int, n: int) -> dict[str, float]:
     config = parse_config(core_config())
     core = DecisionCore(config, RedisStore(url, timeout_s=2.0, prefix=f"cpu{run}"), now=1000.0)
-    asyncio.run(arrivals(core, 500, run))  # configured and warm
+    asyncio.run(arrivals(core, min(500, n), run))  # configured and warm
     redis0, self0, wall0 = process_cpu_s(redis_pid), time.process_time(), time.perf_counter()
-    asyncio.run(arrivals(core, n, run + 1))
+    admitted = asyncio.run(arrivals(core, n, run + 1))
+    if not admitted:  # refusals alone would measure a path that never reaches Redis's script
+        raise RuntimeError(f"none of {n} arrivals was admitted")
     return {
         "redis_cpu_us": (process_cpu_s(redis_pid) - redis0) / n * 1e6,
         "client_cpu_us": (time.process_time() - self0) / n * 1e6,
         "arrivals_per_s": n / (time.perf_counter() - wall0),
+        "admitted": admitted / n,
     }
 
 
@@ -122,13 +141,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--calls", type=int, default=20000, help="script calls per client run")
+    parser.add_argument("--arrivals", type=int, default=6000, help="per run of part 2")
+    args = parse_args(parser, SMOKE)
     runs: dict[str, list[Any]] = {"redis_py_us": [], "multiplexed_us": [], "arrival": []}
     with redis_server() as (url, proc):
         for run in range(args.repeats):  # alternated, so drift touches both alike
-            runs["redis_py_us"].append(asyncio.run(redis_py(url)))
-            runs["multiplexed_us"].append(asyncio.run(multiplexed(url)))
-            runs["arrival"].append(per_arrival(url, proc.pid, run))
+            runs["redis_py_us"].append(asyncio.run(redis_py(url, args.calls)))
+            runs["multiplexed_us"].append(asyncio.run(multiplexed(url, args.calls)))
+            runs["arrival"].append(per_arrival(url, proc.pid, run, args.arrivals))
             print(
                 f"run {run}: client CPU per call redis-py {runs['redis_py_us'][-1]:.0f} us, "
                 f"multiplexed {runs['multiplexed_us'][-1]:.0f} us; "

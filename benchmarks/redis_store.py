@@ -12,6 +12,7 @@
    them in each repeat. The machine has 2 cores shared by every process: read ratios.
 
     python benchmarks/redis_store.py --json out/redis_store.json [--seconds 5] [--repeats 3]
+    python benchmarks/redis_store.py --json /tmp/redis_store.json --smoke    # the tests' run
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' Redis
 from tests.redis_topologies import redis_cluster
 
 from gateway import bench_config, closed_loop, pct
+from smoke import parse_args
 from tokenpools import core_build
 from tokenpools.admission.driver import StoreDriver
 from tokenpools.control.core import DecisionCore
@@ -48,6 +50,22 @@ from tokenpools.state.redis.hot_path import RedisHotPath
 from tokenpools.state.redis.store import RedisStore
 
 CLASSES = ["guaranteed", "dedicated", "elastic", "spot", "preemptible"]
+# The JSON (paths as in benchmarks/smoke.py): the medians, the round trips, and every run.
+FIELDS = (
+    "admission_p50_ms", "admission_p99_ms", "gateway_rps_1_replica", "gateway_rps_3_replicas",
+    "settle_p50_ms", "settle_p99_ms", "redis_ping_p50_ms", "redis_ping_p99_ms",
+    "memory_admission_p50_ms", "memory_admission_p99_ms", "memory_gateway_rps_1_replica",
+    "gateway_rps_memory", "gateway_redis_vs_memory",
+    "awaited_admission_p50_ms", "awaited_admission_p99_ms", "awaited_settle_p99_ms",
+    "awaited_ping_p50_ms", "awaited_ping_p99_ms",
+    "round_trips.admit", "round_trips.refusal", "round_trips.settle",
+    "cluster_admission_p50_ms", "cluster_admission_p99_ms", "core",
+    "runs.admission.redis.[].admit_p99_ms", "runs.admission.memory.[].admit_p99_ms",
+    "runs.admission.ping.[].p99_ms", "runs.awaited_admission.[].settle_p50_ms",
+    "runs.cluster_admission.redis.[].admit_p99_ms", "runs.gateway_rps.memory_1",
+    "runs.gateway_rps.redis_1", "runs.gateway_rps.redis_3", "runs.redis_vs_memory",
+)  # fmt: skip
+SMOKE = {"seconds": 0.25, "repeats": 1, "decisions": 300}
 
 
 def core_config() -> dict[str, Any]:
@@ -113,17 +131,19 @@ async def awaited_run(core: DecisionCore, n: int, seed: int) -> dict[str, float]
         ping_s.append(time.perf_counter() - start)
         cost = RequestCost(rng.randint(50, 800), rng.randint(16, 256))
         start = time.perf_counter()
-        decision = await ledger.admit(rng.choice(names), cost, t)
+        decision = await ledger.admit([rng.choice(names)], cost, t)  # a request of one layer
         admit_s.append(time.perf_counter() - start)
         if isinstance(decision, Admit):
             live.append((decision.lease, cost))
         if len(live) > 200 or (live and rng.random() < 0.5):
             lease, cost = live.pop(rng.randrange(len(live)))
-            used = core.used_tokens(lease, Usage(cost.input_tokens, 32))
+            # settled as StoreDriver.end does, the store's part awaited here to time it
+            ending = core.prepare_end(lease, Usage(cost.input_tokens, 32))
+            assert ledger.shared is not None and ending.charged is not None
             start = time.perf_counter()
-            await ledger.shared.settle(lease, used, t)  # type: ignore[union-attr]
+            await ledger.shared.settle(ending.lease, ending.charged, t, ending.charge)
             settle_s.append(time.perf_counter() - start)
-            core.finished(lease, t)
+            core.ended(ending, t)
         if rng.random() < 0.01:
             await ledger.background(core.tick, t)
     for lease, _ in live:
@@ -297,7 +317,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decisions", type=int, default=20000)
-    args = parser.parse_args()
+    args = parse_args(parser, SMOKE)
     with redis_server() as (url, _):
         adm = admission(url, args.repeats, args.decisions)
         awaited = awaited_admission(url, args.repeats, args.decisions)

@@ -11,6 +11,9 @@ default `timeoutMs` (docs/redis.md).
    booked two update periods after the clients finished.
 
     python benchmarks/store_stalls.py --json out/store_stalls.json [--repeats 3]
+    python benchmarks/store_stalls.py --json /tmp/store_stalls.json --smoke  # the tests' run
+
+`--smoke`: 0.5 s of call latency per condition, 2 pauses per scenario.
 """
 
 from __future__ import annotations
@@ -45,12 +48,30 @@ from tests.fault_load import (
 )
 from tests.faults import fault_proxy, sigcont, sigstop
 
+from smoke import parse_args
 from tokenpools.control.decisions import Admit
 from tokenpools.gateway.runtime import Gateway
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.processes import redis_server
 
 TIMEOUTS_MS = (50, 100, 250, 500)
+# The JSON (paths as in benchmarks/smoke.py): medians per condition and per timeoutMs, and
+# every run.
+FIELDS = (
+    "latency.idle.p50_ms", "latency.idle.p99_ms", "latency.idle.p999_ms", "latency.idle.max_ms",
+    "latency.idle.loop_lag_p99_ms", "latency.idle.loop_lag_max_ms",
+    "latency.contended.p50_ms", "latency.contended.p99_ms", "latency.contended.p999_ms",
+    "latency.contended.max_ms", "latency.contended.loop_lag_p99_ms",
+    "latency.contended.loop_lag_max_ms",
+    "latency_runs.idle.[].calls", "latency_runs.idle.[].over_ms",
+    "latency_runs.contended.[].calls", "latency_runs.contended.[].over_ms",
+    "pauses.*.store_unavailable", "pauses.*.gold_refused", "pauses.*.slowest_admission_ms",
+    "pauses.*.settled_in_s",
+    "pause_runs.[].timeout_ms", "pause_runs.[].requests", "pause_runs.[].store_unavailable",
+    "pause_runs.[].gold_refused", "pause_runs.[].slowest_admission_ms",
+    "pause_runs.[].settled_in_s", "pause_runs.[].left_booked", "pause_runs.[].negative",
+)  # fmt: skip
+SMOKE = {"repeats": 1, "latency_seconds": 0.5, "pauses": 2}
 
 
 @contextlib.contextmanager
@@ -115,7 +136,10 @@ async def call_latency(url: str, seconds: float = 5.0, clients: int = 64) -> dic
     }
 
 
-def pause_scenario(url: str, proc: subprocess.Popen[bytes], timeout_ms: int) -> dict[str, Any]:
+def pause_scenario(
+    url: str, proc: subprocess.Popen[bytes], timeout_ms: int, pauses: int = 10
+) -> dict[str, Any]:
+    """24 clients; Redis stopped 200 ms every 400 ms, `pauses` times, the load 0.2 s longer."""
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     with fault_proxy(port) as proxy:
         client = redis.Redis.from_url(url, socket_timeout=0.5)
@@ -123,9 +147,10 @@ def pause_scenario(url: str, proc: subprocess.Popen[bytes], timeout_ms: int) -> 
         topology = Topology(proxy.url, reader(client), {"sigstop": stop})
         prefix = f"ps{secrets.token_hex(3)}"
         config = fault_config(proxy.url, prefix, fallback=1.0, timeout_ms=timeout_ms)
-        faults = [Fault(0.4 * i, "sigstop", 0.2) for i in range(10)]
+        faults = [Fault(0.4 * i, "sigstop", 0.2) for i in range(pauses)]
         who = lambda i: "gold" if i < GOLD_BASELINE else ENTS[1 + i % 3]  # noqa: E731
-        run = asyncio.run(drive(config, topology, faults, clients=24, load_s=4.2, who=who))
+        load_s = 0.4 * pauses + 0.2
+        run = asyncio.run(drive(config, topology, faults, clients=24, load_s=load_s, who=who))
         client.close()
     waits = [a.decided - a.sent for a in run.answers]
     return {
@@ -151,17 +176,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--latency-seconds", type=float, default=5.0, help="per condition")
+    parser.add_argument("--pauses", type=int, default=10, help="of Redis, per pause scenario")
+    args = parse_args(parser, SMOKE)
     latency: dict[str, list[dict[str, Any]]] = {"idle": [], "contended": []}
     pauses: list[dict[str, Any]] = []
     with redis_server() as (url, proc):
         for run in range(args.repeats):
             for condition in latency:
                 with busy_cores(condition == "contended"):
-                    latency[condition].append(asyncio.run(call_latency(url)))
+                    latency[condition].append(asyncio.run(call_latency(url, args.latency_seconds)))
                 print(f"run {run} {condition}: {latency[condition][-1]}", file=sys.stderr)
             for timeout_ms in TIMEOUTS_MS:
-                pauses.append(pause_scenario(url, proc, timeout_ms))
+                pauses.append(pause_scenario(url, proc, timeout_ms, args.pauses))
                 print(f"run {run} pauses: {pauses[-1]}", file=sys.stderr)
 
     def med(rows: list[dict[str, Any]], key: str) -> float:

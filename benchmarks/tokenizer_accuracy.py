@@ -9,6 +9,7 @@ gateway would: `estimate` (characters), `backend` (the engine's /apply-template 
 kind: mean absolute % error, and the median time one count takes.
 
     python benchmarks/tokenizer_accuracy.py --json out/tokenizer_accuracy.json
+    python benchmarks/tokenizer_accuracy.py --json /tmp/tokens.json --smoke  # the tests' run
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from smoke import parse_args
 from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.model.pool import Backend
@@ -30,6 +32,17 @@ from tokenpools.real_engines.llamacpp import LlamaCppServer, packaged_model
 from tokenpools.tokenizing.counter import PromptCounter
 
 CHAT = "/v1/chat/completions"
+# The JSON (paths as in benchmarks/smoke.py): every request's counts and times, and per mode
+# the errors (overall and by kind), the median time and the fallbacks.
+FIELDS = (
+    "rows.[].kind", "rows.[].engine", "rows.[].estimate", "rows.[].estimate_ms",
+    "rows.[].backend", "rows.[].backend_ms", "rows.[].file", "rows.[].file_ms",
+    "modes.estimate.mape_pct", "modes.backend.mape_pct", "modes.file.mape_pct",
+    "modes.*.mape_pct_by_kind.english", "modes.*.mape_pct_by_kind.cjk",
+    "modes.*.mape_pct_by_kind.code", "modes.*.mape_pct_by_kind.tools",
+    "modes.*.mape_pct_by_kind.turns", "modes.*.median_ms", "modes.*.fallbacks",
+)  # fmt: skip
+SMOKE = {"repeats": 1, "lengths": (1,)}
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather for a city",
@@ -63,10 +76,10 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def requests() -> list[tuple[str, dict[str, Any]]]:
-    """(kind, chat request) pairs."""
+def requests(lengths: tuple[int, ...] = (1, 4, 12)) -> list[tuple[str, dict[str, Any]]]:
+    """(kind, chat request) pairs: each text repeated each of `lengths` times, and two chats."""
     out: list[tuple[str, dict[str, Any]]] = []
-    for n in (1, 4, 12):
+    for n in lengths:
         out.append(("english", {"messages": user(ENGLISH * n)}))
         out.append(("cjk", {"messages": user(CJK * n)}))
         out.append(("code", {"messages": user("Review this code:\n" + CODE * n)}))
@@ -95,7 +108,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     try:
         async with aiohttp.ClientSession() as session:
-            for kind, request in requests():
+            for kind, request in requests(args.lengths):
                 body = {"model": "smollm2", **request, "max_tokens": 1}
                 async with session.post(url + CHAT, json=body) as r:
                     truth = (await r.json())["usage"]["prompt_tokens"]
@@ -134,7 +147,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--lengths",
+        type=lambda v: tuple(int(n) for n in v.split(",")),
+        default=(1, 4, 12),
+        help="how many times each text is repeated, e.g. 1,4,12",
+    )
+    args = parse_args(parser, SMOKE)
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

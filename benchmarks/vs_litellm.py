@@ -25,6 +25,11 @@ while guaranteed-c is away (it uses the engine).
 
     make .venv-litellm/.built
     .venv-pure/bin/python benchmarks/vs_litellm.py --json out/vs_litellm.json --pin
+    .venv-pure/bin/python benchmarks/vs_litellm.py --json /tmp/vs_litellm.json --smoke  # tests'
+
+`--smoke`: (a) 0.1 s per run, once; (b) once per target, the scenario's every time compressed
+into 2 s (`--exp1-seconds`), its emulator as much faster. Most of its minute is LiteLLM's
+start-up (~6 s of imports per proxy, seven proxies).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from typing import Any
 import yaml
 
 from gateway import KEY, MODEL, bench_config, closed_loop, fixed_rate, measured, pct
+from smoke import parse_args
 from tokenpools.demo import gateway_config, headline, without_entitlements
 from tokenpools.engine.profile import load_profile
 from tokenpools.loadgen import LoadRun, Target
@@ -66,6 +72,31 @@ LITELLM_ENV = {
 }
 MASTER_KEY = KEY  # plain LiteLLM: the benchmark's clients send the master key
 Timeline = list[tuple[float, Callable[[], Awaitable[None] | None]]]
+# The JSON (paths as in benchmarks/smoke.py): (a) a row per mode and target, each server's
+# start-up and memory, the hook's own cost; (b) per target the medians and every run.
+FIELDS = (
+    "pinned", "litellm",
+    "rows.[].target", "rows.[].mode", "rows.[].max_rps", "rows.[].max_rps_runs",
+    "rows.[].added_p50_ms", "rows.[].added_p99_ms", "rows.[].p50_ms", "rows.[].p99_ms",
+    "rows.[].cpu_ms_per_req", "rows.[].cpu_ms_per_req_at_rate", "rows.[].rate_rps",
+    "servers.tokenpools.start_s", "servers.tokenpools.rss_mib",
+    "servers.litellm.start_s", "servers.litellm-limits.start_s",
+    "servers.litellm-tokenpools.start_s", "servers.*.rss_mib",
+    "hook_cost.us_per_request", "hook_cost.runs_us",
+    "exp1.tokenpools.guaranteed_ttft_p99_s", "exp1.litellm-tokenpools.guaranteed_ttft_p99_s",
+    "exp1.litellm-limits.guaranteed_ttft_p99_s",
+    "exp1.litellm-limits-spot10.guaranteed_ttft_p99_s", "exp1.litellm.guaranteed_ttft_p99_s",
+    "exp1.*.guaranteed_ttft_p99_overload_s", "exp1.*.utilization", "exp1.*.spot_goodput_rps",
+    "exp1.*.max_backend_waiting",
+    "exp1.*.runs.[].guaranteed_ttft_p99_s", "exp1.*.runs.[].guaranteed_ttft_p99_overload_s",
+    "exp1.*.runs.[].utilization", "exp1.*.runs.[].utilization_per_phase",
+    "exp1.*.runs.[].spot_goodput_rps", "exp1.*.runs.[].spot_rejected_fraction_overload",
+    "exp1.*.runs.[].max_backend_waiting", "exp1.*.runs.[].server_cpu_s",
+    "exp1.*.runs.[].phases.guaranteed-a.overload.ttft_p99_s",
+    "exp1.*.runs.[].phases.spot-b.overload.throttled_fraction",
+    "exp1.*.runs.[].phases.*.before.goodput_rps",
+)  # fmt: skip
+SMOKE = {"seconds": 0.1, "repeats": 1, "rate": 30.0, "exp1_repeats": 1, "exp1_seconds": 2.0}
 
 
 @dataclass
@@ -301,14 +332,40 @@ def hook_cost(lab: Lab, litellm: Path) -> dict[str, Any]:
     return cost
 
 
+def compressed(scenario: Scenario, seconds: float) -> Scenario:
+    """The scenario in `seconds`: its every time (phases, joins and leaves, changes, capacity
+    events) scaled alike."""
+    f = seconds / scenario.duration_s
+    data = scenario.model_dump()
+    data["duration_s"] = seconds
+    for phase in data["phases"]:
+        phase["start_s"] *= f
+        phase["end_s"] *= f
+    for tenant in data["tenants"]:
+        workload = tenant["workload"]
+        workload["start_s"] *= f
+        if workload["end_s"] is not None:
+            workload["end_s"] *= f
+        tenant["entitlement_lead_s"] *= f
+        for change in tenant["changes"]:
+            change["at_s"] *= f
+    for event in data["capacity"]:
+        event["at_s"] *= f
+    return Scenario.model_validate(data)
+
+
 async def experiment1(args: argparse.Namespace, litellm: Path, target: str) -> dict[str, Any]:
     scenario = load_scenario(scenario_path("paper-exp1"))
+    speed = 1.0  # the emulator in real time
+    if args.exp1_seconds is not None:  # and as much faster as the scenario is compressed
+        speed = scenario.duration_s / args.exp1_seconds
+        scenario = compressed(scenario, args.exp1_seconds)
     keys = {t.name: f"sk-exp1-{t.name}" for t in scenario.tenants}
     model = "qwen3-8b"
     lab = Lab(litellm, "1" if args.pin else None)
     timeline: Timeline = []
     try:
-        emulator = await lab.emulator(scenario.engine.profile, 1.0)
+        emulator = await lab.emulator(scenario.engine.profile, speed)
         config = gateway_config(scenario, emulator.url, keys, lab.dir / f"{target}-usage.sqlite3")
         config["pools"][0]["servedModels"] = [model]
         if target == "tokenpools":
@@ -413,7 +470,10 @@ def main() -> None:
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--skip-exp1", action="store_true")
     parser.add_argument("--exp1-repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--exp1-seconds", type=float, help="compress (b)'s 90 s into these (default: real time)"
+    )
+    args = parse_args(parser, SMOKE)
     result = asyncio.run(main_async(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
