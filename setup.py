@@ -25,6 +25,7 @@ COMPILED = [
     "src/tokenpools/control/endings.py",
     "src/tokenpools/control/eviction.py",
     "src/tokenpools/control/layers.py",
+    "src/tokenpools/control/metering.py",
     "src/tokenpools/control/observation.py",
     "src/tokenpools/control/periodic.py",
     "src/tokenpools/control/placement.py",

@@ -87,7 +87,7 @@ def test_an_admission_and_a_refusal_each_cost_one_round_trip(redis_url: str, red
 
 def test_a_budget_measure_names_a_charge_field_and_the_script_knows_every_one() -> None:
     """One declaration: a budget's measure is a Charge field's name, in Python and in Lua."""
-    from tokenpools.control.store import Charge
+    from tokenpools.control.metering import Charge
     from tokenpools.model.budgets import Measure
 
     charge = [f.name for f in fields(Charge)]

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from tests.postgres import postgres_server
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
-from tokenpools.control.store import Store, UsageRow
+from tokenpools.control.metering import UsageRow
+from tokenpools.control.store import Store
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import Account, RequestCost, Usage
 from tokenpools.state.memory import MemoryStore

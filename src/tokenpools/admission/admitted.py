@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from tokenpools.control.store import Charge, Lease
+from tokenpools.control.metering import Charge
+from tokenpools.control.store import Lease
 from tokenpools.model.request import Usage
 
 EndFn = Callable[["Admitted", Usage | None, bool], None]

@@ -17,7 +17,8 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from tokenpools.control.decisions import Check, Reason, Reject
-from tokenpools.control.store import INF, BudgetHold, Charge, Meter, Store
+from tokenpools.control.metering import BudgetHold, Charge, Meter
+from tokenpools.control.store import INF, Store
 from tokenpools.model.budgets import Budget, Measure, Period, Scope, format_money
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import Entitlement

@@ -14,7 +14,8 @@ from tokenpools.control import budgets
 from tokenpools.control.backfill import rescaled, typical_output
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.fallback import LocalFallback
-from tokenpools.control.store import Charge, Lease, Scores, Store, StoreUnavailable
+from tokenpools.control.metering import Charge
+from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
 from tokenpools.model.request import Usage
 
 

@@ -17,7 +17,8 @@ from typing import Protocol
 
 from tokenpools.control import plans
 from tokenpools.control.decisions import SHORTFALL_REJECTS, Admit, Check, Decision, Reason, Reject
-from tokenpools.control.store import INF, BucketSpec, Charge, Lease, Reservation, ReservePlan, Store
+from tokenpools.control.metering import Charge
+from tokenpools.control.store import INF, BucketSpec, Lease, Reservation, ReservePlan, Store
 from tokenpools.model.entitlement import Entitlement
 
 _UNBOUNDED = BucketSpec(INF, INF)

@@ -7,11 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tokenpools.control.eviction import choose_victims
+from tokenpools.control.metering import NO_CHARGE, Charge
 from tokenpools.control.store import (
     ADMITTED,
-    NO_CHARGE,
     BucketSpec,
-    Charge,
     Lease,
     Outcome,
     Reservation,

@@ -9,17 +9,8 @@ import heapq
 import secrets
 from collections.abc import Sequence
 
-from tokenpools.control.store import (
-    BudgetHold,
-    Charge,
-    EntitlementCounters,
-    Lease,
-    PendingUsage,
-    PoolCounters,
-    Scores,
-    UsageRow,
-    Window,
-)
+from tokenpools.control.metering import BudgetHold, Charge, PendingUsage, UsageRow
+from tokenpools.control.store import EntitlementCounters, Lease, PoolCounters, Scores, Window
 from tokenpools.state.accounts import EntitlementAccount, PoolAccount
 from tokenpools.state.metering import BudgetBook, UsageBook
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenpools.control.store import INF, Charge, Meter, PendingUsage, UsageRow, counted, overrun
+from tokenpools.control.metering import Charge, Meter, PendingUsage, UsageRow, counted, overrun
+from tokenpools.control.store import INF
 
 HOUR = 3600
 # A bucket's values: requests, the Charge's measures, evicted, expired, and per refusal

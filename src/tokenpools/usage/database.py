@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from tokenpools.control.budgets import SEP
-from tokenpools.control.store import UsageRow
+from tokenpools.control.metering import UsageRow
 
 SCHEMA_VERSION = 2
 KEY = ("deployment", "source", "hour", "tenant", "entitlement", "key_label", "model")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenpools.control.budgets import SEP
-from tokenpools.control.store import INF, PendingUsage, Store, StoreUnavailable, UsageRow
+from tokenpools.control.metering import PendingUsage, UsageRow
+from tokenpools.control.store import INF, Store, StoreUnavailable
 from tokenpools.usage.database import LedgerUnavailable, UsageDatabase
 
 log = logging.getLogger("tokenpools.usage")

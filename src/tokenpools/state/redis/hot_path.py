@@ -13,14 +13,8 @@ from typing import Any
 
 import redis
 
-from tokenpools.control.store import (
-    NO_CHARGE,
-    Charge,
-    Lease,
-    Outcome,
-    Reservation,
-    StoreUnavailable,
-)
+from tokenpools.control.metering import NO_CHARGE, Charge
+from tokenpools.control.store import Lease, Outcome, Reservation, StoreUnavailable
 from tokenpools.state.redis import connect as redis_connect
 from tokenpools.state.redis import wire
 from tokenpools.state.redis.link import FAILURES, finish_args, finish_calls

@@ -28,7 +28,8 @@ from typing import Any
 
 import redis
 
-from tokenpools.control.store import NO_CHARGE, BudgetHold, Charge, Lease, StoreUnavailable
+from tokenpools.control.metering import NO_CHARGE, BudgetHold, Charge
+from tokenpools.control.store import Lease, StoreUnavailable
 from tokenpools.state.redis import connect as redis_connect
 from tokenpools.state.redis import wire
 

@@ -20,21 +20,17 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from tokenpools.control.metering import NO_CHARGE, BudgetHold, Charge, PendingUsage, UsageRow
 from tokenpools.control.store import (
-    NO_CHARGE,
     BucketSpec,
-    BudgetHold,
-    Charge,
     EntitlementCounters,
     Lease,
     Outcome,
-    PendingUsage,
     PoolCounters,
     Reservation,
     Scores,
     Shortfall,
     StoreUnavailable,
-    UsageRow,
     Window,
 )
 from tokenpools.state.redis import wire

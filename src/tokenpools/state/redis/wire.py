@@ -16,16 +16,14 @@ from importlib.resources import files
 from typing import Any
 
 from tokenpools.control import backfill
+from tokenpools.control.metering import BudgetHold, PendingUsage, UsageRow
 from tokenpools.control.store import (
     INF,
-    BudgetHold,
     EntitlementCounters,
     Lease,
-    PendingUsage,
     PoolCounters,
     Reservation,
     ReservePlan,
-    UsageRow,
 )
 
 KeyFn = Callable[[BudgetHold], str]
