@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenpools.control.backfill import claim_share
@@ -33,6 +34,7 @@ from tokenpools.control.store import (
     Lease,
     Outcome,
     Reservation,
+    ReservePlan,
     Shortfall,
     Store,
     StoreUnavailable,
@@ -51,6 +53,27 @@ class Pending(Reservation):
     pool_view: PoolView
     max_tokens: int  # the request's max_tokens, the entitlement's default if it set none
     sequences: int = 1
+
+    # written out for mypyc (control/store.py says why, above Lease)
+    def __init__(
+        self,
+        lease: Lease,
+        plan: ReservePlan,
+        demand: float,
+        victims: Sequence[str],
+        victim_count: int,
+        may_overcommit: bool,
+        claim_share: float,
+        view: EntitlementView,
+        pool_view: PoolView,
+        max_tokens: int,
+        sequences: int = 1,
+    ) -> None:
+        self.lease, self.plan, self.demand = lease, plan, demand
+        self.victims, self.victim_count = victims, victim_count
+        self.may_overcommit, self.claim_share = may_overcommit, claim_share
+        self.view, self.pool_view = view, pool_view
+        self.max_tokens, self.sequences = max_tokens, sequences
 
 
 class DecisionCore(Periodic):

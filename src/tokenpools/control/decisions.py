@@ -122,9 +122,23 @@ class Quota:
     remaining_tokens: float
     reset_tokens_s: float  # until the bucket is full again
 
+    # written out for mypyc (control/store.py says why, above Lease)
+    def __init__(
+        self,
+        limit_requests: float,
+        remaining_requests: float,
+        reset_requests_s: float,
+        limit_tokens: float,
+        remaining_tokens: float,
+        reset_tokens_s: float,
+    ) -> None:
+        self.limit_requests, self.remaining_requests = limit_requests, remaining_requests
+        self.reset_requests_s, self.limit_tokens = reset_requests_s, limit_tokens
+        self.remaining_tokens, self.reset_tokens_s = remaining_tokens, reset_tokens_s
 
-# Admit and Reject are built on every request: plain slotted classes (a frozen dataclass's
-# __init__ costs several times more). Treat them as immutable.
+
+# Admit and Reject are built on every request: slotted classes with their __init__ written out
+# for mypyc (control/store.py says why, above Lease). Treat them as immutable.
 @dataclass(slots=True)
 class Admit:
     lease: Lease
@@ -140,6 +154,20 @@ class Admit:
 
     admitted = True
 
+    def __init__(
+        self,
+        lease: Lease,
+        priority: float,
+        evict: tuple[Lease, ...] = (),
+        overcommit: bool = False,
+        max_tokens: int = 0,
+        quota: Quota | None = None,
+        budget: tuple[str, float, float] | None = None,
+        lowered: bool = False,
+    ) -> None:
+        self.lease, self.priority, self.evict, self.overcommit = lease, priority, evict, overcommit
+        self.max_tokens, self.quota, self.budget, self.lowered = max_tokens, quota, budget, lowered
+
 
 @dataclass(slots=True)
 class Reject:
@@ -153,6 +181,21 @@ class Reject:
     max_tokens_fit: int = 0  # > 0: the budgets allow this request with max_tokens lowered to it
 
     admitted = False
+
+    def __init__(
+        self,
+        reason: Reason,
+        check: Check,
+        message: str,
+        retry_after_s: float | None = None,
+        dimension: str | None = None,
+        quota: Quota | None = None,
+        budget: str | None = None,
+        max_tokens_fit: int = 0,
+    ) -> None:
+        self.reason, self.check, self.message = reason, check, message
+        self.retry_after_s, self.dimension, self.quota = retry_after_s, dimension, quota
+        self.budget, self.max_tokens_fit = budget, max_tokens_fit
 
 
 def quota(view: EntitlementView, pool_view: PoolView, outcome: Outcome) -> Quota | None:

@@ -20,6 +20,21 @@ class Charge:
     tokens: float = 0.0  # the pool's weighted total, as the throughput buckets count it
     cost: float = 0.0  # micro-units
 
+    # written out for mypyc (control/store.py says why, above Lease)
+    def __init__(
+        self,
+        input: float = 0.0,
+        output: float = 0.0,
+        cached: float = 0.0,
+        tokens: float = 0.0,
+        cost: float = 0.0,
+    ) -> None:
+        object.__setattr__(self, "input", input)
+        object.__setattr__(self, "output", output)
+        object.__setattr__(self, "cached", cached)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "cost", cost)
+
 
 NO_CHARGE = Charge()
 
@@ -66,6 +81,18 @@ class Meter:
     bucket: str  # "<tenant>\x1f<entitlement>\x1f<key label>\x1f<model>"
     worst: Charge
     needs: tuple[float, ...] = ()  # the worst case in each hold's measure
+
+    def __init__(
+        self,
+        holds: tuple[BudgetHold, ...],
+        bucket: str,
+        worst: Charge,
+        needs: tuple[float, ...] = (),
+    ) -> None:
+        object.__setattr__(self, "holds", holds)
+        object.__setattr__(self, "bucket", bucket)
+        object.__setattr__(self, "worst", worst)
+        object.__setattr__(self, "needs", needs)
 
 
 @dataclass(frozen=True, slots=True)

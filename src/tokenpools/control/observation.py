@@ -17,6 +17,14 @@ class Observation:
     demand_tokens_per_s: float
     admitted_tokens_per_s: float = 0.0
 
+    # written out for mypyc (control/store.py says why, above Lease)
+    def __init__(
+        self, usage: Resources, demand_tokens_per_s: float, admitted_tokens_per_s: float = 0.0
+    ) -> None:
+        object.__setattr__(self, "usage", usage)
+        object.__setattr__(self, "demand_tokens_per_s", demand_tokens_per_s)
+        object.__setattr__(self, "admitted_tokens_per_s", admitted_tokens_per_s)
+
 
 def observe(window: Window) -> Observation:
     if window.seconds <= 0:

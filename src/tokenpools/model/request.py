@@ -1,4 +1,7 @@
-"""What one request asks for, and what it used."""
+"""What one request asks for, and what it used.
+
+Built on every request, so each writes its `__init__` out: mypyc compiles a written one, where
+the one @dataclass generates runs interpreted (control/store.py says more, above Lease)."""
 
 from __future__ import annotations
 
@@ -15,13 +18,23 @@ class RequestCost:
     sequences: int = 1  # generated from one prompt (`n`, `best_of`): each may reach the ceiling
     account: Account | None = None  # None: no budgets, no ledger (the simulator's requests)
 
-    def __post_init__(self) -> None:
-        if self.input_tokens < 0:
-            raise ValueError(f"input_tokens must be >= 0, got {self.input_tokens}")
-        if self.sequences < 1:
-            raise ValueError(f"sequences must be >= 1, got {self.sequences}")
-        if self.max_output_tokens is not None and self.max_output_tokens < 0:
-            raise ValueError(f"max_output_tokens must be >= 0, got {self.max_output_tokens}")
+    def __init__(
+        self,
+        input_tokens: int,
+        max_output_tokens: int | None = None,
+        sequences: int = 1,
+        account: Account | None = None,
+    ) -> None:
+        if input_tokens < 0:
+            raise ValueError(f"input_tokens must be >= 0, got {input_tokens}")
+        if sequences < 1:
+            raise ValueError(f"sequences must be >= 1, got {sequences}")
+        if max_output_tokens is not None and max_output_tokens < 0:
+            raise ValueError(f"max_output_tokens must be >= 0, got {max_output_tokens}")
+        object.__setattr__(self, "input_tokens", input_tokens)
+        object.__setattr__(self, "max_output_tokens", max_output_tokens)
+        object.__setattr__(self, "sequences", sequences)
+        object.__setattr__(self, "account", account)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +45,15 @@ class Usage:
     output_tokens: int
     cached_tokens: int = 0  # of the input, served from the engine's prefix cache
 
-    def __post_init__(self) -> None:
-        if self.input_tokens < 0 or self.output_tokens < 0 or self.cached_tokens < 0:
-            raise ValueError(f"usage must be non-negative, got {self}")
+    def __init__(self, input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> None:
+        if input_tokens < 0 or output_tokens < 0 or cached_tokens < 0:
+            raise ValueError(
+                f"usage must be non-negative, got input_tokens={input_tokens}, "
+                f"output_tokens={output_tokens}, cached_tokens={cached_tokens}"
+            )
+        object.__setattr__(self, "input_tokens", input_tokens)
+        object.__setattr__(self, "output_tokens", output_tokens)
+        object.__setattr__(self, "cached_tokens", cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +63,8 @@ class Account:
     tenant: str
     key: str  # the credential's label (a key's label, `jwt`, `header`)
     model: str  # the model name the client asked for
+
+    def __init__(self, tenant: str, key: str, model: str) -> None:
+        object.__setattr__(self, "tenant", tenant)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "model", model)

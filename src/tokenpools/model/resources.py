@@ -22,6 +22,15 @@ class Resources:
     kv_tokens: float = 0.0
     concurrency: float = 0.0
 
+    # Written out: mypyc compiles it, where the one @dataclass generates runs interpreted
+    # (control/store.py says more, above Lease).
+    def __init__(
+        self, throughput: float = 0.0, kv_tokens: float = 0.0, concurrency: float = 0.0
+    ) -> None:
+        object.__setattr__(self, "throughput", throughput)
+        object.__setattr__(self, "kv_tokens", kv_tokens)
+        object.__setattr__(self, "concurrency", concurrency)
+
     def __add__(self, other: Resources) -> Resources:
         return Resources(
             self.throughput + other.throughput,
