@@ -39,6 +39,7 @@ RUN: dict[str, tuple[pytest.MarkDecorator, ...]] = {
     "preemptible_family.py": (),
     "real_llamacpp.py": (pytest.mark.real_engine,),
     "redis_cpu.py": (),
+    "restart.py": (),
     "redis_store.py": (),
     "simulator.py": (),
     "store_stalls.py": (),

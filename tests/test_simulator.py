@@ -132,6 +132,46 @@ def test_preemptible_work_mostly_completes_without_costing_protection_or_utilisa
     assert lent_batch["completed_per_admitted"] < 0.5
 
 
+def _p99_ttft(result: RunResult, tenants: tuple[str, ...], start: float, end: float) -> float:
+    ttfts = sorted(
+        a.first_token_at - a.req.sent_at
+        for a in result.attempts
+        if a.req.tenant in tenants and a.first_token_at is not None and start <= a.req.sent_at < end
+    )
+    return ttfts[int(0.99 * len(ttfts))]
+
+
+def _surplus_running(result: RunResult, start: float, end: float) -> float:
+    counts = [
+        x.running_by_tenant.get("scrape", 0) + x.running_by_tenant.get("batch", 0)
+        for x in result.samples
+        if start <= x.t < end
+    ]
+    return sum(counts) / len(counts)
+
+
+def test_a_restart_on_a_shared_store_goes_unnoticed_and_on_an_empty_one_it_does_not() -> None:
+    scenario = load_scenario(EXPERIMENTS / "beyond-restart.yaml")
+    assert [(r.at_s, r.store) for r in scenario.restarts] == [(100, "empty"), (200, "empty")]
+    kept = scenario.model_copy(
+        update={"restarts": [r.model_copy(update={"store": "kept"}) for r in scenario.restarts]}
+    )
+    empty_run, kept_run = simulate(scenario, "tokenpools"), simulate(kept, "tokenpools")
+    protected = ("api", "chat")
+    before = _p99_ttft(kept_run, protected, 30, 100)
+    steady = _surplus_running(kept_run, 50, 100)
+    for at in (100, 200):
+        # The store kept the leases in flight and every claim: the protected tenants see
+        # nothing; surplus work loses a little for a while (the pool's learnt scale is the
+        # process's, back at 1), not its share.
+        assert _p99_ttft(kept_run, protected, at, at + 60) <= max(2 * before, 0.5)
+        assert _surplus_running(kept_run, at + 10, at + 30) >= 0.7 * steady
+        assert _surplus_running(kept_run, at + 30, at + 60) >= 0.9 * steady
+    # An empty store knows nothing of what runs on the engines: the new process admits on
+    # top of it and the protected tenants' first-token latency pays (docs/decisions.md).
+    assert max(_p99_ttft(empty_run, protected, at, at + 60) for at in (100, 200)) > 1.5
+
+
 # -- determinism and the contract -----------------------------------------------------------
 
 

@@ -168,7 +168,7 @@ class Catalog:
                     protected=reserved,
                 )
                 if bound and previous.get(ent.name) != BindingState.BOUND:
-                    self._claim_baseline(ent, now)
+                    self._claim_baseline(ent, now, rebound=ent.name in previous)
                 plan = plans.reserve_plan(pool, ent, bound, policy)
                 max_tokens, max_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
                 self._ents[ent.name] = EntitlementView(
@@ -203,12 +203,17 @@ class Catalog:
         view.preemptible_order = [m.ent.name for m in evictable]
         view.preemptible_priorities = [m.priority for m in evictable]
 
-    def _claim_baseline(self, ent: Entitlement, now: float) -> None:
-        """An entitlement that has just bound claims its whole baseline until measured."""
+    def _claim_baseline(self, ent: Entitlement, now: float, rebound: bool) -> None:
+        """An entitlement that has just bound claims its whole baseline until measured. One
+        this process sees for the first time (it has just started, or the entitlement was
+        added) keeps what the store holds of it, if anything: a gateway restarted on a shared
+        store must not take back what the others measured (docs/decisions.md, "A restart")."""
         if ent.service_class in BORROWERS:
             return
         with contextlib.suppress(StoreUnavailable):  # claimed at the next update instead
             old = self.store.scores(ent.name, now)
+            if not rebound and old != Scores():
+                return
             claim_c, claim_k = first_claim(ent.baseline, old, self.policy)
             if (claim_c, claim_k) != (old.peak_concurrency, old.peak_kv):
                 self.store.set_scores(

@@ -194,9 +194,12 @@ class TokenPools(AdmissionPolicy):
             ent = config.entitlements[name]
             self.layers[name] = directory.layers(ent.tenant_id)[ent.pool]
         self.absent = set(absent)  # entitlements not created yet
-        self.core = DecisionCore(self._current(), MemoryStore(), now=now)
+        self.store = MemoryStore()
+        self.core = DecisionCore(self._current(), self.store, now=now)
         self.pool = next(iter(config.pools))
         self.per_replica = config.pools[self.pool].per_replica
+        self.replicas = config.pools[self.pool].replicas
+        self.capacity_now = self.per_replica  # after capacity events
         self.tenant_of: dict[str, str] = {}  # entitlement → tenant
         # With budgets in the config, requests are charged to them as the gateway charges a
         # tenant's (its key: `sim`, the model: the pool); without, nothing is metered.
@@ -252,6 +255,7 @@ class TokenPools(AdmissionPolicy):
             base.kv_tokens * fraction,
             base.concurrency * fraction,
         )
+        self.capacity_now = per_replica
         change = self.core.set_capacity(self.pool, now, per_replica=per_replica)
         return [lease.lease_id for lease in change.evict]
 
@@ -259,8 +263,19 @@ class TokenPools(AdmissionPolicy):
         return self.core.desired_replicas(self.pool)
 
     def set_replicas(self, replicas: int, now: float) -> list[str]:
+        self.replicas = replicas
         change = self.core.set_replicas(self.pool, replicas, now)
         return [lease.lease_id for lease in change.evict]
+
+    def restart(self, now: float, store_kept: bool = False) -> None:
+        # A new core, told the capacity the old one had been told, on the old store if it is
+        # kept; on a new one, the requests in flight settle as unknown leases (a no-op).
+        self.store = self.store if store_kept else MemoryStore()
+        self.core = DecisionCore(self._current(), self.store, now=now)
+        if self.capacity_now != self.per_replica:
+            self.core.set_capacity(self.pool, now, per_replica=self.capacity_now)
+        if self.replicas != self.config.pools[self.pool].replicas:
+            self.core.set_replicas(self.pool, self.replicas, now)
 
     def scores(self, now: float) -> dict[str, tuple[float, float]]:
         out = {}

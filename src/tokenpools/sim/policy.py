@@ -109,3 +109,8 @@ class AdmissionPolicy:
     def leave(self, entitlement: str, now: float) -> list[str]:
         """An entitlement ends; returns in-flight requests that must end with it."""
         return []
+
+    def restart(self, now: float, store_kept: bool = False) -> None:
+        """The gateway restarts on an empty store (a rolling update with the memory store):
+        what is in flight finishes on the engines, unknown to the new process. Only
+        tokenpools models it; the other policies keep their state."""

@@ -150,6 +150,16 @@ class CapacityEvent(_Strict):
     fraction: Annotated[float, Field(gt=0, le=1)]
 
 
+class Restart(_Strict):
+    """At `at_s` the gateway restarts on an empty store: the requests in flight finish on the
+    engines, and the new process knows none of them, nor anything it measured."""
+
+    at_s: NonNeg
+    # empty: the memory store, lost with the process; kept: a shared store (Redis) that
+    # outlives it, with the leases in flight and everything measured
+    store: Literal["empty", "kept"] = "empty"
+
+
 class AutoscalingSpec(_Strict):
     """The pool's autoscaler: every `interval_s` the policy's own arithmetic (tokenpools: the
     core's desired replicas) is compared with the replicas provisioned; more are asked for once
@@ -180,6 +190,7 @@ class Scenario(_Strict):
     tenants: list[Tenant]
     phases: list[Phase]
     capacity: list[CapacityEvent] = []
+    restarts: list[Restart] = []
     autoscaling: AutoscalingSpec | None = None
     sample_interval_s: Pos = 0.5
 

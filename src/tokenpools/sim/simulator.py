@@ -124,6 +124,10 @@ class Simulation:
                 self.at(w.end_s, partial(self._leave, ent))
         for event in self.scenario.capacity:
             self.at(event.at_s, partial(self._capacity, event.fraction))
+        for restart in self.scenario.restarts:
+            self.at(
+                restart.at_s, partial(self.policy.restart, restart.at_s, restart.store == "kept")
+            )
         self.at(0.0, self._tick)
         self.at(0.0, self._sample)
         spec = self.scenario.autoscaling
