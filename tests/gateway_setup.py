@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import ServerThread, wait_until
+from tests.servers import ServerThread, wait_for
 from tokenpools.emulator.server import EMULATOR
 from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.engine.profile import EngineProfile
@@ -73,7 +73,7 @@ def gateway(emulator: ServerThread) -> Iterator[ServerThread]:
     server = ServerThread(make_app(gw, health_interval_s=0.2))
     yield server
     # Every test ends with nothing in flight and nothing reserved.
-    wait_until(lambda: all(e["in_flight"] == 0 for e in admin(server, "entitlements").values()))
+    wait_all_ended(server)
     for e in admin(server, "entitlements").values():
         assert e["reserved"] == {"concurrency": 0, "kv_tokens": 0}
     for p in admin(server, "pools").values():
@@ -81,10 +81,8 @@ def gateway(emulator: ServerThread) -> Iterator[ServerThread]:
     server.stop()
 
 
-def admin(server: ServerThread, what: str) -> dict[str, Any]:
-    r = httpx.get(
-        f"{server.url}/admin/{what}", headers={"Authorization": f"Bearer {KEYS['admin']}"}
-    )
+def admin(server: ServerThread, what: str, key: str = KEYS["admin"]) -> dict[str, Any]:
+    r = httpx.get(f"{server.url}/admin/{what}", headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
     data: dict[str, Any] = r.json()
     return data
@@ -96,3 +94,20 @@ def client(server: ServerThread, who: str = "gold", **kw: Any) -> openai.OpenAI:
 
 def emulator_running(emulator: ServerThread) -> int:
     return int(emulator.call(lambda: emulator.app[EMULATOR].engine.num_running))
+
+
+def wait_all_ended(server: ServerThread, key: str = KEYS["admin"]) -> None:
+    """Wait until every admitted request has ended where the gateway keeps its state: each
+    entitlement's in_flight (its leases in the store) back to 0. What a settlement charges and
+    the reservation it frees come with that, so a test reads them after this, not after the
+    client's answer: a stream is settled after its client has the last chunk, and on a shared
+    store (Redis) a settlement is a task of its own, sent after the answer."""
+    wait_for(
+        lambda: {
+            name: e["in_flight"]
+            for name, e in admin(server, "entitlements", key).items()
+            if e["in_flight"]
+        },
+        lambda held: not held,
+        what="every entitlement's in_flight back to 0 (each lease ended)",
+    )

@@ -8,11 +8,13 @@ import inspect
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from tokenpools.gateway.http_layer import GatewayRunner
+
+T = TypeVar("T")
 
 
 class ServerThread:
@@ -71,13 +73,46 @@ class ServerThread:
         self._thread.join(10)
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll a condition until it holds (synchronising on state, not on time)."""
+def wait_for(
+    read: Callable[[], T],
+    until: Callable[[T], object] = bool,
+    *,
+    what: str,
+    timeout_s: float = 20.0,
+    every_s: float = 0.01,
+) -> T:
+    """Poll `read()` until `until(value)` holds and return that value: how a test waits for
+    what the server does after it has answered (a lease ended, a row written, a counter
+    moved), never for a fixed time. After `timeout_s` it fails naming `what` it awaited and
+    the last value it saw."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while True:
+        value = read()
+        if until(value):
+            return value
         if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
+            raise AssertionError(f"not within {timeout_s:g} s: {what} (last seen: {_shown(value)})")
+        time.sleep(every_s)
+
+
+def wait_until(
+    condition: Callable[[], object], timeout_s: float = 20.0, what: str | None = None
+) -> None:
+    """Poll a condition until it holds (synchronising on state, not on time); wait_for's
+    failure names the condition by `what`, or by its source line."""
+    wait_for(condition, bool, what=what or _source(condition), timeout_s=timeout_s)
+
+
+def _source(fn: Callable[..., object]) -> str:
+    try:
+        return " ".join(inspect.getsource(fn).split())
+    except (OSError, TypeError):
+        return repr(fn)
+
+
+def _shown(value: object, limit: int = 500) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def free_port() -> int:

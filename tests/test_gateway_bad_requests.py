@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.gateway_setup import FAST, KEYS, MODEL, admin, config_data
-from tests.servers import ServerThread, wait_until
+from tests.gateway_setup import FAST, KEYS, MODEL, admin, config_data, wait_all_ended
+from tests.servers import ServerThread
 from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
@@ -29,7 +29,7 @@ def servers() -> Iterator[tuple[ServerThread, httpx.Client]]:
     gateway = ServerThread(make_app(Gateway(parse_config(config_data(emulator.url)))))
     with httpx.Client(base_url=gateway.url, timeout=30) as http:
         yield gateway, http
-    wait_until(lambda: all(e["in_flight"] == 0 for e in admin(gateway, "entitlements").values()))
+    wait_all_ended(gateway)
     for e in admin(gateway, "entitlements").values():
         assert e["reserved"] == {"concurrency": 0, "kv_tokens": 0}, e
     for p in admin(gateway, "pools").values():

@@ -16,7 +16,8 @@ from dataclasses import replace
 import openai
 import pytest
 
-from tests.servers import ServerThread, wait_until
+from tests.servers import ServerThread, wait_for
+from tokenpools.control.store import Window
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.processes import free_port, wait_ready
@@ -44,11 +45,22 @@ def gateway(llama: str) -> Iterator[tuple[ServerThread, Gateway]]:
 
 def settled(server: ServerThread, gw: Gateway, name: str) -> float:
     """Tokens settled for `name` since the last call, once every request has ended: the
-    gateway settles a stream after its client has the last chunk, so wait for that, not for
-    the client."""
-    wait_until(lambda: server.call(lambda: len(gw.admission.in_flight)) == 0)
-    window = server.call(lambda: gw.core.store.take_window(name, time.time()))
-    return window.settled_tokens
+    gateway settles a stream after its client has the last chunk, so wait for the lease to
+    end in the store, not for the client. The window is read on the gateway's loop in the
+    step that saw no lease left."""
+
+    def read() -> tuple[int, Window | None]:
+        now = time.time()
+        leases = gw.core.store.pool_counters("smollm2", now).leases
+        return leases, gw.core.store.take_window(name, now) if leases == 0 else None
+
+    seen: tuple[int, Window | None] = wait_for(
+        lambda: server.call(read),
+        lambda got: got[1] is not None,
+        what="every lease of pool smollm2 ended (leases, window)",
+    )
+    assert seen[1] is not None
+    return seen[1].settled_tokens
 
 
 def test_non_streaming_settles_the_engines_real_usage(

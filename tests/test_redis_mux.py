@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.servers import wait_for
 from tokenpools.processes import free_port, redis_server
 from tokenpools.state.redis.connect import async_client
 from tokenpools.state.redis.mux import Address, Multiplexed
@@ -90,7 +91,12 @@ def test_a_lost_connection_fails_the_calls_in_flight_and_the_next_one_reconnects
         client = async_client(redis_url, 2.0)
         await client.call("CLIENT", "SETNAME", "victim")
         in_flight = asyncio.ensure_future(client.call("BLPOP", "never", "1"))
-        await asyncio.sleep(0.05)  # let BLPOP reach the server before the kill
+        await asyncio.to_thread(  # the BLPOP has reached the server: kill it there
+            wait_for,
+            lambda: [c["cmd"] for c in redis_client.client_list() if c["name"] == "victim"],
+            lambda cmds: cmds == ["blpop"],
+            what="the victim's BLPOP blocked at the server (its commands)",
+        )
         await asyncio.to_thread(redis_client.client_kill_filter, _type="normal", skipme=True)
         lost = (await asyncio.gather(in_flight, return_exceptions=True))[0]
         again = await client.call("ECHO", "back")

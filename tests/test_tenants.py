@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway_setup import FAST
+from tests.gateway_setup import FAST, wait_all_ended
 from tests.servers import ServerThread, wait_until
 from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
@@ -64,7 +64,7 @@ def backend() -> Iterator[ServerThread]:
 def gateway(backend: ServerThread) -> Iterator[ServerThread]:
     server = ServerThread(make_app(Gateway(parse_config(tenants_config(backend.url)))))
     yield server
-    wait_until(lambda: all(e["in_flight"] == 0 for e in entitlements(server).values()))
+    wait_all_ended(server, ADMIN)
     server.stop()
 
 
