@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import openai
 import pytest
@@ -35,12 +36,24 @@ def llama() -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture
-def gateway(llama: str) -> Iterator[tuple[ServerThread, Gateway]]:
-    gw = Gateway(parse_config(gateway_config(llama, SLOTS)))
+def serve(config: dict[str, Any]) -> Iterator[tuple[ServerThread, Gateway]]:
+    gw = Gateway(parse_config(config))
     server = ServerThread(make_app(gw, health_interval_s=0.5))
     yield server, gw
     server.stop()
+
+
+@pytest.fixture
+def gateway(llama: str) -> Iterator[tuple[ServerThread, Gateway]]:
+    yield from serve(gateway_config(llama, SLOTS))
+
+
+@pytest.fixture
+def settling_gateway(llama: str) -> Iterator[tuple[ServerThread, Gateway]]:
+    """The gateway with no periodic update within a test: the update takes the usage window
+    that `settled` reads, so one between a settlement and the read would show 0 tokens."""
+    config = gateway_config(llama, SLOTS)
+    yield from serve(config | {"policy": config.get("policy", {}) | {"updatePeriodS": 3600}})
 
 
 def settled(server: ServerThread, gw: Gateway, name: str) -> float:
@@ -64,9 +77,9 @@ def settled(server: ServerThread, gw: Gateway, name: str) -> float:
 
 
 def test_non_streaming_settles_the_engines_real_usage(
-    gateway: tuple[ServerThread, Gateway],
+    settling_gateway: tuple[ServerThread, Gateway],
 ) -> None:
-    server, gw = gateway
+    server, gw = settling_gateway
     settled(server, gw, "gold")  # start a fresh window
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["gold"], max_retries=0)
     reply = client.chat.completions.create(
@@ -83,9 +96,9 @@ def test_non_streaming_settles_the_engines_real_usage(
 
 
 def test_streaming_settles_real_usage_the_client_did_not_ask_for(
-    gateway: tuple[ServerThread, Gateway],
+    settling_gateway: tuple[ServerThread, Gateway],
 ) -> None:
-    server, gw = gateway
+    server, gw = settling_gateway
     settled(server, gw, "spot")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["spot"], max_retries=0)
     chunks = list(
