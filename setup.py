@@ -28,6 +28,7 @@ COMPILED = [
     "src/tokenpools/control/metering.py",
     "src/tokenpools/control/observation.py",
     "src/tokenpools/control/periodic.py",
+    "src/tokenpools/control/pipeline.py",
     "src/tokenpools/control/placement.py",
     "src/tokenpools/control/plans.py",
     "src/tokenpools/control/priority.py",

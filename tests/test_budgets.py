@@ -291,7 +291,7 @@ def test_layered_requests_meet_their_budgets_alike_on_redis_and_in_memory(
     """A tenant's layers (guaranteed, then spot) under one tenant budget: each layer is
     tried as one admission is, the budget refuses all of them alike, and the ledger counts a
     refused request once, on its first layer."""
-    from tokenpools.control.layers import admit_layers
+    from tokenpools.control import pipeline
     from tokenpools.state.redis.store import RedisStore
 
     data = config(limit=4000)
@@ -313,7 +313,7 @@ def test_layered_requests_meet_their_budgets_alike_on_redis_and_in_memory(
                 core.settle(d.lease.lease_id, Usage(50, rng.randint(0, 100)), now)
                 continue
             cost = RequestCost(50, rng.randint(10, 200), 1, ACME)
-            d = admit_layers(core, ["a", "a-spot"], cost, now)
+            d = pipeline.run(core, ["a", "a-spot"], cost, now)
             seen.append(d.lease.entitlement if isinstance(d, Admit) else d.reason)
             if isinstance(d, Admit):
                 held.append(d)

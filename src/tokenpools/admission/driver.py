@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from tokenpools.control import layers
+from tokenpools.control import pipeline
 from tokenpools.control.budgets import Budgets
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.decisions import Decision, Reject
+from tokenpools.control.decisions import Decision
 from tokenpools.control.endings import Ending
 from tokenpools.control.store import Lease, Outcome, StoreUnavailable
 from tokenpools.model.config import Config, ConfigError
@@ -43,27 +43,22 @@ class StoreDriver:
             core.fallback.hand_over_on_tick = False  # `hand_over` does it, on the loop
 
     async def admit(self, names: Sequence[str], cost: RequestCost, now: float) -> Decision:
-        """A request of one entitlement, or of several layers (control/layers.py): one store
-        step either way."""
+        """A request of one entitlement, or of several layers (control/layers.py): the
+        admission pipeline (control/pipeline.py), each store step awaited on a shared store."""
         if self.shared is None:
-            return layers.admit_layers(self.core, names, cost, now)
-        if len(names) == 1:
-            step = self.core.prepare(names[0], cost, now)
-            if isinstance(step, Reject):
-                return step
-            try:
-                outcome: Outcome | None = await self.shared.admit(step, now)
-            except StoreUnavailable:
-                outcome = None
-            return self.core.decide(step, outcome, now)
-        steps = layers.prepare_layers(self.core, names, cost, now)
-        if isinstance(steps, Reject):
-            return steps
+            return pipeline.run(self.core, names, cost, now)
+        flow = pipeline.admission(self.core, names, cost, now)
         try:
-            tried: list[Outcome] | None = await self.shared.admit_first(steps, now)
-        except StoreUnavailable:
-            tried = None
-        return layers.decide_layers(self.core, steps, tried, now)
+            steps = next(flow)
+            while True:
+                try:
+                    tried: list[Outcome] | None = await self.shared.admit_first(steps, now)
+                except StoreUnavailable:
+                    tried = None
+                steps = flow.send(tried)
+        except StopIteration as done:
+            decision: Decision = done.value
+            return decision
 
     def end(self, lease: Lease, usage: Usage | None, now: float, refund: bool = True) -> Ending:
         """Settle a finished request on its usage, or release it (no usage: `refund` or charge

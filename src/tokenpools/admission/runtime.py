@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenpools.admission.admitted import Admitted
 from tokenpools.admission.driver import StoreDriver, check_cluster_budgets, open_driver
-from tokenpools.control.decisions import Admit, Decision, Reject
+from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.store import StoreUnavailable
@@ -77,12 +77,6 @@ class AdmissionRuntime:
         names = (entitlement,) if isinstance(entitlement, str) else entitlement
         now = self.clock()
         decision = await self.driver.admit(names, cost, now)
-        if isinstance(decision, Reject) and decision.max_tokens_fit > 0:
-            # its budgets allow lowering max_tokens to what they have left: decided again so
-            lowered = replace(cost, max_output_tokens=decision.max_tokens_fit)
-            again = await self.driver.admit(names, lowered, now)
-            if isinstance(again, Admit):
-                again.lowered, decision = True, again
         charged = charged_to(decision, names)
         for listener in self.listeners:
             listener(charged, decision, now)

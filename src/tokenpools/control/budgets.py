@@ -164,9 +164,12 @@ class Budgets:
     def budget_of(self, hold: BudgetHold) -> Budget:
         return self.by_name[hold.budget]
 
-    def refusal(self, meter: Meter, index: int, left: float, now: float) -> Reject:
+    def refusal(
+        self, meter: Meter, index: int, left: float, now: float, max_tokens_fit: int = 0
+    ) -> Reject:
         """429 insufficient_quota naming the budget; Retry-After until its window resets (a
-        lifetime budget never does: not retryable)."""
+        lifetime budget never does: not retryable). `max_tokens_fit` > 0: the budgets allow
+        the request with max_tokens lowered to it."""
         hold = meter.holds[index]
         budget = self.budget_of(hold)
         need = meter.needs[index]
@@ -177,7 +180,14 @@ class Budgets:
             f"this request may use up to {amount(budget.measure, need)}"
         )
         wait = None if hold.until == INF else max(0.0, hold.until - now)
-        return Reject(Reason.INSUFFICIENT_QUOTA, Check.BUDGET, message, wait, budget=budget.name)
+        return Reject(
+            Reason.INSUFFICIENT_QUOTA,
+            Check.BUDGET,
+            message,
+            wait,
+            budget=budget.name,
+            max_tokens_fit=max_tokens_fit,
+        )
 
     def fitting_output(
         self, meter: Meter, left: tuple[float, ...], pool: Pool, sequences: int

@@ -213,10 +213,9 @@ class DecisionCore(Periodic):
                 )
             if lease.lease_id in self.fallback.leases:
                 raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
-            decision = self.fallback.admit(view.ent, view.own_bucket, view.priority, lease, now)
-            if isinstance(decision, Admit):
-                decision.max_tokens = step.max_tokens
-            return decision
+            return self.fallback.admit(
+                view.ent, view.own_bucket, view.priority, lease, now, step.max_tokens
+            )
         if outcome.shortfall is None:
             if outcome.evicted:
                 self._note_evicted(outcome.evicted)
@@ -237,13 +236,10 @@ class DecisionCore(Periodic):
     def _over_budget(self, step: Pending, outcome: Outcome, now: float) -> Reject:
         meter, left = step.lease.meter, outcome.budget_left
         assert meter is not None
-        refusal = self.budgets.refusal(
-            meter, outcome.budget_refused, left[outcome.budget_refused], now
+        fit = self.budgets.fitting_output(meter, left, step.pool_view.pool, step.sequences)
+        return self.budgets.refusal(
+            meter, outcome.budget_refused, left[outcome.budget_refused], now, fit
         )
-        refusal.max_tokens_fit = self.budgets.fitting_output(
-            meter, left, step.pool_view.pool, step.sequences
-        )
-        return refusal
 
     def _too_big(
         self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float

@@ -109,7 +109,7 @@ STATE_REASONS = {
 }
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Quota:
     """An entitlement's limits and what is left of them after a decision, as OpenAI's
     x-ratelimit-* headers say them. In a dimension where the entitlement has no limit of its
@@ -132,14 +132,17 @@ class Quota:
         remaining_tokens: float,
         reset_tokens_s: float,
     ) -> None:
-        self.limit_requests, self.remaining_requests = limit_requests, remaining_requests
-        self.reset_requests_s, self.limit_tokens = reset_requests_s, limit_tokens
-        self.remaining_tokens, self.reset_tokens_s = remaining_tokens, reset_tokens_s
+        object.__setattr__(self, "limit_requests", limit_requests)
+        object.__setattr__(self, "remaining_requests", remaining_requests)
+        object.__setattr__(self, "reset_requests_s", reset_requests_s)
+        object.__setattr__(self, "limit_tokens", limit_tokens)
+        object.__setattr__(self, "remaining_tokens", remaining_tokens)
+        object.__setattr__(self, "reset_tokens_s", reset_tokens_s)
 
 
-# Admit and Reject are built on every request: slotted classes with their __init__ written out
-# for mypyc (control/store.py says why, above Lease). Treat them as immutable.
-@dataclass(slots=True)
+# Admit and Reject are built on every request: frozen, with their __init__ written out for
+# mypyc (control/store.py says why, above Lease).
+@dataclass(frozen=True, slots=True)
 class Admit:
     lease: Lease
     priority: float
@@ -165,11 +168,17 @@ class Admit:
         budget: tuple[str, float, float] | None = None,
         lowered: bool = False,
     ) -> None:
-        self.lease, self.priority, self.evict, self.overcommit = lease, priority, evict, overcommit
-        self.max_tokens, self.quota, self.budget, self.lowered = max_tokens, quota, budget, lowered
+        object.__setattr__(self, "lease", lease)
+        object.__setattr__(self, "priority", priority)
+        object.__setattr__(self, "evict", evict)
+        object.__setattr__(self, "overcommit", overcommit)
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "quota", quota)
+        object.__setattr__(self, "budget", budget)
+        object.__setattr__(self, "lowered", lowered)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Reject:
     reason: Reason
     check: Check
@@ -193,9 +202,14 @@ class Reject:
         budget: str | None = None,
         max_tokens_fit: int = 0,
     ) -> None:
-        self.reason, self.check, self.message = reason, check, message
-        self.retry_after_s, self.dimension, self.quota = retry_after_s, dimension, quota
-        self.budget, self.max_tokens_fit = budget, max_tokens_fit
+        object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "check", check)
+        object.__setattr__(self, "message", message)
+        object.__setattr__(self, "retry_after_s", retry_after_s)
+        object.__setattr__(self, "dimension", dimension)
+        object.__setattr__(self, "quota", quota)
+        object.__setattr__(self, "budget", budget)
+        object.__setattr__(self, "max_tokens_fit", max_tokens_fit)
 
 
 def quota(view: EntitlementView, pool_view: PoolView, outcome: Outcome) -> Quota | None:

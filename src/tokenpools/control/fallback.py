@@ -47,8 +47,15 @@ class LocalFallback:
         self.hand_over_on_tick = True
 
     def admit(
-        self, ent: Entitlement, own: BucketSpec, priority: float, lease: Lease, now: float
+        self,
+        ent: Entitlement,
+        own: BucketSpec,
+        priority: float,
+        lease: Lease,
+        now: float,
+        max_tokens: int = 0,
     ) -> Decision:
+        """`max_tokens`: what the reservation assumed, for the Admit."""
         if self.store is None or not ent.protected or self.fraction <= 0:
             return Reject(
                 Reason.STORE_UNAVAILABLE,
@@ -66,7 +73,7 @@ class LocalFallback:
             reason, check, dimension, message = SHORTFALL_REJECTS[short]
             message = f"{message} (local budget while the shared state store is unreachable)"
             return Reject(reason, check, message, self.retry_after_s, dimension)
-        return Admit(lease, priority)
+        return Admit(lease, priority, max_tokens=max_tokens)
 
     def _configure(
         self, store: Store, ent: Entitlement, own: BucketSpec, pool: str, now: float

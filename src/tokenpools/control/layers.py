@@ -2,7 +2,8 @@
 8 slots, and spot beyond them) sends one request; it is tried against each of them in layer
 order, in one store step (one round trip on Redis), and the first with room admits it and is
 charged. The layer order (control/tenancy.py): the class (dedicated, guaranteed, elastic, spot,
-preemptible), then the name. A refusal of every layer answers with the soonest Retry-After."""
+preemptible), then the name. A refusal of every layer answers with the soonest Retry-After.
+The runners that admit a request (control/pipeline.py) prepare and decide it here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 
 from tokenpools.control.core import DecisionCore, Pending
 from tokenpools.control.decisions import Admit, Decision, Reject
-from tokenpools.control.store import Outcome, StoreUnavailable
+from tokenpools.control.store import Outcome
 from tokenpools.model.request import RequestCost
 
 
@@ -75,24 +76,3 @@ def soonest(decisions: Sequence[Decision]) -> Decision:
         ):
             best = d
     return best
-
-
-def admit_layers(
-    core: DecisionCore,
-    names: Sequence[str],
-    cost: RequestCost,
-    now: float,
-    request_id: str | None = None,
-) -> Decision:
-    """Decide on a request of one or several layers with the core's own store (the synchronous
-    path; one layer is `DecisionCore.admit`)."""
-    if len(names) == 1:
-        return core.admit(names[0], cost, now, request_id)
-    steps = prepare_layers(core, names, cost, now, request_id)
-    if isinstance(steps, Reject):
-        return steps
-    try:
-        tried: list[Outcome] | None = core.store.admit_first(steps, now)
-    except StoreUnavailable:
-        tried = None
-    return decide_layers(core, steps, tried, now)

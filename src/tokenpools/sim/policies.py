@@ -8,9 +8,9 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import replace
 
+from tokenpools.control import pipeline
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
-from tokenpools.control.layers import admit_layers
 from tokenpools.control.tenancy import Directory
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import Entitlement
@@ -229,11 +229,8 @@ class TokenPools(AdmissionPolicy):
     def admit(self, req: SimRequest, now: float) -> Verdict:
         self.tenant_of[req.entitlement] = req.tenant
         cost = RequestCost(req.prompt_tokens, req.max_tokens, 1, self.accounts.get(req.entitlement))
-        names = self.layers.get(req.entitlement)
-        if names is None:
-            decision = self.core.admit(req.entitlement, cost, now, req.req_id)
-        else:
-            decision = admit_layers(self.core, names, cost, now, req.req_id)
+        names = self.layers.get(req.entitlement, (req.entitlement,))
+        decision = pipeline.run(self.core, names, cost, now, req.req_id)
         if isinstance(decision, Admit):
             return Send([lease.lease_id for lease in decision.evict])
         return Refuse(decision.reason.value, decision.retry_after_s)
