@@ -12,23 +12,18 @@ import time
 import aiohttp
 from aiohttp import web
 
-from tokenpools.control.decisions import Reject
+from tokenpools.admission import AdmissionRequest, Stopped
 from tokenpools.control.tenancy import Refused
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.request_log import RequestRecord
-from tokenpools.gateway.responses import charged_headers, error, refused, rejection, too_large
+from tokenpools.gateway.responses import answer, error, refused, too_large
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing
-from tokenpools.model.request import Account, RequestCost
 from tokenpools.openai_api import (
-    EMBEDDINGS,
     BadRequest,
-    max_tokens,
-    max_tokens_field,
     parse_body,
-    sequences,
 )
-from tokenpools.openai_api.refusals import budget_headers, ratelimit_headers, retry_after
+from tokenpools.openai_api.refusals import retry_after
 
 # A client's own id is kept when it is a plain token of sane length; otherwise one is made.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
@@ -90,35 +85,20 @@ async def _answer(
         return too_large(settings.max_body_bytes)
     try:
         body = parse_body(raw, path)
-        count = sequences(body, settings.max_sequences)
     except BadRequest as exc:
         return error(400, str(exc), "invalid_request_error", None, exc.param)
     record.model, record.stream = body["model"], bool(body.get("stream"))
-    route = gw.admission.route(caller, body["model"])
-    if route is None:
-        return error(
-            404,
-            f"model {body['model']!r} does not exist or this key has no access to it",
-            "invalid_request_error",
-            "model_not_found",
-            "model",
-        )
-    pool_name = record.pool = route.pool
-    prompt_tokens = record.counted_prompt_tokens = await gw.prompt_tokens(pool_name, body, path)
-    requested = 0 if path == EMBEDDINGS else max_tokens(body)
-    account = Account(caller.tenant, caller.credential, body["model"])
-    cost = RequestCost(prompt_tokens, requested, count, account)
-    decision = await gw.admit(route.entitlements, cost)
-    record.decided(decision, route.entitlements)
-    if isinstance(decision, Reject):
-        return rejection(decision)
+    result = await gw.admission.clear(AdmissionRequest(caller, path, body), gw.ask_engine)
+    record.pool, record.counted_prompt_tokens = result.pool, result.prompt_tokens
+    if isinstance(result, Stopped):
+        if result.decision is not None and result.entitlement is not None:
+            record.decided(result.decision, result.entitlement)
+        return answer(result.refusal)
+    decision = result.decision
+    pool_name = result.pool
+    record.decided(decision, decision.lease.entitlement)
     admitted = gw.admission.hold(decision, asyncio.current_task())
-    headers = {
-        "x-request-id": record.request_id,
-        **ratelimit_headers(decision.quota),
-        **charged_headers(gw.core.entitlements, decision.lease.entitlement),
-        **budget_headers(decision.budget),
-    }
+    headers = {"x-request-id": record.request_id, **result.headers}
     try:
         backend = gw.pools[pool_name].choose()
         if backend is None:
@@ -131,11 +111,8 @@ async def _answer(
                 headers=retry_after(request.app[HEALTH_INTERVAL]) | headers,  # the next check
             )
         record.backend = backend.spec.url
-        forward: bytes | None = raw  # unchanged bodies go upstream as they came
-        if requested is None or decision.lowered:  # what the reservation assumed: make it true
-            body[max_tokens_field(path)] = decision.max_tokens
-            forward = None
-        exchange = Exchange(gw, admitted, backend, path, prompt_tokens, headers, trace)
+        forward = None if result.rewritten else raw  # unchanged bodies go as they came
+        exchange = Exchange(gw, admitted, backend, path, result.prompt_tokens, headers, trace)
         try:
             return await exchange.run(request, body, forward)
         finally:

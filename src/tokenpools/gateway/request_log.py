@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tokenpools.control.decisions import Admit, Decision
-from tokenpools.control.layers import charged_to
 from tokenpools.control.tenancy import Caller
 
 if TYPE_CHECKING:
@@ -56,8 +54,9 @@ class RequestRecord:
         self.tenant, self.credential = caller.tenant, caller.credential
         self.subject = caller.subject
 
-    def decided(self, decision: Decision, layers: Sequence[str]) -> None:
-        self.entitlement = charged_to(decision, layers)
+    def decided(self, decision: Decision, entitlement: str) -> None:
+        """`entitlement`: the one charged, or the layer a refusal counts on."""
+        self.entitlement = entitlement
         if isinstance(decision, Admit):
             self.decision = "admitted"
         else:

@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
 from aiohttp import web
 
-from tokenpools.control.catalog import EntitlementView
-from tokenpools.control.decisions import Reject
 from tokenpools.openai_api import error_body
-from tokenpools.openai_api.refusals import refusal
+from tokenpools.openai_api.refusals import Refusal
 
 if TYPE_CHECKING:
     from tokenpools.control.tenancy import Refused
@@ -44,8 +40,8 @@ def error(
     )
 
 
-def rejection(decision: Reject) -> web.Response:
-    r = refusal(decision)
+def answer(r: Refusal) -> web.Response:
+    """A refusal (openai_api/refusals.py) as the gateway sends it."""
     return error(r.status, r.message, r.kind, r.code, r.param, r.headers)
 
 
@@ -55,20 +51,6 @@ def refused(why: Refused) -> web.Response:
         return error(403, why.message, "permission_error", why.code)
     headers = {"WWW-Authenticate": "Bearer"}
     return error(401, why.message, "invalid_request_error", why.code, headers=headers)
-
-
-def charged_headers(entitlements: Mapping[str, EntitlementView], name: str) -> dict[str, str]:
-    """What an admitted request is charged to: the entitlement (one of its tenant's layers)."""
-    view = entitlements.get(name)
-    return {
-        "x-tokenpools-entitlement": _header_value(name),
-        "x-tokenpools-service-class": "" if view is None else view.ent.service_class.value,
-    }
-
-
-@functools.lru_cache(maxsize=4096)
-def _header_value(name: str) -> str:  # once per entitlement name, not once per request
-    return quote(name, safe="/:@._-")
 
 
 def too_large(limit: int) -> web.Response:

@@ -34,7 +34,7 @@ from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.model.request import RequestCost
 from tokenpools.openai_api import vllm_gauges
-from tokenpools.tokenizing.counter import BACKEND, PromptCounter
+from tokenpools.tokenizing.counter import AskBackend, PromptCounter
 
 log = logging.getLogger("tokenpools.gateway")
 
@@ -71,11 +71,10 @@ class Gateway:
     def driver(self) -> StoreDriver:
         return self.admission.driver
 
-    async def prompt_tokens(self, pool: str, body: dict[str, Any], path: str) -> int:
-        counter = self.admission.counters[pool]
-        if counter.mode != BACKEND:  # the usual case: no engine is asked, nothing built
-            return await counter.count(body, path)
-        return await counter.count(body, path, self.engines.asker(self.pools[pool], self.session))
+    def ask_engine(self, pool: str) -> AskBackend:
+        """How admission asks a pool's engine to count a prompt (a pool whose tokenizer is
+        `backend`)."""
+        return self.engines.asker(self.pools[pool], self.session)
 
     @property
     def counters(self) -> dict[str, PromptCounter]:

@@ -41,23 +41,17 @@ from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
-from tokenpools.admission import AdmissionRuntime, Admitted
+from tokenpools.admission import AdmissionRequest, AdmissionRuntime, Admitted, Stopped
 from tokenpools.admission.config_file import ConfigFile
-from tokenpools.control.decisions import Reject
 from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.model.config import load_config
-from tokenpools.model.request import Account, RequestCost, Usage
+from tokenpools.model.request import Usage
 from tokenpools.openai_api import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
     RESPONSES,
-    BadRequest,
-    max_tokens,
-    max_tokens_field,
-    sequences,
 )
-from tokenpools.openai_api.refusals import budget_headers, ratelimit_headers, refusal
 from tokenpools.openai_api.usage import usage_from
 
 CONFIG_ENV = "TOKENPOOLS_CONFIG"
@@ -194,31 +188,14 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             raise _error(
                 401, "this key maps to no tokenpools tenant", "auth_error", "invalid_api_key"
             )
-        route = admission.route(caller, data.get("model"))
-        if route is None:
-            raise _error(
-                404,
-                f"model {data.get('model')!r} does not exist or this key has no access to it",
-                "invalid_request_error",
-                "model_not_found",
-            )
-        try:
-            count = sequences(data, admission.config.gateway.max_sequences)
-            requested = 0 if path == EMBEDDINGS else max_tokens(data)
-        except BadRequest as exc:
-            raise _error(400, str(exc), "invalid_request_error", "invalid_request") from None
-        prompt_tokens = await admission.counters[route.pool].count(data, path)
-        account = Account(caller.tenant, caller.credential, str(data.get("model")))
-        cost = RequestCost(prompt_tokens, requested, count, account)  # budgets and the ledger
-        decision = await admission.admit(route.entitlements, cost)
-        if isinstance(decision, Reject):
-            r = refusal(decision)
+        result = await admission.clear(AdmissionRequest(caller, path, data))
+        if isinstance(result, Stopped):
+            r = result.refusal
+            code = r.code or "invalid_request"  # LiteLLM's error needs one
             # LiteLLM writes the status as the body's `code`: the reason goes in a header too
-            raise _error(
-                r.status, r.message, r.kind, r.code, **r.headers, **{"x-tokenpools-reason": r.code}
-            )
-        if requested is None or decision.lowered:  # what the reservation assumed: make it true
-            data[max_tokens_field(path)] = decision.max_tokens
+            reason = {} if result.decision is None else {"x-tokenpools-reason": code}
+            raise _error(r.status, r.message, r.kind, code, **r.headers, **reason)
+        decision, prompt_tokens = result.decision, result.prompt_tokens
         stream = bool(data.get("stream"))
         if stream and path in (CHAT, COMPLETIONS):  # LiteLLM drops the usage chunk if unasked
             data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
@@ -227,9 +204,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         admitted = admission.hold(decision, None if stream else task)
         call_id = data.setdefault("litellm_call_id", decision.lease.lease_id)
         self.held[call_id] = Held(admitted, prompt_tokens, stream)
-        self.answer_headers[call_id] = ratelimit_headers(decision.quota) | budget_headers(
-            decision.budget
-        )
+        self.answer_headers[call_id] = result.headers
         if task is not None:
             task.add_done_callback(lambda _: self._forget(call_id))
         return data

@@ -1,13 +1,18 @@
-"""How a refusal is answered in OpenAI's shape, whichever server answers it (the gateway, or a
-LiteLLM proxy through tokenpools.integrations.litellm): the status, the error body's fields,
-Retry-After, and the x-ratelimit-* headers of every decision. No HTTP library."""
+"""How a refusal is answered in OpenAI's shape, whichever server answers it (the gateway, a
+LiteLLM proxy through tokenpools.integrations.litellm, Envoy through ext_proc): the status, the
+error body's fields, Retry-After; and the headers of every decision (x-ratelimit-*, the
+entitlement charged, the tightest budget). No HTTP library."""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from urllib.parse import quote
 
+from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Quota, Reason, Reject
 
 NOT_RETRYABLE = {
@@ -26,7 +31,7 @@ class Refusal:
     status: int
     message: str
     kind: str
-    code: str
+    code: str | None  # None: OpenAI's null code (a field it cannot read)
     param: str | None
     headers: dict[str, str]
 
@@ -82,3 +87,17 @@ def budget_headers(budget: tuple[str, float, float] | None) -> dict[str, str]:
         reset = datetime.fromtimestamp(until, UTC).isoformat().replace("+00:00", "Z")
         headers["x-tokenpools-budget-reset"] = reset
     return headers
+
+
+def charged_headers(entitlements: Mapping[str, EntitlementView], name: str) -> dict[str, str]:
+    """What an admitted request is charged to: the entitlement (one of its tenant's layers)."""
+    view = entitlements.get(name)
+    return {
+        "x-tokenpools-entitlement": _header_value(name),
+        "x-tokenpools-service-class": "" if view is None else view.ent.service_class.value,
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_value(name: str) -> str:  # once per entitlement name, not once per request
+    return quote(name, safe="/:@._-")
