@@ -1,8 +1,8 @@
-"""What a JWT costs a request: the gateway's authentication of one request (gateway/auth.py),
-by an API key (a hash lookup) and by a bearer JWT whose key is cached (RS256 and ES256, PyJWT
-and cryptography): the same token on every request (verified once, then remembered) and a new
-token on each (a signature check each). CPU per request in-process, the median of several runs.
-Prints and writes JSON.
+"""What a JWT costs a request: the gateway's authentication of one request
+(identity/authenticator.py), by an API key (a hash lookup) and by a bearer JWT whose key is
+cached (RS256 and ES256, PyJWT and cryptography): the same token on every request (verified
+once, then remembered) and a new token on each (a signature check each). CPU per request in-
+process, the median of several runs. Prints and writes JSON.
 
     .venv-pure/bin/python benchmarks/jwt_auth.py --json out/jwt_auth.json
     .venv-pure/bin/python benchmarks/jwt_auth.py --json /tmp/jwt_auth.json --smoke  # the tests'
@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from smoke import parse_args
 from tokenpools.control.tenancy import Caller, Directory
-from tokenpools.gateway.auth import Authenticator
+from tokenpools.identity import Authenticator, Credentials
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 
@@ -67,8 +67,9 @@ async def per_request_us(auth: Authenticator, directory: Directory, bearers: lis
         for b in bearers
     ]
     started = time.process_time()
-    for request in requests:
-        assert isinstance(await auth.caller(request, directory), Caller)
+    for request in requests:  # what the gateway does per request
+        shown = Credentials(request.headers, request.remote)
+        assert isinstance(await auth.caller(shown, directory), Caller)
     return (time.process_time() - started) / len(requests) * 1e6
 
 

@@ -197,14 +197,14 @@ async def drive(
 def held(gw: Gateway) -> list[str]:
     """What the gateway itself still holds: requests, fallback leases, owed lease ends."""
     out = [f"request {k}" for k in gw.admission.in_flight]
-    out += [f"fallback lease {k}" for k in gw.core.fallback.leases]
-    owed = getattr(gw.core.store, "owed", 0)
+    out += [f"fallback lease {k}" for k in gw.admission.core.fallback.leases]
+    owed = getattr(gw.admission.core.store, "owed", 0)
     return out + ([f"{owed} lease ends owed"] if owed else [])
 
 
 def memory_read(gw: Gateway) -> Callable[[], dict[str, dict[str, float]]]:
     def read() -> dict[str, dict[str, float]]:
-        store, now = gw.core.store, gw.clock()
+        store, now = gw.admission.core.store, gw.clock()
         pool = store.pool_counters("p", now)
         out = {"p": {"conc": pool.concurrency, "kv": pool.kv_tokens, "leases": pool.leases}}
         for name in ENTS:

@@ -64,8 +64,8 @@ def settled(server: ServerThread, gw: Gateway, name: str) -> float:
 
     def read() -> tuple[int, Window | None]:
         now = time.time()
-        leases = gw.core.store.pool_counters("smollm2", now).leases
-        return leases, gw.core.store.take_window(name, now) if leases == 0 else None
+        leases = gw.admission.core.store.pool_counters("smollm2", now).leases
+        return leases, gw.admission.core.store.take_window(name, now) if leases == 0 else None
 
     seen: tuple[int, Window | None] = wait_for(
         lambda: server.call(read),
@@ -92,7 +92,10 @@ def test_non_streaming_settles_the_engines_real_usage(
     assert reply.choices[0].message.content
     # What the gateway charged is the engine's count, not its own characters/4 estimate.
     assert settled(server, gw, "gold") == reply.usage.prompt_tokens + 12
-    assert server.call(lambda: gw.core.store.pool_counters("smollm2", time.time()).leases) == 0
+    assert (
+        server.call(lambda: gw.admission.core.store.pool_counters("smollm2", time.time()).leases)
+        == 0
+    )
 
 
 def test_streaming_settles_real_usage_the_client_did_not_ask_for(

@@ -13,9 +13,9 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenpools.admission.admitted import Admitted
 from tokenpools.admission.driver import StoreDriver, check_cluster_budgets, open_driver
@@ -29,12 +29,15 @@ from tokenpools.admission.front_door import (
     no_route,
     write_back,
 )
+from tokenpools.control.budgets import Budgets, budget_status
+from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Admit, Decision, Reject
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.control.tenancy import Caller, Directory, Route
 from tokenpools.model.config import Config
+from tokenpools.model.policy import Policy
 from tokenpools.model.request import Account, RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.openai_api import BadRequest
@@ -45,6 +48,7 @@ from tokenpools.usage.flusher import Flusher, LedgerStatus
 from tokenpools.usage.notices import Notifier
 
 log = logging.getLogger("tokenpools.admission")
+T = TypeVar("T")
 DecisionListener = Callable[[str, Decision, float], None]  # entitlement, decision, now
 
 
@@ -144,6 +148,42 @@ class AdmissionRuntime:
     def route(self, caller: Caller, model: object) -> Route | None:
         """The pool serving `model` and the caller's layers there; None if it may not use it."""
         return self.directory.route(caller, model)
+
+    # -- reads a host may make ------------------------------------------------------------
+    # The store reads (`snapshot`, `budget_status`) may wait on a shared store: a host calls
+    # them through `background`, off its event loop.
+
+    def snapshot(self, now: float) -> Snapshot:
+        return snapshot(self.core, now)
+
+    def budget_status(self, now: float) -> list[dict[str, Any]]:
+        return budget_status(self.core, now)
+
+    async def background(self, fn: Callable[..., T], *args: object) -> T:
+        """Run `fn` where it may wait on the store: inline on the memory store, on the
+        driver's worker thread on a shared one."""
+        return await self.driver.background(fn, *args)
+
+    async def store_answers(self) -> bool:
+        return await self.driver.store_answers(self.clock())
+
+    @property
+    def entitlements(self) -> Mapping[str, EntitlementView]:
+        """The entitlements as configured and bound, by name."""
+        return self.core.entitlements
+
+    @property
+    def budgets(self) -> Budgets:
+        return self.core.budgets
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
+
+    @property
+    def fallback_in_flight(self) -> int:
+        """Requests admitted on this replica's local budget while the store was away."""
+        return len(self.core.fallback.leases)
 
     # -- changes -------------------------------------------------------------------------
 

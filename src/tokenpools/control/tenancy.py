@@ -2,9 +2,9 @@
 tenant's entitlements (its layers, control/layers.py) a request for a model is tried against.
 
 A request's credential resolves to a tenant (a key here; a JWT or a trusted header in
-gateway/auth.py, which asks `known` of the tenant they name); its `model` resolves to the pool
-that serves it; the tenant's entitlements in that pool decide, in layer order. Pure: the host
-passes the time a key's expiry is judged by.
+identity/authenticator.py, which asks `known` of the tenant they name); its `model` resolves to
+the pool that serves it; the tenant's entitlements in that pool decide, in layer order. Pure:
+the host passes the time a key's expiry is judged by.
 """
 
 from __future__ import annotations

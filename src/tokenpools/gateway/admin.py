@@ -8,7 +8,6 @@ from typing import Any
 
 from aiohttp import web
 
-from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.responses import error
@@ -31,7 +30,7 @@ def admin_only(report: Callable[[Gateway], dict[str, Any]]) -> Handler:
         if not gw.is_admin(request):
             return not_admin()
         try:
-            return web.json_response(await gw.driver.background(report, gw))
+            return web.json_response(await gw.admission.background(report, gw))
         except StoreUnavailable as exc:
             return error(
                 503,
@@ -58,7 +57,7 @@ def _resources(r: Resources | None) -> dict[str, float] | None:
 @admin_only
 def admin_pools(gw: Gateway) -> dict[str, Any]:
     out = {}
-    for name, p in snapshot(gw.core, gw.clock()).pools.items():
+    for name, p in gw.admission.snapshot(gw.clock()).pools.items():
         out[name] = {
             "replicas": p.replicas,
             "capacity": _resources(p.capacity),
@@ -78,7 +77,7 @@ def admin_pools(gw: Gateway) -> dict[str, Any]:
 @admin_only
 def admin_entitlements(gw: Gateway) -> dict[str, Any]:
     out = {}
-    for name, e in snapshot(gw.core, gw.clock()).entitlements.items():
+    for name, e in gw.admission.snapshot(gw.clock()).entitlements.items():
         out[name] = {
             "tenant": e.tenant,
             "pool": e.pool,
@@ -101,7 +100,7 @@ def admin_tenants(gw: Gateway) -> dict[str, Any]:
     """Each tenant: its entitlements by pool in layer order (with their state and what they
     hold now), the models it may use, and its keys by label (never a hash)."""
     directory = gw.admission.directory
-    ents = snapshot(gw.core, gw.clock()).entitlements
+    ents = gw.admission.snapshot(gw.clock()).entitlements
     out: dict[str, Any] = {}
     for tenant in sorted(directory.tenants):
         layers = directory.layers(tenant)

@@ -78,7 +78,7 @@ async def readyz(request: web.Request) -> web.Response:
         for name, pool in gw.pools.items()
         if pool.backends and pool.choose() is None
     ]
-    if not await gw.driver.store_answers(gw.clock()):
+    if not await gw.admission.store_answers():
         problems.append("the shared state store does not answer")
     for check in request.app.get(READY_CHECKS, []):
         problems += check()
@@ -89,7 +89,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    body = await gw.driver.background(gw.metrics.render)  # reads the store: off the loop
+    body = await gw.admission.background(gw.metrics.render)  # reads the store: off the loop
     return web.Response(body=body, content_type="text/plain")
 
 

@@ -41,11 +41,11 @@ async def admin_history(request: web.Request) -> web.Response:
     if not gw.is_admin(request):
         return not_admin()
     body: dict[str, Any] = gw.history.as_json()
-    body["now"] = now = gw.clock()
-    body["update_period_s"] = gw.core.policy.update_period_s
+    body["now"] = gw.clock()
+    body["update_period_s"] = gw.admission.policy.update_period_s
     body["store"] = {
         "backend": gw.config.state.backend,
-        "up": await gw.driver.store_answers(now),
+        "up": await gw.admission.store_answers(),
     }
     body["backends"] = {name: backends_json(pool) for name, pool in gw.pools.items()}
     return web.json_response(body)

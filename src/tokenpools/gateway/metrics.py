@@ -14,9 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenpools.control.budgets import budget_status
 from tokenpools.control.decisions import Admit, Decision
-from tokenpools.control.snapshot import snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.gateway.http_layer import REFUSED
 
@@ -117,7 +115,7 @@ class GatewayMetrics:
     def _bound(self, entitlement: str) -> _Bound | None:
         """An entitlement's series, looked up once (prometheus_client's labels() costs a few
         microseconds a call) and again when a reload moves it to another pool or class."""
-        view = self._gateway.core.entitlements.get(entitlement)
+        view = self._gateway.admission.entitlements.get(entitlement)
         if view is None:  # removed by a reload while its request ran
             return None
         ent = view.ent
@@ -216,7 +214,7 @@ class _StateCollector(Collector):
             "tokenpools_fallback_in_flight",
             "Requests admitted on this replica's local budget while the store was unreachable",
         )
-        fallback.add_metric([], len(gw.core.fallback.leases))
+        fallback.add_metric([], gw.admission.fallback_in_flight)
         estimated = CounterMetricFamily(
             "tokenpools_tokenizer_fallbacks",
             "Prompts estimated because the pool's tokenizer (tokenizer: backend) did not answer",
@@ -263,7 +261,7 @@ class _StateCollector(Collector):
 
     def _collect_state(self, families: dict[str, GaugeMetricFamily]) -> None:
         now = self.gateway.clock()
-        snap = snapshot(self.gateway.core, now)
+        snap = self.gateway.admission.snapshot(now)
         for name, e in snap.entitlements.items():
             labels = [e.pool, e.tenant, name, e.service_class]
             families["in_flight"].add_metric(labels, e.in_flight)
@@ -275,7 +273,7 @@ class _StateCollector(Collector):
             families["debt"].add_metric(labels, e.debt)
             families["burst"].add_metric(labels, e.burst)
             families["priority"].add_metric(labels, e.priority)
-        for b in budget_status(self.gateway.core, now):
+        for b in self.gateway.admission.budget_status(now):
             labels = [b["name"], b["measure"], b["window"]]
             families["budget_used_ratio"].add_metric(labels, b["used_ratio"])
             families["budget_used"].add_metric(labels, b["used"])

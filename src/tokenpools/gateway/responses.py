@@ -1,5 +1,5 @@
 """The gateway's responses that are not a backend's, as aiohttp responses: OpenAI-shaped errors
-(openai_api/refusals.py says what a refusal is), and the bearer key of a request."""
+(openai_api/refusals.py says what a refusal is)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,6 @@ if TYPE_CHECKING:
     from tokenpools.control.tenancy import Refused
 
 log = logging.getLogger("tokenpools.gateway")
-
-
-def bearer(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
-    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
 def error(
@@ -46,7 +40,8 @@ def answer(r: Refusal) -> web.Response:
 
 
 def refused(why: Refused) -> web.Response:
-    """A credential refused (gateway/auth.py): 401, or 403 for a tenant with nothing here."""
+    """A credential refused (identity/authenticator.py): 401, or 403 for a tenant with nothing
+    here."""
     if why.forbidden:
         return error(403, why.message, "permission_error", why.code)
     headers = {"WWW-Authenticate": "Bearer"}

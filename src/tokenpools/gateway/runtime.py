@@ -16,20 +16,17 @@ import aiohttp
 from aiohttp import web
 
 from tokenpools.admission import AdmissionRuntime
-from tokenpools.admission.driver import StoreDriver
 from tokenpools.admission.runtime import replica_name
-from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision
 from tokenpools.control.feedback import next_fraction
 from tokenpools.control.tenancy import Caller, Refused
-from tokenpools.gateway.auth import Authenticator
 from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
 from tokenpools.gateway.metrics import GatewayMetrics
 from tokenpools.gateway.request_log import RequestObserver
-from tokenpools.gateway.responses import bearer
 from tokenpools.gateway.tracing import Tracing
+from tokenpools.identity import Authenticator, Credentials, bearer
 from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.model.request import RequestCost
@@ -62,14 +59,6 @@ class Gateway:
         self.admission.samplers.append(self.history.sample)
         self._background: list[asyncio.Task[None]] = []  # what `start` started
         self.observe = RequestObserver(self.metrics, self.history, self.access_log)
-
-    @property
-    def core(self) -> DecisionCore:
-        return self.admission.core
-
-    @property
-    def driver(self) -> StoreDriver:
-        return self.admission.driver
 
     def ask_engine(self, pool: str) -> AskBackend:
         """How admission asks a pool's engine to count a prompt (a pool whose tokenizer is
@@ -178,11 +167,12 @@ class Gateway:
         return await self.admission.admit(entitlement, cost)
 
     async def caller_of(self, request: web.Request) -> Caller | Refused:
-        """Who the request is (gateway/auth.py), or the 401/403 to answer."""
-        return await self.auth.caller(request, self.admission.directory)
+        """Who the request is (identity/authenticator.py), or the 401/403 to answer."""
+        shown = Credentials(request.headers, request.remote)
+        return await self.auth.caller(shown, self.admission.directory)
 
     def is_admin(self, request: web.Request) -> bool:
-        key = bearer(request)
+        key = bearer(request.headers)
         return key is not None and any(
             key_matches(key, h) for h in self.config.gateway.admin_key_hashes
         )

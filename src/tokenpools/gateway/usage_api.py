@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from tokenpools.control.budgets import budget_status
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.gateway.admin import not_admin
 from tokenpools.gateway.responses import error
@@ -21,7 +20,7 @@ async def admin_usage(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     if not gw.is_admin(request):
         return not_admin()
-    budgets = gw.core.budgets
+    budgets = gw.admission.budgets
     params = dict(request.query)
     fmt = params.get("format", "json")
     try:
@@ -47,7 +46,7 @@ async def admin_budgets(request: web.Request) -> web.Response:
     if not gw.is_admin(request):
         return not_admin()
     try:
-        status = await gw.driver.background(budget_status, gw.core, gw.clock())
+        status = await gw.admission.background(gw.admission.budget_status, gw.clock())
     except StoreUnavailable as exc:
         return error(503, f"state store unreachable: {exc}", "server_error", "store_unavailable")
     return web.json_response({"budgets": status})

@@ -148,7 +148,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
     def caller_of(self, auth: UserAPIKeyAuth) -> Caller | None:
         """The tenant a LiteLLM key or team names, or the one entitlement it names (the key's
         metadata first, then the team's, then the team's id and alias); None: nothing known."""
-        tenants, entitlements = self.admission.directory.tenants, self.admission.core.entitlements
+        tenants, entitlements = self.admission.directory.tenants, self.admission.entitlements
         key_meta = auth.metadata or {}
         team_meta = getattr(auth, "team_metadata", None) or {}
         models = key_meta.get(MODELS_METADATA)

@@ -11,15 +11,29 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import time
-from collections.abc import Callable
-
-from aiohttp import web
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from tokenpools.control.tenancy import Caller, Directory, Refused
-from tokenpools.gateway.jwt_auth import JwtVerifier, TokenRefused, looks_like_jwt
-from tokenpools.gateway.responses import bearer
+from tokenpools.identity.jwt import JwtVerifier, TokenRefused, looks_like_jwt
 from tokenpools.model.config import GatewaySettings
 from tokenpools.model.keys import hash_key
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a request shows of who it is, whichever host received it: its headers (names
+    matched without regard to case, as HTTP's are) and the peer's address."""
+
+    headers: Mapping[str, str]  # matched without regard to case (e.g. multidict.CIMultiDict)
+    remote: str | None = None  # the peer's IP address; None: unknown (a Unix socket)
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    """The bearer credential of an Authorization header."""
+    header = headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
 class Authenticator:
@@ -38,13 +52,14 @@ class Authenticator:
             fresh.jwt = self.jwt
         return fresh
 
-    async def caller(self, request: web.Request, directory: Directory) -> Caller | Refused:
+    async def caller(self, shown: Credentials, directory: Directory) -> Caller | Refused:
         trusted, ignored = self.settings.trusted_header, ""
-        if trusted is not None and trusted.name in request.headers:
-            if self._trusts(request):
-                return directory.known(Caller(request.headers[trusted.name], "header"))
+        headers = shown.headers
+        if trusted is not None and trusted.name in headers:
+            if self._trusts(shown):
+                return directory.known(Caller(headers[trusted.name], "header"))
             ignored = f" (header {trusted.name} is honoured only from the auth proxy)"
-        token = bearer(request)
+        token = bearer(headers)
         if token is None:
             return Refused("invalid_api_key", "no API key or token" + ignored)
         keyed = directory.by_key(token, self.clock())
@@ -60,17 +75,17 @@ class Authenticator:
             )
         return Refused("invalid_api_key", "invalid API key" + ignored)
 
-    def _trusts(self, request: web.Request) -> bool:
+    def _trusts(self, shown: Credentials) -> bool:
         trusted = self.settings.trusted_header
         assert trusted is not None
         if trusted.secret_header is not None and trusted.secret_hash is not None:
-            secret = request.headers.get(trusted.secret_header)
+            secret = shown.headers.get(trusted.secret_header)
             if secret is not None and hmac.compare_digest(hash_key(secret), trusted.secret_hash):
                 return True
-        if not self._networks or request.remote is None:
+        if not self._networks or shown.remote is None:
             return False
         try:
-            peer = ipaddress.ip_address(request.remote)
+            peer = ipaddress.ip_address(shown.remote)
         except ValueError:  # a Unix socket: no address to trust
             return False
         return any(peer in net for net in self._networks)
