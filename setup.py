@@ -24,6 +24,7 @@ COMPILED = [
     "src/tokenpools/control/decisions.py",
     "src/tokenpools/control/endings.py",
     "src/tokenpools/control/eviction.py",
+    "src/tokenpools/control/gatekeeper.py",
     "src/tokenpools/control/layers.py",
     "src/tokenpools/control/metering.py",
     "src/tokenpools/control/observation.py",

@@ -250,8 +250,11 @@ def _home(budget: Budget, ents: Mapping[str, Entitlement]) -> str:
 
 
 class _HasBudgets(Protocol):
-    budgets: Budgets
-    store: Store
+    @property
+    def budgets(self) -> Budgets: ...
+
+    @property
+    def store(self) -> Store: ...
 
 
 def budget_status(core: _HasBudgets, now: float) -> list[dict[str, Any]]:

@@ -113,7 +113,7 @@ class Catalog:
                 per_replica_override=old.per_replica_override if old else None,
             )
         self._pools = pools
-        self._rebind(now)
+        self.rebind(now)
         return tuple(ended)
 
     @staticmethod
@@ -123,7 +123,7 @@ class Catalog:
         per_sequence = cap.throughput / cap.concurrency if cap.concurrency > 0 else 0.0
         return 512.0 / per_sequence if per_sequence > 0 else 10.0
 
-    def _rebind(self, now: float) -> dict[str, BindingState]:
+    def rebind(self, now: float) -> dict[str, BindingState]:
         """Re-run binding for every pool and push the resulting plans to the store."""
         changed: dict[str, BindingState] = {}
         policy = self.policy
@@ -183,7 +183,7 @@ class Catalog:
                     max_kv=max_kv,
                 )
                 self._refresh_priority(ent.name, now)
-            self._arrange_surplus(view)
+            self.arrange_surplus(view)
         self._next_expiry = min(
             (
                 v.ent.expires_at
@@ -194,7 +194,7 @@ class Catalog:
         )
         return changed
 
-    def _arrange_surplus(self, view: PoolView) -> None:
+    def arrange_surplus(self, view: PoolView) -> None:
         """From the members' latest scores: the order preemptible entitlements are evicted in."""
         evictable = sorted(
             (self._ents[n] for n in view.members if self._ents[n].preemptible),
@@ -220,14 +220,14 @@ class Catalog:
                     ent.name, replace(old, peak_concurrency=claim_c, peak_kv=claim_k), now
                 )
 
-    def _note_evicted(self, leases: Iterable[Lease]) -> None:
+    def note_evicted(self, leases: Iterable[Lease]) -> None:
         """Preemptible leases were evicted: surplus work in their pools leaves more free."""
         for lease in leases:
             view = self._pools.get(lease.pool)
             if view is not None:
                 view.claim_scale = rescaled(view.claim_scale, True, self.policy)
 
-    def _adopt_scores(self, view: EntitlementView, scores: Scores) -> float:
+    def adopt_scores(self, view: EntitlementView, scores: Scores) -> float:
         """Take an entitlement's scores; its priority computed from them is returned."""
         view.priority = w = self._priority_of(view, scores)
         view.scores = replace(scores, priority=w)
@@ -251,12 +251,17 @@ class Catalog:
             scores = self.store.scores(name, now)
         except StoreUnavailable:
             scores = view.scores
-        w = self._adopt_scores(view, scores)
+        w = self.adopt_scores(view, scores)
         if w != scores.priority:
             with contextlib.suppress(StoreUnavailable):
                 self.store.set_scores(name, replace(scores, priority=w), now)
 
     # -- lookups -------------------------------------------------------------------------
+
+    @property
+    def next_expiry(self) -> float:
+        """The earliest expiresAt of an entitlement not yet Expired (inf: none)."""
+        return self._next_expiry
 
     @property
     def entitlements(self) -> dict[str, EntitlementView]:

@@ -3,84 +3,37 @@
 Hosts feed it events — a request arrives, a request ends, time passes, capacity changes,
 config changes — and act on the values it returns. It keeps only config-derived data and
 caches; everything that changes per request lives in the store.
+
+`DecisionCore` is the face; the work is its collaborators', each in its own module: the
+catalog (catalog.py: what is configured and how it is bound), the gatekeeper (gatekeeper.py:
+the decision on each request), endings (endings.py: settle, release, renew) and the periodic
+work (periodic.py: ticks and capacity changes). They share the store, the local fallback
+budget and the catalog's views; none reaches into another.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
-from tokenpools.control.backfill import claim_share
-from tokenpools.control.budgets import tightest
-from tokenpools.control.catalog import EntitlementView, PoolView
-from tokenpools.control.decisions import (
-    SHORTFALL_REJECTS,
-    STATE_REASONS,
-    Admit,
-    Check,
-    Decision,
-    Reason,
-    Reject,
-    quota,
-)
+from tokenpools.control.budgets import Budgets
+from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
+from tokenpools.control.decisions import CapacityChange, Decision, Reject, TickResult
+from tokenpools.control.endings import Ending, Endings
 from tokenpools.control.fallback import LocalFallback, LocalStore
+from tokenpools.control.gatekeeper import Gatekeeper, Pending
+from tokenpools.control.metering import Charge
 from tokenpools.control.observation import Observation
 from tokenpools.control.periodic import Periodic
-from tokenpools.control.retry import expected_wait_s, jittered
-from tokenpools.control.store import (
-    Lease,
-    Outcome,
-    Reservation,
-    ReservePlan,
-    Shortfall,
-    Store,
-    StoreUnavailable,
-)
+from tokenpools.control.store import Lease, Outcome, Scores, Store, StoreUnavailable
 from tokenpools.model.config import Config
-from tokenpools.model.entitlement import BindingState
-from tokenpools.model.request import RequestCost
+from tokenpools.model.policy import Policy
+from tokenpools.model.request import RequestCost, Usage
+from tokenpools.model.resources import Resources
+
+__all__ = ["DecisionCore", "Pending"]
 
 
-@dataclass(slots=True)
-class Pending(Reservation):
-    """A reservation between `prepare` and `decide`, with what the core decides on: the host
-    runs it on its store (awaiting it, if the store is remote) and hands the outcome back."""
-
-    view: EntitlementView
-    pool_view: PoolView
-    max_tokens: int  # the request's max_tokens, the entitlement's default if it set none
-    sequences: int = 1
-
-    # written out for mypyc (control/store.py says why, above Lease)
-    def __init__(
-        self,
-        lease: Lease,
-        plan: ReservePlan,
-        demand: float,
-        victims: Sequence[str],
-        victim_count: int,
-        may_overcommit: bool,
-        claim_share: float,
-        view: EntitlementView,
-        pool_view: PoolView,
-        max_tokens: int,
-        sequences: int = 1,
-    ) -> None:
-        self.lease, self.plan, self.demand = lease, plan, demand
-        self.victims, self.victim_count = victims, victim_count
-        self.may_overcommit, self.claim_share = may_overcommit, claim_share
-        self.view, self.pool_view = view, pool_view
-        self.max_tokens, self.sequences = max_tokens, sequences
-
-
-class DecisionCore(Periodic):
-    """The decisions on requests: admission; time and capacity come from `Periodic`
-    (periodic.py), the ends of requests from `Endings`, the configured and bound views from
-    `Catalog` below them."""
-
+class DecisionCore:
     def __init__(
         self,
         config: Config,
@@ -91,195 +44,127 @@ class DecisionCore(Periodic):
     ) -> None:
         """`store` holds the ledger; `fallback_store`, a private one, holds what the outage
         policy admits while a shared `store` is unreachable (none: everything fails closed)."""
-        self._replica = replica
-        self._seq = itertools.count(1)
-        self.observations: dict[str, Observation] = {}
+        self.store = store
         self.fallback = LocalFallback(
             config.state.fallback_fraction, config.state.retry_interval_s, fallback_store
         )
-        super().__init__(store, config, now)
+        self.catalog = Catalog(store, config, now)
+        self.gatekeeper = Gatekeeper(self.catalog, store, self.fallback, replica)
+        self.endings = Endings(self.catalog, store, self.fallback)
+        self.periodic = Periodic(self.catalog, store, self.fallback)
+
+    # -- configuration -------------------------------------------------------------------
 
     def apply_config(self, config: Config, now: float) -> tuple[Lease, ...]:
         """Adopt a new config, keeping the state of entitlements that remain. Returns the
         leases of removed entitlements: the host must end those requests."""
         self.fallback.fraction = config.state.fallback_fraction
         self.fallback.retry_after_s = config.state.retry_interval_s
-        return super().apply_config(config, now)
+        return self.catalog.apply_config(config, now)
 
-    # -- admission -----------------------------------------------------------------------
+    @property
+    def config(self) -> Config:
+        return self.catalog.config
+
+    @property
+    def policy(self) -> Policy:
+        return self.catalog.policy
+
+    @property
+    def budgets(self) -> Budgets:
+        return self.catalog.budgets
+
+    @property
+    def entitlements(self) -> Mapping[str, EntitlementView]:
+        return self.catalog.entitlements
+
+    @property
+    def pools(self) -> Mapping[str, PoolView]:
+        return self.catalog.pools
+
+    # -- admission (gatekeeper.py; control/pipeline.py runs a whole one) --------------------
 
     def admit(
         self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
     ) -> Decision:
-        """Decide on a request with the store the core was given (the synchronous path; a
-        host that awaits its store calls `prepare`, runs the reservation, then `decide`)."""
-        step = self.prepare(entitlement, cost, now, request_id)
-        if isinstance(step, Reject):
-            return step
-        try:
-            outcome: Outcome | None = self.store.admit(step, now)
-        except StoreUnavailable:
-            outcome = None
-        return self.decide(step, outcome, now)
+        """One entitlement, one store step, on the store the core was given (no lowered
+        retry: control/pipeline.py's `run` is a whole admission)."""
+        return self.gatekeeper.admit(entitlement, cost, now, request_id)
 
     def prepare(
         self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
     ) -> Pending | Reject:
-        """Checks 1 and 2, and the reservation the store must run; a Reject needs no store."""
-        view = self._ents.get(entitlement)
-        if view is None:
-            return Reject(
-                Reason.UNKNOWN_ENTITLEMENT, Check.STATE, f"unknown entitlement {entitlement!r}"
-            )
-        ent = view.ent
-        if view.state != BindingState.BOUND or (
-            ent.expires_at is not None and now >= ent.expires_at
-        ):
-            if view.state == BindingState.BOUND:  # expired since the last tick
-                self._rebind(now)
-            reason = STATE_REASONS[self._ents[entitlement].state]
-            return Reject(reason, Check.STATE, f"entitlement {entitlement!r} is not bound")
-
-        pool_view = self._pools[ent.pool]
-        pool = pool_view.pool
-        max_out = cost.max_output_tokens  # paper check 2: the entitlement's default if unset
-        if max_out is None:
-            max_out = view.default_max_tokens
-        # n sequences share their prompt's KV (prefix) and each may generate up to the ceiling
-        out = max_out * cost.sequences
-        tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * out
-        kv = float(cost.input_tokens + out)
-        if tokens > view.max_tokens or kv > view.max_kv:
-            # Not counted as demand: no capacity could ever serve it, so it is owed nothing.
-            return self._too_big(view, pool_view, tokens, kv)
-
-        lease_id = self.new_lease_id() if request_id is None else request_id
-        account = cost.account
-        lease = Lease(
-            lease_id,
-            pool.name,
-            entitlement,
-            tokens,
-            kv,
-            now,
-            now + self.policy.lease_ttl_s,
-            view.preemptible,
-            meter=None
-            if account is None
-            else self.budgets.meter(account, ent, pool, cost.input_tokens, out, now),
-        )
-        # Who this request may evict: the pool's preemptible entitlements strictly below it,
-        # if the pool owes it capacity.
-        count = (
-            bisect.bisect_left(pool_view.preemptible_priorities, view.priority)
-            if view.may_evict
-            else 0
-        )
-        order = pool_view.preemptible_order
-        share = (
-            claim_share(out, pool_view.typical_output, pool_view.claim_scale)
-            if view.plan.surplus
-            else 0.0
-        )
-        return Pending(
-            lease,
-            view.plan,
-            tokens,
-            order,
-            count,
-            view.protected,
-            share,
-            view,
-            pool_view,
-            max_out,
-            cost.sequences,
-        )
-
-    def new_lease_id(self) -> str:
-        return f"{self._replica}-{next(self._seq)}"
+        return self.gatekeeper.prepare(entitlement, cost, now, request_id)
 
     def decide(self, step: Pending, outcome: Outcome | None, now: float) -> Decision:
-        """The decision, from what the store did with the reservation (None: the store was
-        unreachable, and the outage policy decides)."""
-        view, lease = step.view, step.lease
-        if outcome is None:
-            if lease.meter is not None and lease.meter.holds:
-                return Reject(
-                    Reason.STORE_UNAVAILABLE,
-                    Check.BUDGET,
-                    "the shared state store is unreachable; requests charged to a budget are "
-                    "refused until it is back (a budget is never overspent)",
-                    self.fallback.retry_after_s,
-                )
-            if lease.lease_id in self.fallback.leases:
-                raise ValueError(f"request id {lease.lease_id!r} already holds a lease")
-            return self.fallback.admit(
-                view.ent, view.own_bucket, view.priority, lease, now, step.max_tokens
-            )
-        if outcome.shortfall is None:
-            if outcome.evicted:
-                self._note_evicted(outcome.evicted)
-            return Admit(
-                lease,
-                view.priority,
-                outcome.evicted,
-                outcome.overcommit,
-                step.max_tokens,
-                # only where the host asked the store for counters after an admission
-                None if outcome.entitlement is None else quota(view, step.pool_view, outcome),
-                tightest(lease.meter, outcome.budget_left),
-            )
-        if outcome.shortfall == Shortfall.BUDGET:
-            return self._over_budget(step, outcome, now)
-        return self._reject(outcome, step, now)
+        return self.gatekeeper.decide(step, outcome, now)
 
-    def _over_budget(self, step: Pending, outcome: Outcome, now: float) -> Reject:
-        meter, left = step.lease.meter, outcome.budget_left
-        assert meter is not None
-        fit = self.budgets.fitting_output(meter, left, step.pool_view.pool, step.sequences)
-        return self.budgets.refusal(
-            meter, outcome.budget_refused, left[outcome.budget_refused], now, fit
-        )
+    def new_lease_id(self) -> str:
+        return self.gatekeeper.new_lease_id()
 
-    def _too_big(
-        self, view: EntitlementView, pool_view: PoolView, tokens: float, kv: float
-    ) -> Reject:
-        plan = view.plan
-        needs = f"request needs {tokens:g} tokens and {kv:g} KV tokens"
-        if (
-            plan.ent_concurrency < 1
-            or kv > plan.ent_kv
-            or (plan.own_required and tokens > view.own_bucket.depth)
-        ):
-            return Reject(
-                Reason.EXCEEDS_ENTITLEMENT,
-                Check.SIZE,
-                f"{needs}; entitlement {view.ent.name!r} can never hold that (lower "
-                "max_tokens or raise the entitlement)",
-            )
-        return Reject(
-            Reason.EXCEEDS_POOL,
-            Check.SIZE,
-            f"{needs}; pool {pool_view.pool.name!r} can never hold that at its current capacity",
-        )
+    # -- the ends of requests (endings.py) ---------------------------------------------
 
-    def _reject(self, outcome: Outcome, step: Pending, now: float) -> Reject:
-        short = outcome.shortfall
-        assert short is not None and outcome.pool is not None and outcome.entitlement is not None
-        view, lease = step.view, step.lease
-        reason, check, dimension, message = SHORTFALL_REJECTS[short]
-        period = self.policy.update_period_s
-        wait = expected_wait_s(
-            short,
-            lease.tokens,
-            lease.kv_tokens,
-            view.plan,
-            outcome.pool,
-            outcome.entitlement,
-            step.pool_view.bucket,
-            view.own_bucket,
-            step.pool_view.mean_service_s,
-            period - math.fmod(now, period),
-        )
-        wait = jittered(wait, lease.lease_id, self.policy)
-        return Reject(reason, check, message, wait, dimension, quota(view, step.pool_view, outcome))
+    def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
+        return self.endings.settle(lease_id, usage, now)
+
+    def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
+        return self.endings.release(lease_id, now, refund)
+
+    def prepare_end(self, lease: Lease, usage: Usage | None, refund: bool = True) -> Ending:
+        return self.endings.prepare_end(lease, usage, refund)
+
+    def end_on_store(self, ending: Ending, now: float) -> bool:
+        return self.endings.end_on_store(ending, now)
+
+    def ended(self, ending: Ending, now: float) -> None:
+        self.endings.ended(ending, now)
+
+    def charge(self, lease: Lease, usage: Usage) -> Charge | None:
+        return self.endings.charge(lease, usage)
+
+    def renewal(self, lease_id: str, now: float) -> tuple[float, bool]:
+        return self.endings.renewal(lease_id, now)
+
+    def renew(self, lease_id: str, now: float) -> bool:
+        return self.endings.renew(lease_id, now)
+
+    # -- time and capacity (periodic.py) ------------------------------------------------
+
+    def tick(self, now: float) -> TickResult:
+        return self.periodic.tick(now)
+
+    def set_replicas(self, pool_name: str, replicas: int, now: float) -> CapacityChange:
+        return self.periodic.set_replicas(pool_name, replicas, now)
+
+    def set_capacity(
+        self,
+        pool_name: str,
+        now: float,
+        replicas: int | None = None,
+        per_replica: Resources | None = None,
+    ) -> CapacityChange:
+        return self.periodic.set_capacity(pool_name, now, replicas, per_replica)
+
+    def desired_replicas(self, pool_name: str) -> int:
+        return self.periodic.desired_replicas(pool_name)
+
+    @property
+    def observations(self) -> Mapping[str, Observation]:
+        """Each entitlement's usage in the last update period."""
+        return self.periodic.observations
+
+    # -- reads -------------------------------------------------------------------------
+
+    def scores(self, entitlement: str, now: float) -> Scores:
+        """An entitlement's debt, burst and priority as the store holds them."""
+        return self.store.scores(entitlement, now)
+
+    def store_answers(self, now: float) -> bool:
+        """Whether the store answers a read now."""
+        if not self.catalog.pools:
+            return True
+        try:
+            self.store.pool_counters(next(iter(self.catalog.pools)), now)
+        except StoreUnavailable:
+            return False
+        return True

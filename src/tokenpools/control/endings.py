@@ -15,7 +15,7 @@ from tokenpools.control.backfill import rescaled, typical_output
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.metering import Charge
-from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
+from tokenpools.control.store import Lease, Store, StoreUnavailable
 from tokenpools.model.request import Usage
 
 
@@ -32,8 +32,13 @@ class Ending:
     output_tokens: int = 0  # what a settled request generated
 
 
-class Endings(Catalog):
-    fallback: LocalFallback
+class Endings:
+    """The core's collaborator for the ends of requests: it reads the catalog's pools (their
+    token weights, and what a settled request teaches them) and ends leases on the store that
+    holds them (the store, or this process's fallback budget)."""
+
+    def __init__(self, catalog: Catalog, store: Store, fallback: LocalFallback) -> None:
+        self.catalog, self.store, self.fallback = catalog, store, fallback
 
     def prepare_end(self, lease: Lease, usage: Usage | None, refund: bool = True) -> Ending:
         charged = None if usage is None else self.used_tokens(lease, usage)
@@ -70,17 +75,17 @@ class Endings(Catalog):
             self._served(ending.lease, ending.output_tokens, now)
 
     def _served(self, lease: Lease, output_tokens: int, now: float) -> None:
-        pool_view = self._pools.get(lease.pool)
+        pool_view = self.catalog.pools.get(lease.pool)
         if pool_view is not None:
             duration = max(0.0, now - lease.started_at)
             pool_view.mean_service_s = 0.9 * pool_view.mean_service_s + 0.1 * duration
             pool_view.typical_output = typical_output(pool_view.typical_output, output_tokens)
             if lease.preemptible:
-                pool_view.claim_scale = rescaled(pool_view.claim_scale, False, self.policy)
+                pool_view.claim_scale = rescaled(pool_view.claim_scale, False, self.catalog.policy)
 
     def used_tokens(self, lease: Lease, usage: Usage) -> float:
         """What a finished request is charged, in its pool's weighted tokens."""
-        pool = self._pools[lease.pool].pool
+        pool = self.catalog.pools[lease.pool].pool
         return (
             pool.input_token_weight * usage.input_tokens
             + pool.output_token_weight * usage.output_tokens
@@ -90,7 +95,7 @@ class Endings(Catalog):
         """A metered lease's usage in every measure its budgets and ledger count."""
         if lease.meter is None:
             return None
-        return budgets.used(self._pools[lease.pool].pool, usage)
+        return budgets.used(self.catalog.pools[lease.pool].pool, usage)
 
     def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
         """The request finished; charge what it really used and refund the rest."""
@@ -117,7 +122,7 @@ class Endings(Catalog):
 
     def renewal(self, lease_id: str, now: float) -> tuple[float, bool]:
         """(the new expiry, whether this process's fallback holds the lease)."""
-        return now + self.policy.lease_ttl_s, lease_id in self.fallback.leases
+        return now + self.catalog.policy.lease_ttl_s, lease_id in self.fallback.leases
 
     def renew(self, lease_id: str, now: float) -> bool:
         """Push a long-running request's lease expiry out by one TTL from now. False: the
@@ -127,19 +132,3 @@ class Endings(Catalog):
             return self._holder(local).renew(lease_id, expires_at, now)
         except StoreUnavailable:  # keep running; the store is asked again next time
             return True
-
-    # -- reads a host may make, through the core -----------------------------------------
-
-    def store_answers(self, now: float) -> bool:
-        """Whether the store answers a read now."""
-        if not self._pools:
-            return True
-        try:
-            self.store.pool_counters(next(iter(self._pools)), now)
-        except StoreUnavailable:
-            return False
-        return True
-
-    def scores(self, entitlement: str, now: float) -> Scores:
-        """An entitlement's debt, burst and priority as the store holds them."""
-        return self.store.scores(entitlement, now)

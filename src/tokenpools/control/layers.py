@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenpools.control.core import DecisionCore, Pending
+from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Decision, Reject
+from tokenpools.control.gatekeeper import Pending
 from tokenpools.control.store import Outcome
 from tokenpools.model.request import RequestCost
 

@@ -11,28 +11,32 @@ from dataclasses import replace
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.backfill import BORROWERS, forgotten, next_claim
-from tokenpools.control.catalog import EntitlementView, PoolView
+from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
 from tokenpools.control.decisions import CapacityChange, TickResult
-from tokenpools.control.endings import Endings
 from tokenpools.control.eviction import eviction_order
+from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
-from tokenpools.control.store import Lease, Scores, StoreUnavailable
+from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.resources import Resources
 
 
-class Periodic(Endings):
-    """What the core does as time passes and capacity changes (admission: core.py)."""
+class Periodic:
+    """The core's collaborator for time and capacity: it updates the catalog's views (bound
+    states, scores, the order surplus work is evicted in) and the store (usage windows read,
+    scores written, leases expired or evicted)."""
 
-    observations: dict[str, Observation]  # each entitlement's, from the last update period
+    def __init__(self, catalog: Catalog, store: Store, fallback: LocalFallback) -> None:
+        self.catalog, self.store, self.fallback = catalog, store, fallback
+        self.observations: dict[str, Observation] = {}  # each entitlement's, last period
 
     def tick(self, now: float) -> TickResult:
         """Expire lost leases and expired entitlements; once per update period (once per pool
         across every replica sharing the store) update debt, burst and priority."""
         expired = tuple(self.fallback.expire(now))
         states: dict[str, BindingState] = {}
-        if now >= self._next_expiry:
-            states = self._rebind(now)
+        if now >= self.catalog.next_expiry:
+            states = self.catalog.rebind(now)
         try:
             if self.fallback.leases and self.fallback.hand_over_on_tick:
                 self.fallback.hand_over(self.store, now)
@@ -43,29 +47,30 @@ class Periodic(Endings):
         return TickResult(expired, tuple(updated), states)
 
     def _update_pools(self, now: float) -> list[str]:
-        period = int(now // self.policy.update_period_s)
+        period = int(now // self.catalog.policy.update_period_s)
         updated = []
-        for name, pool_view in self._pools.items():
+        for name, pool_view in self.catalog.pools.items():
             if period > pool_view.last_period:
                 pool_view.last_period = period
-                pool_view.claim_scale = forgotten(pool_view.claim_scale, self.policy)
+                pool_view.claim_scale = forgotten(pool_view.claim_scale, self.catalog.policy)
                 if self.store.claim_update(name, period, now):
                     self._update_scores(pool_view, now)
                     updated.append(name)
-                    self._arrange_surplus(pool_view)
+                    self.catalog.arrange_surplus(pool_view)
                 else:  # another replica updates them: read them once it has, next tick
                     pool_view.scores_pending = True
             elif pool_view.scores_pending:
                 pool_view.scores_pending = False
+                ents = self.catalog.entitlements
                 for member in pool_view.members:
-                    self._adopt_scores(self._ents[member], self.store.scores(member, now))
-                self._arrange_surplus(pool_view)
+                    self.catalog.adopt_scores(ents[member], self.store.scores(member, now))
+                self.catalog.arrange_surplus(pool_view)
         return updated
 
     def _update_scores(self, pool_view: PoolView, now: float) -> None:
-        policy = self.policy
+        policy = self.catalog.policy
         for name in pool_view.members:
-            view = self._ents[name]
+            view = self.catalog.entitlements[name]
             ent = view.ent
             window = self.store.take_window(name, now)
             obs = self.observations[name] = observe(window)
@@ -88,7 +93,7 @@ class Periodic(Endings):
                 if self._claims(view)
                 else (0.0, 0.0)
             )
-            self._adopt_scores(view, Scores(debt, burst, 0.0, claim_c, claim_k))
+            self.catalog.adopt_scores(view, Scores(debt, burst, 0.0, claim_c, claim_k))
             self.store.set_scores(name, view.scores, now)
 
     @staticmethod
@@ -109,7 +114,7 @@ class Periodic(Endings):
         of their capacity): admissions use the new capacity from now on, and preemptible
         leases are evicted (lowest priority, newest first) until what remains fits. Other work
         above the new capacity drains; nothing new is admitted meanwhile."""
-        view = self._pools[pool_name]
+        view = self.catalog.pools[pool_name]
         if replicas is not None:
             view.pool = view.pool.with_replicas(replicas)
         if per_replica is not None:
@@ -117,8 +122,8 @@ class Periodic(Endings):
                 raise ValueError(f"pool {pool_name!r}: capacity must be >= 0, got {per_replica}")
             view.pool = replace(view.pool, per_replica=per_replica)
             view.per_replica_override = per_replica
-        view.bucket = plans.pool_bucket(view.pool, self.policy)
-        states = self._rebind(now)
+        view.bucket = plans.pool_bucket(view.pool, self.catalog.policy)
+        states = self.catalog.rebind(now)
         cap = view.pool.capacity
         evicted: list[Lease] = []
         try:  # unreachable store: admissions already use the new capacity; nothing evicted
@@ -135,12 +140,12 @@ class Periodic(Endings):
                 over_k -= lease.kv_tokens
         except StoreUnavailable:
             pass
-        self._note_evicted(evicted)
+        self.catalog.note_evicted(evicted)
         return CapacityChange(tuple(evicted), states)
 
     def desired_replicas(self, pool_name: str) -> int:
-        view = self._pools[pool_name]
+        view, ents = self.catalog.pools[pool_name], self.catalog.entitlements
         members: Sequence[Entitlement] = [
-            self._ents[n].ent for n in view.members if self._ents[n].state != BindingState.EXPIRED
+            ents[n].ent for n in view.members if ents[n].state != BindingState.EXPIRED
         ]
         return desired_replicas(view.pool, capacity_need(members, self.observations))

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import replace
 
-from tokenpools.control.core import DecisionCore, Pending
+from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Decision, Reject
+from tokenpools.control.gatekeeper import Pending
 from tokenpools.control.layers import decide_layers, prepare_layers
 from tokenpools.control.store import Outcome, StoreUnavailable
 from tokenpools.model.request import RequestCost
