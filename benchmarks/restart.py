@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from smoke import parse_args
-from tokenpools.resources import scenario_path
+from tokenpools.shipped import scenario_path
 from tokenpools.sim.records import RunResult
 from tokenpools.sim.scenario import load_scenario
 from tokenpools.sim.simulator import simulate

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from smoke import parse_args
 from tokenpools import core_build
-from tokenpools.resources import SCENARIOS
+from tokenpools.shipped import SCENARIOS
 from tokenpools.sim.scenario import load_scenario
 from tokenpools.sim.simulator import simulate
 

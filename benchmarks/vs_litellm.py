@@ -59,7 +59,7 @@ from tokenpools.demo import gateway_config, headline, without_entitlements
 from tokenpools.engine.profile import load_profile
 from tokenpools.loadgen import LoadRun, Target
 from tokenpools.processes import free_port, stop, wait_ready
-from tokenpools.resources import scenario_path
+from tokenpools.shipped import scenario_path
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.scenario import Scenario, load_scenario
 

@@ -111,7 +111,7 @@ async def one_request(gw: Gateway, ent: str, hold_s: float, run: Run) -> None:
     if not isinstance(decision, Admit):
         await asyncio.sleep(min(decision.retry_after_s or 0.05, 0.5))  # as clients do
         return
-    admitted = gw.admission.hold(decision, asyncio.current_task())
+    admitted = gw.admission.track(decision, asyncio.current_task())
     usage: Usage | None = None
     try:
         await asyncio.sleep(hold_s)

@@ -54,6 +54,7 @@ class ServerThread:
     def stop(self) -> None:
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self.loop).result(30)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
 
@@ -71,6 +72,17 @@ class ServerThread:
         asyncio.run_coroutine_threadsafe(abort(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+async def _cancel_the_rest() -> None:
+    """Cancel what a stopped server left on its loop (an emulator's engine, a handler still
+    closing) and let it finish: a task left pending is garbage-collected later, in whichever
+    test runs then, and logs "Task was destroyed but it is pending!" there."""
+    current = asyncio.current_task()
+    rest = [t for t in asyncio.all_tasks() if t is not current]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
 
 
 def wait_for(

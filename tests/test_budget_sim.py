@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tokenpools.control.budgets import budget_status
-from tokenpools.resources import scenario_path
+from tokenpools.shipped import scenario_path
 from tokenpools.sim.scenario import Scenario, load_scenario
 from tokenpools.sim.simulator import Simulation
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tokenpools.cli import app
 from tokenpools.model.config import ConfigError, load_config, parse_config
 from tokenpools.model.keys import hash_key
-from tokenpools.resources import EXAMPLE_CONFIG
+from tokenpools.shipped import EXAMPLE_CONFIG
 
 EXAMPLE = EXAMPLE_CONFIG
 

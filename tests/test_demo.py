@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from tokenpools.demo import run_demo, write_demo
-from tokenpools.resources import SCENARIOS
+from tokenpools.shipped import SCENARIOS
 from tokenpools.sim.scenario import load_scenario
 
 EXP1 = SCENARIOS / "paper-exp1.yaml"

@@ -172,7 +172,7 @@ async def replay(
                     gw_ids[lease.lease_id] = number
                     evicted = sorted(gw_ids[v.lease_id] for v in result.decision.evict)
                     gw = ("admitted", lease.entitlement, lease.tokens, evicted)
-                    admitted = runtime.hold(result.decision, None)
+                    admitted = runtime.track(result.decision, None)
                     lowered += result.decision.lowered
                     flying.append((number, admitted, req, min(event.output, asked)))
                 else:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.crds import crds
-from tokenpools.k8s.resources import check_spec
+from tokenpools.k8s.custom_resources import check_spec
 from tokenpools.model.profile import BUILTIN_PROFILES
 from tokenpools.model.service_class import ServiceClass
 

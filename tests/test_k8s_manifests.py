@@ -19,12 +19,12 @@ import yaml
 
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.crds import crds
+from tokenpools.k8s.custom_resources import config_data, render
 from tokenpools.k8s.manifests import generated
 from tokenpools.k8s.names import entitlement_key
-from tokenpools.k8s.resources import config_data, render
 from tokenpools.model.config import parse_config
 from tokenpools.model.service_class import ServiceClass
-from tokenpools.resources import EXAMPLE_CONFIG
+from tokenpools.shipped import EXAMPLE_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

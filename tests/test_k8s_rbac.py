@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from tokenpools.k8s.crds import crds
-from tokenpools.k8s.resources import check_spec
+from tokenpools.k8s.custom_resources import check_spec
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 CLUSTER_RESOURCES = {"tokenpools", "tokenbudgets", "nodes", "namespaces", "priorityclasses"}

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tokenpools.cli import app
-from tokenpools.resources import SCENARIOS
+from tokenpools.shipped import SCENARIOS
 from tokenpools.sim.experiments import STATIC_PEAK, run_scenario
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.report import waste_table

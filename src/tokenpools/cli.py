@@ -16,7 +16,7 @@ from tokenpools.commands.k8s import k8s_app, operator
 from tokenpools.commands.top import top
 from tokenpools.commands.usage import usage
 from tokenpools.model.config import ConfigError
-from tokenpools.resources import SCENARIOS, scenario_path
+from tokenpools.shipped import SCENARIOS, scenario_path
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 

@@ -77,7 +77,7 @@ class AdmissionRuntime:
         u = config.usage
         database = UsageDatabase(u.database_url, u.deployment, u.database_timeout_s)
         durable = config.state.backend == "redis"  # its pending usage outlives this process
-        self.ledger = Flusher(self.driver.background, self.core.store, database, clock, durable)
+        self.flusher = Flusher(self.driver.background, self.core.store, database, clock, durable)
         self.notifier = Notifier()
         self._ticking: asyncio.Task[None] | None = None
         self._flushing: asyncio.Task[None] | None = None
@@ -129,7 +129,7 @@ class AdmissionRuntime:
                 self.evict(victim.lease_id)
         return decision
 
-    def hold(self, decision: Admit, task: asyncio.Task[Any] | None) -> Admitted:
+    def track(self, decision: Admit, task: asyncio.Task[Any] | None) -> Admitted:
         """The admitted request, in flight until it ends (`task` is cancelled on eviction)."""
         admitted = Admitted(decision.lease, task, self._end)
         self.in_flight[decision.lease.lease_id] = admitted
@@ -245,14 +245,14 @@ class AdmissionRuntime:
         # a safety net only: the database's own timeouts end a stuck flush first, counted
         timeout_s = 2 * self.config.usage.database_timeout_s + 1
         try:
-            return await asyncio.wait_for(self.ledger.flush(list(self.config.pools)), timeout_s)
+            return await asyncio.wait_for(self.flusher.flush(list(self.config.pools)), timeout_s)
         except TimeoutError:
             raise LedgerUnavailable(
-                f"usage database {self.ledger.database.name}: timed out"
+                f"usage database {self.flusher.database.name}: timed out"
             ) from None
 
     def ledger_status(self) -> LedgerStatus:
-        return self.ledger.status()
+        return self.flusher.status()
 
     async def usage(self, start: float, end: float) -> list[Bucket]:
         """The ledger's buckets of hours in [start, end), with every request settled before
@@ -261,7 +261,7 @@ class AdmissionRuntime:
             await self.flush_usage()
         except StoreUnavailable as exc:  # what SQL has is still an answer... but not all of it
             raise LedgerUnavailable(f"state store unreachable: {exc}") from exc
-        return await asyncio.to_thread(self.ledger.database.read, start, end)
+        return await asyncio.to_thread(self.flusher.database.read, start, end)
 
     @property
     def running(self) -> bool:
@@ -279,18 +279,18 @@ class AdmissionRuntime:
                 await asyncio.gather(task, return_exceptions=True)
         self._ticking = self._flushing = None
         pools = list(self.config.pools)
-        await self.ledger.final(pools, 2 * self.config.usage.database_timeout_s)
+        await self.flusher.final(pools, 2 * self.config.usage.database_timeout_s)
         await self.driver.aclose()
-        await self.ledger.aclose()
+        await self.flusher.aclose()
         await self.notifier.aclose()
 
     async def _flush_every(self) -> None:
         """The usage ledger to SQL, beside the ticks (never inside one: a database that blocks
         must not delay leases), backing off while the database is away."""
         while True:
-            await asyncio.sleep(self.ledger.backoff_s(self.config.usage.flush_interval_s))
+            await asyncio.sleep(self.flusher.backoff_s(self.config.usage.flush_interval_s))
             try:
-                await self.ledger.flush(list(self.config.pools))
+                await self.flusher.flush(list(self.config.pools))
             except (LedgerUnavailable, StoreUnavailable):
                 pass  # counted and logged by the flusher; the rows stay pending
             except Exception:  # a bad flush must not end flushing for good

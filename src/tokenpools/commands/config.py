@@ -19,7 +19,7 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.model.config import ConfigError, load_config
 from tokenpools.model.entitlement import BindingState
 from tokenpools.model.keys import hash_key
-from tokenpools.resources import EXAMPLE_CONFIG
+from tokenpools.shipped import EXAMPLE_CONFIG
 from tokenpools.state.memory import MemoryStore
 
 

@@ -30,8 +30,8 @@ def k8s_render(
     """Print the TokenPools and TokenEntitlements for an existing config file: each
     entitlement in the namespace named by its tenantId, each pool open to those namespaces,
     key hashes in the entitlements."""
+    from tokenpools.k8s.custom_resources import render
     from tokenpools.k8s.manifests import dump_all
-    from tokenpools.k8s.resources import render
 
     try:
         load_config(config)  # the same validation as `check-config`

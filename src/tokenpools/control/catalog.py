@@ -37,8 +37,9 @@ class EntitlementView:
     preemptible: bool
     protected: bool  # dedicated or guaranteed: may overcommit past a full pool
     default_max_tokens: int
-    max_tokens: float  # a request above either limit can never be admitted
-    max_kv: float
+    # the size limit: a request whose weighted tokens or KV exceed it can never be admitted
+    size_limit_tokens: float
+    size_limit_kv: float
     priority: float = 0.0
     scores: Scores = field(default_factory=Scores)  # the latest, priority included
     may_evict: bool = False  # control/eviction.py, from the class and the debt
@@ -170,7 +171,7 @@ class Catalog:
                 if bound and previous.get(ent.name) != BindingState.BOUND:
                     self._claim_baseline(ent, now, rebound=ent.name in previous)
                 plan = plans.reserve_plan(pool, ent, bound, policy)
-                max_tokens, max_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
+                limit_tokens, limit_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
                 self._ents[ent.name] = EntitlementView(
                     ent=ent,
                     state=state,
@@ -179,8 +180,8 @@ class Catalog:
                     preemptible=ent.service_class == ServiceClass.PREEMPTIBLE,
                     protected=ent.protected,
                     default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
-                    max_tokens=max_tokens,
-                    max_kv=max_kv,
+                    size_limit_tokens=limit_tokens,
+                    size_limit_kv=limit_kv,
                 )
                 self._refresh_priority(ent.name, now)
             self.arrange_surplus(view)

@@ -122,7 +122,7 @@ class Gatekeeper:
         out = max_out * cost.sequences
         tokens = pool.input_token_weight * cost.input_tokens + pool.output_token_weight * out
         kv = float(cost.input_tokens + out)
-        if tokens > view.max_tokens or kv > view.max_kv:
+        if tokens > view.size_limit_tokens or kv > view.size_limit_kv:
             # Not counted as demand: no capacity could ever serve it, so it is owed nothing.
             return self._too_big(view, pool_view, tokens, kv)
 

@@ -97,10 +97,10 @@ def size_limits(
     if plan.ent_concurrency < 1 or plan.shared_concurrency < 1:
         return -1.0, -1.0
     over = 1.0 + policy.overcommit if ent.protected else 1.0
-    max_tokens = pool.depth * over
+    limit = pool.depth * over
     if plan.own_required:
-        max_tokens = min(max_tokens, own.depth)
-    return max_tokens, min(plan.ent_kv, plan.shared_kv * over)
+        limit = min(limit, own.depth)
+    return limit, min(plan.ent_kv, plan.shared_kv * over)
 
 
 def fallback_limits(

@@ -97,7 +97,7 @@ async def _answer(
     decision = result.decision
     pool_name = result.pool
     record.decided(decision, decision.lease.entitlement)
-    admitted = gw.admission.hold(decision, asyncio.current_task())
+    admitted = gw.admission.track(decision, asyncio.current_task())
     headers = {"x-request-id": record.request_id, **result.headers}
     try:
         backend = gw.pools[pool_name].choose()

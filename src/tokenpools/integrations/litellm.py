@@ -80,7 +80,7 @@ WATCH_INTERVAL_S = 2.0
 
 
 @dataclass
-class Held:
+class Tracked:
     """An admitted request while LiteLLM serves it."""
 
     admitted: Admitted
@@ -110,7 +110,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self.config_file: ConfigFile | None = None
         self._starting = asyncio.Lock()
         self._following: asyncio.Task[None] | None = None  # the config file, followed
-        self.held: dict[str, Held] = {}  # by LiteLLM's call id
+        self.tracked: dict[str, Tracked] = {}  # by LiteLLM's call id
         self.answer_headers: dict[str, dict[str, str]] = {}  # x-ratelimit-*, by call id
 
     @property
@@ -201,9 +201,9 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
         task = asyncio.current_task()
         # a stream is ended by its iterator (an error event), others by cancelling their task
-        admitted = admission.hold(decision, None if stream else task)
+        admitted = admission.track(decision, None if stream else task)
         call_id = data.setdefault("litellm_call_id", decision.lease.lease_id)
-        self.held[call_id] = Held(admitted, prompt_tokens, stream)
+        self.tracked[call_id] = Tracked(admitted, prompt_tokens, stream)
         self.answer_headers[call_id] = result.headers
         if task is not None:
             task.add_done_callback(lambda _: self._forget(call_id))
@@ -227,17 +227,17 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
 
     def _end(self, call_id: str, usage: Usage | None, refund: bool = True) -> None:
         """Settle on `usage`, or release (refund, or charge the reservation): once per call."""
-        held = self.held.pop(call_id, None)
-        if held is not None:  # an evicted one has already ended: this does nothing then
-            held.admitted.end(usage, refund)
+        tracked = self.tracked.pop(call_id, None)
+        if tracked is not None:  # an evicted one has already ended: this does nothing then
+            tracked.admitted.end(usage, refund)
 
     async def async_post_call_success_hook(
         self, data: dict[str, Any], user_api_key_dict: UserAPIKeyAuth, response: Any
     ) -> Any:
         call_id = data.get("litellm_call_id", "")
-        held = self.held.get(call_id)
-        if held is not None and not held.stream:
-            self._end(call_id, _usage(response) or Usage(held.prompt_tokens, 0))
+        tracked = self.tracked.get(call_id)
+        if tracked is not None and not tracked.stream:
+            self._end(call_id, _usage(response) or Usage(tracked.prompt_tokens, 0))
         return response
 
     async def async_post_call_failure_hook(
@@ -258,8 +258,8 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self, user_api_key_dict: UserAPIKeyAuth, response: Any, request_data: dict[str, Any]
     ) -> Any:
         call_id = request_data.get("litellm_call_id", "")
-        held = self.held.get(call_id)
-        if held is None:
+        tracked = self.tracked.get(call_id)
+        if tracked is None:
             async for item in response:
                 yield item
             return
@@ -267,7 +267,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         streamed = 0
         try:
             async for item in response:
-                if held.admitted.evicted:
+                if tracked.admitted.evicted:
                     raise _error(
                         503,
                         "this request was preempted by higher-priority work; retry later",
@@ -279,7 +279,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
                 streamed += bool(getattr(item, "choices", None))
                 yield item
         finally:  # also on the client's disconnect: charge what was streamed
-            self._end(call_id, usage or Usage(held.prompt_tokens, streamed), refund=False)
+            self._end(call_id, usage or Usage(tracked.prompt_tokens, streamed), refund=False)
 
 
 async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:

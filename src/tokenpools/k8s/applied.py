@@ -1,7 +1,7 @@
 """Which spec of a custom resource is in force: its current one when valid, else the one the
 operator last applied (`status.appliedSpec`), so a typo never takes away what was working; and
 what the cluster says about each object (`ClusterConfig`). Shared by every kind's assembly
-(k8s/resources.py, k8s/budget_objects.py)."""
+(k8s/custom_resources.py, k8s/budget_objects.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The operator's level-triggered reconciliation, one object at a time.
 
 Each pass reads the TokenPools, TokenEntitlements, lease pods and namespaces (label-scoped,
-paged), builds the config from them once (k8s/resources.py keeps each problem with its
+paged), builds the config from them once (k8s/custom_resources.py keeps each problem with its
 object), then reconciles every pool (its virtual node, the node's kubelet duties, autoscaling)
 and every entitlement (its lease pods and state) on its own. A failed API call fails only that
 object: it gets a `Reconciled=False` condition and an Event naming the API error, and is tried
@@ -33,11 +33,11 @@ from tokenpools.k8s.api import (
     workload_kind,
 )
 from tokenpools.k8s.applied import ClusterConfig
+from tokenpools.k8s.custom_resources import config_data
 from tokenpools.k8s.errors import describe
-from tokenpools.k8s.leases import Leases
+from tokenpools.k8s.lease_pods import LeasePods
 from tokenpools.k8s.names import label_value
 from tokenpools.k8s.operator_metrics import OperatorMetrics
-from tokenpools.k8s.resources import config_data
 from tokenpools.k8s.status import conditions, write_status
 from tokenpools.k8s.virtual_node import VirtualNodes
 from tokenpools.model.config import Config, parse_config
@@ -57,7 +57,7 @@ class Reconciler:
         self.kube, self.clock, self.namespace = kube, clock, namespace  # the platform's
         self.metrics = metrics or OperatorMetrics(clock)
         self.nodes = VirtualNodes(kube, clock, self.metrics)
-        self.leases = Leases(kube, clock)
+        self.lease_pods = LeasePods(kube, clock)
         self._retry: dict[tuple[str, str, str], tuple[int, float]] = {}  # failures, not before
 
     def heartbeat(self) -> int:
@@ -250,11 +250,11 @@ class Reconciler:
         self, obj: Any, cluster: ClusterConfig, config: Config, pods: list[Any]
     ) -> str:
         if obj["metadata"].get("deletionTimestamp"):
-            self.leases.finalize(pods)
+            self.lease_pods.finalize(pods)
             self._drop_finalizer(ENTITLEMENTS, obj)
             return "Deleted"
         self._finalizer(ENTITLEMENTS, obj)
-        return self.leases.reconcile(obj, cluster, config, pods)
+        return self.lease_pods.reconcile(obj, cluster, config, pods)
 
     # -- finalizers -----------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from tokenpools.k8s.api import BUDGETS, ENTITLEMENTS, POOLS, SECRETS, Kube
+from tokenpools.k8s.custom_resources import config_data, secret_value
 from tokenpools.k8s.informer import Informer
 from tokenpools.k8s.names import entitlement_key
-from tokenpools.k8s.resources import config_data, secret_value
 from tokenpools.model.config import Config, ConfigError, parse_config
 from tokenpools.model.entitlement import BindingState
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from tokenpools.k8s.api import ENTITLEMENTS, NAMESPACES, POOLS, Kube
-from tokenpools.k8s.resources import check_spec
+from tokenpools.k8s.custom_resources import check_spec
 from tokenpools.k8s.schema import PoolExtras
 
 

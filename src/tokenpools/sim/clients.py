@@ -9,7 +9,7 @@ from collections import Counter
 from functools import partial
 from typing import TYPE_CHECKING
 
-from tokenpools.sim.policy import Hold, Refuse, Send
+from tokenpools.sim.policy import Queue, Refuse, Send
 from tokenpools.sim.records import Attempt, Job, new_job
 from tokenpools.sim.scenario import Tenant, Workload
 from tokenpools.sim.workload import backoff_s, next_gap, workload_at
@@ -91,7 +91,7 @@ class Clients:
                 sim.evict(victim)
             sim.to_engine(req)
         else:
-            assert isinstance(verdict, Hold)
+            assert isinstance(verdict, Queue)
             sim.dispatch_queued()
 
     def retry_or_give_up(self, job: Job, retry_after_s: float | None) -> None:

@@ -20,7 +20,7 @@ from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.policy import (
     AdmissionPolicy,
     Cluster,
-    Hold,
+    Queue,
     Refuse,
     Send,
     SimRequest,
@@ -154,7 +154,7 @@ class VirtualTokenCounter(AdmissionPolicy):
             if backlogged:
                 self.counter[req.tenant] = max(self.counter[req.tenant], min(backlogged))
         queue.append(req)
-        return Hold()
+        return Queue()
 
     def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
         out = []

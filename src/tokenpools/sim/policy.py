@@ -1,7 +1,7 @@
 """The interface every admission policy of the simulator implements.
 
-A policy sees each attempt before the engine does and answers Send (send it now), Hold
-(it holds the attempt and releases it later through `dispatch`) or Refuse (a 429, with or
+A policy sees each attempt before the engine does and answers Send (send it now), Queue
+(it queues the attempt and releases it later through `dispatch`) or Refuse (a 429, with or
 without Retry-After). It hears when attempts end, and may ask for in-flight ones to be evicted.
 """
 
@@ -30,7 +30,7 @@ class Send:
 
 
 @dataclass(slots=True)
-class Hold:
+class Queue:
     pass
 
 
@@ -40,7 +40,7 @@ class Refuse:
     retry_after_s: float | None = None
 
 
-Verdict = Send | Hold | Refuse
+Verdict = Send | Queue | Refuse
 
 
 class Cluster(Protocol):

@@ -33,7 +33,7 @@ def _bound(pod: Any) -> bool:
     )
 
 
-class Leases:
+class LeasePods:
     def __init__(self, kube: Kube, clock: Callable[[], float]) -> None:
         self.kube, self.clock = kube, clock
 
