@@ -55,7 +55,7 @@ async def measure(
         for i in range(requests):
             await asyncio.create_task(one(i))
         runs.append((time.process_time() - started) / requests * 1e6)
-    assert not hook.held, "a lease was left held"
+    assert not hook.tracked, "a lease was left held"
     await hook.aclose()
     return {"us_per_request": statistics.median(runs), "runs_us": runs}
 

@@ -117,7 +117,7 @@ async def call_latency(url: str, seconds: float = 5.0, clients: int = 64) -> dic
             decision = await gw.admit(ent, RequestCost(20, 20))
             latencies.append(time.perf_counter() - start)
             if isinstance(decision, Admit):
-                gw.driver.end(decision.lease, Usage(20, 10), gw.clock())
+                gw.admission.track(decision, None).end(Usage(20, 10))
             else:
                 await asyncio.sleep(0.005)
 
