@@ -12,6 +12,7 @@ from tests.builders import make_config
 from tests.gateway_setup import KEYS, admin, client, gateway  # noqa: F401  (fixture)
 from tests.servers import ServerThread, wait_until
 from tests.test_admission import GUARANTEED, SMALL, SPOT
+from tokenpools.admission.access_log import RequestRecord
 from tokenpools.cli import app
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.snapshot import snapshot
@@ -31,7 +32,9 @@ def test_history_keeps_a_bounded_number_of_samples_with_rates_since_the_last() -
             history.decided("gold", d, t)
             assert d.admitted
             core.settle(d.lease.lease_id, Usage(64, 64), t)  # type: ignore[union-attr]
-        history.first_token("gold", 0.1 * (period % 3 + 1))
+        record = RequestRecord("r", "POST", "/v1/chat/completions", started=0.0)
+        record.entitlement, record.ttft_s = "gold", 0.1 * (period % 3 + 1)
+        history.finished(record)
         core.tick(t)
         history.sample(snapshot(core, t))
     assert len(history.samples) == 10  # the ring buffer's length, whatever the periods

@@ -16,8 +16,8 @@ import pytest
 from tests.gateway_setup import KEYS, MODEL, admin, client, config_data
 from tests.servers import ServerThread, wait_until
 from tests.test_hostile_input import send
+from tokenpools.admission.access_log import JsonFormatter
 from tokenpools.gateway.app import Gateway, make_app
-from tokenpools.gateway.request_log import JsonFormatter
 from tokenpools.model.config import parse_config
 from tokenpools.processes import free_port
 

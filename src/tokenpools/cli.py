@@ -146,6 +146,28 @@ def serve(
 
 
 @app.command()
+def extproc(
+    config: Annotated[Path, typer.Option("--config", "-c", help="the YAML config file")],
+    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="gRPC port Envoy's ext_proc filter calls")] = 9002,
+    metrics_port: Annotated[
+        int, typer.Option(help="HTTP port of /metrics, /healthz and /readyz")
+    ] = 9090,
+    log_format: Annotated[LogLines, typer.Option(help="log lines as")] = LogLines.TEXT,
+    access_log: Annotated[bool, typer.Option(help="one log line per inference request")] = True,
+) -> None:
+    """Run admission as an Envoy external processor (ext_proc), before the endpoint picker."""
+    try:
+        from tokenpools.extproc import serve as run
+    except ImportError as exc:
+        fail(f"{exc}: install the extproc extra (pip install 'tokenpools[extproc]')")
+    try:
+        run(config, host, port, metrics_port, log_format.value, access_log)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+@app.command()
 def emulate(
     profile: Annotated[str, typer.Option(help="an engine profile name or YAML file")] = (
         "paper-dgx-spark-qwen3-8b"

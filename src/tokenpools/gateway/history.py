@@ -15,6 +15,7 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenpools.admission.access_log import RequestRecord
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.snapshot import EntitlementSnapshot, PoolSnapshot, Snapshot
 
@@ -116,8 +117,10 @@ class History:
             }
         )
 
-    def first_token(self, entitlement: str, ttft_s: float) -> None:
-        self._counts[entitlement].ttfts.append(ttft_s)
+    def finished(self, record: RequestRecord) -> None:
+        """A request ended (a listener of the access log): its time to first token."""
+        if record.ttft_s is not None and record.entitlement is not None:
+            self._counts[record.entitlement].ttfts.append(record.ttft_s)
 
     def sample(self, snap: Snapshot) -> None:
         """One sample of every pool and entitlement in the snapshot."""

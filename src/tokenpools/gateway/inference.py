@@ -5,17 +5,15 @@ request once (access log, metrics), whatever its ending."""
 from __future__ import annotations
 
 import asyncio
-import re
-import secrets
 import time
 
 import aiohttp
 from aiohttp import web
 
 from tokenpools.admission import AdmissionRequest, Stopped
+from tokenpools.admission.access_log import RequestRecord, request_id
 from tokenpools.control.tenancy import Refused
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
-from tokenpools.gateway.request_log import RequestRecord
 from tokenpools.gateway.responses import answer, error, refused, too_large
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing
@@ -25,18 +23,12 @@ from tokenpools.openai_api import (
 )
 from tokenpools.openai_api.refusals import retry_after
 
-# A client's own id is kept when it is a plain token of sane length; otherwise one is made.
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
-
-
-def request_id(request: web.Request) -> str:
-    given = request.headers.get("x-request-id", "")
-    return given if _REQUEST_ID.match(given) else f"req_{secrets.token_hex(12)}"
-
 
 async def inference(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY]
-    record = RequestRecord(request_id(request), request.method, request.path)
+    record = RequestRecord(
+        request_id(request.headers.get("x-request-id")), request.method, request.path
+    )
     tracing, span = gw.tracing, None
     if tracing is not None:
         span = tracing.start(record, request.headers)
@@ -116,6 +108,8 @@ async def _answer(
         try:
             return await exchange.run(request, body, forward)
         finally:
-            record.exchanged(exchange)
+            admitted = exchange.admitted
+            record.settled(exchange.usage, admitted.charge, admitted.evicted)
+            record.first_token(exchange.first_token_at)
     finally:
         admitted.close()

@@ -16,6 +16,8 @@ import aiohttp
 from aiohttp import web
 
 from tokenpools.admission import AdmissionRuntime
+from tokenpools.admission.access_log import RequestObserver
+from tokenpools.admission.metrics import AdmissionMetrics
 from tokenpools.admission.runtime import replica_name
 from tokenpools.control.decisions import Decision
 from tokenpools.control.feedback import next_fraction
@@ -23,8 +25,7 @@ from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
-from tokenpools.gateway.metrics import GatewayMetrics
-from tokenpools.gateway.request_log import RequestObserver
+from tokenpools.gateway.metrics import GatewayCollector
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.identity import Authenticator, Credentials, bearer
 from tokenpools.model.config import Config
@@ -42,7 +43,7 @@ class Gateway:
     clock: Callable[[], float] = time.time
     replica: str = field(default_factory=replica_name)
     pools: dict[str, BackendPool] = field(init=False)
-    metrics: GatewayMetrics = field(init=False)
+    metrics: AdmissionMetrics = field(init=False)
     session: aiohttp.ClientSession | None = None
     capacity_fraction: dict[str, float] = field(default_factory=dict)  # from capacity feedback
     access_log: bool = True
@@ -53,12 +54,13 @@ class Gateway:
         self.auth = Authenticator(self.config.gateway, self.clock)
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.engines = BackendTokens(self.config.gateway.tokenize_timeout_s)
-        self.metrics = GatewayMetrics(self)
+        self.metrics = AdmissionMetrics(self.admission)
+        self.metrics.registry.register(GatewayCollector(self))
         self.history = History(self.replica)
         self.admission.listeners += [self.metrics.decided, self.history.decided]
         self.admission.samplers.append(self.history.sample)
         self._background: list[asyncio.Task[None]] = []  # what `start` started
-        self.observe = RequestObserver(self.metrics, self.history, self.access_log)
+        self.observe = RequestObserver(self.metrics, [self.history.finished], self.access_log)
 
     def ask_engine(self, pool: str) -> AskBackend:
         """How admission asks a pool's engine to count a prompt (a pool whose tokenizer is

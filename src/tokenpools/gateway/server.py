@@ -13,10 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
+from tokenpools.admission.access_log import LogFormat, setup_logging
 from tokenpools.admission.config_file import ConfigFile, reload_from
 from tokenpools.gateway.app import make_app
 from tokenpools.gateway.http_layer import GatewayRunner
-from tokenpools.gateway.request_log import LogFormat, setup_logging
 from tokenpools.gateway.runtime import READY_CHECKS, Gateway
 from tokenpools.gateway.tracing import otlp_tracing
 from tokenpools.model.config import ConfigError, load_config

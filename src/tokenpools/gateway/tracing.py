@@ -17,7 +17,7 @@ from tokenpools.openai_api import CHAT, EMBEDDINGS, RESPONSES
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-    from tokenpools.gateway.request_log import RequestRecord
+    from tokenpools.admission.access_log import RequestRecord
 
 log = logging.getLogger("tokenpools.gateway")
 OPERATIONS = {CHAT: "chat", EMBEDDINGS: "embeddings", RESPONSES: "chat"}

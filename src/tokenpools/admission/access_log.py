@@ -1,11 +1,15 @@
-"""What the gateway reports of each request once it has ended: one access-log line (JSON or
-text) and the metrics of its tokens and timings."""
+"""What a host reports of each request once it has ended, whichever host it is (the gateway,
+the ext_proc processor): one access-log line (JSON or text) and the metrics of its tokens and
+timings."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -13,11 +17,19 @@ from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.tenancy import Caller
 
 if TYPE_CHECKING:
-    from tokenpools.gateway.exchange import Exchange
-    from tokenpools.gateway.history import History
-    from tokenpools.gateway.metrics import GatewayMetrics
+    from tokenpools.admission.metrics import AdmissionMetrics
+    from tokenpools.control.metering import Charge
+    from tokenpools.model.request import Usage
 
 ACCESS = logging.getLogger("tokenpools.access")
+# A client's own request id is kept when it is a plain token of sane length; else one is made.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+
+
+def request_id(given: str | None) -> str:
+    """The id a request is logged and answered under: the client's `x-request-id`, if sane."""
+    return given if given is not None and _REQUEST_ID.match(given) else f"req_{secrets.token_hex(12)}"
+
 LogFormat = Literal["text", "json"]
 
 
@@ -72,30 +84,41 @@ class RequestRecord:
             f"tokens={tokens} duration={self.duration_s * 1000:.1f}ms"
         )
 
-    def exchanged(self, exchange: Exchange) -> None:
-        usage = exchange.usage
+    def settled(self, usage: Usage | None, charge: Charge | None, evicted: bool) -> None:
+        """How the admitted request ended: the engine's counts (None: released), what they
+        cost (computed once, where the lease was settled), and whether the core evicted it."""
         if usage is not None:
             self.prompt_tokens = usage.input_tokens
             self.completion_tokens = usage.output_tokens
             self.cached_tokens = usage.cached_tokens
-            charge = exchange.admitted.charge  # computed once, where the lease was settled
             if charge is not None:
                 self.cost_micros = int(charge.cost)
-        self.evicted = exchange.admitted.evicted
-        if exchange.first_token_at is not None:
-            self.ttft_s = exchange.first_token_at - self.started
+        self.evicted = evicted
+
+    def first_token(self, at: float | None) -> None:
+        """When the first streamed event (or the whole answer) came, on `time.monotonic`."""
+        if at is not None:
+            self.ttft_s = at - self.started
 
 
 class RequestObserver:
-    def __init__(self, metrics: GatewayMetrics, history: History, access_log: bool = True) -> None:
+    """Each finished request into the metrics, any other listener (the gateway's history),
+    and the access log."""
+
+    def __init__(
+        self,
+        metrics: AdmissionMetrics,
+        listeners: list[Callable[[RequestRecord], None]] | None = None,
+        access_log: bool = True,
+    ) -> None:
         self.metrics = metrics
-        self.history = history
+        self.listeners = listeners or []
         self.access_log = access_log
 
     def request(self, record: RequestRecord) -> None:
         self.metrics.finished(record)
-        if record.ttft_s is not None and record.entitlement is not None:
-            self.history.first_token(record.entitlement, record.ttft_s)
+        for listener in self.listeners:
+            listener(record)
         if self.access_log and ACCESS.isEnabledFor(logging.INFO):
             ACCESS.info("%s", record, extra={"access": record})  # formatted only if emitted
 

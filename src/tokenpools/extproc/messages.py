@@ -1,0 +1,125 @@
+"""Envoy's ext_proc messages, read and built: the headers of a `ProcessingRequest` as a
+case-insensitive mapping, the client's address from its attributes, and each
+`ProcessingResponse` the processor sends (continue with header and body mutations, or answer
+at once). Only protobuf here; what to decide lives in flow.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from multidict import CIMultiDict
+
+from tokenpools.openai_api import error_body
+
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"  # where Envoy puts the request attributes asked
+
+
+def headers_of(message: ep.HttpHeaders) -> CIMultiDict[str]:
+    """The headers, names matched without regard to case; pseudo-headers (`:path`) included."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for h in message.headers.headers:
+        out.add(h.key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value)
+    return out
+
+
+def client_address(request: ep.ProcessingRequest) -> str | None:
+    """The downstream peer's IP (Envoy's `source.address` attribute, `ip:port`), if sent."""
+    attributes = request.attributes.get(ATTRIBUTES_KEY)
+    if attributes is None or "source.address" not in attributes.fields:
+        return None
+    address = attributes.fields["source.address"].string_value
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return address or None
+    return host.strip("[]")  # an IPv6 address comes bracketed
+
+
+def mutation(
+    set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
+) -> ep.HeaderMutation:
+    return ep.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k.lower(), raw_value=v.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for k, v in (set_headers or {}).items()
+        ],
+        remove_headers=list(remove),
+    )
+
+
+def _common(
+    set_headers: Mapping[str, str] | None = None,
+    remove: Iterable[str] = (),
+    body: bytes | None = None,
+) -> ep.CommonResponse:
+    common = ep.CommonResponse()
+    if set_headers or remove:
+        common.header_mutation.CopyFrom(mutation(set_headers, remove))
+    if body is not None:
+        common.body_mutation.body = body
+    return common
+
+
+def request_headers(
+    set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
+) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=_common(set_headers, remove))
+    )
+
+
+def request_body(
+    set_headers: Mapping[str, str] | None = None, body: bytes | None = None
+) -> ep.ProcessingResponse:
+    """Continue with the request: headers for the picker and the engine, and the body when it
+    changed (`body`: it replaces the buffered one)."""
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=_common(set_headers, (), body))
+    )
+
+
+def response_headers(set_headers: Mapping[str, str] | None = None) -> ep.ProcessingResponse:
+    return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(set_headers)))
+
+
+def response_body(body: bytes | None = None) -> ep.ProcessingResponse:
+    """Pass an answer's chunk on, or (`body`) what replaces it."""
+    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=_common(body=body)))
+
+
+def trailers(response: bool) -> ep.ProcessingResponse:
+    key = "response_trailers" if response else "request_trailers"
+    return ep.ProcessingResponse(**{key: ep.TrailersResponse()})
+
+
+def answer(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> ep.ProcessingResponse:
+    """Answer the client now with an OpenAI-shaped error; the request goes no further."""
+    immediate = ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=mutation({"content-type": "application/json", **(headers or {})}),
+        body=error_body(message, kind, code, param),
+        details=f"tokenpools_{code or kind}",
+    )
+    return ep.ProcessingResponse(immediate_response=immediate)
+
+
+def kind_of(request: ep.ProcessingRequest) -> str:
+    """Which phase the message is: request_headers, request_body, response_headers, ..."""
+    return str(request.WhichOneof("request"))
+
+
+def message_of(request: ep.ProcessingRequest) -> Any:
+    return getattr(request, kind_of(request))

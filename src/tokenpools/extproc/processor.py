@@ -1,0 +1,64 @@
+"""The ext_proc processor's running state: admission (the same runtime, store and budgets as
+the gateway's, so gateway, LiteLLM and ext_proc replicas enforce one pool together), who calls
+(the gateway's identity rules), the metrics and the access log. It knows no gRPC: service.py
+feeds it Envoy's messages, one `Flow` per HTTP request."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tokenpools.admission import AdmissionRuntime
+from tokenpools.admission.access_log import RequestObserver, RequestRecord
+from tokenpools.admission.metrics import AdmissionMetrics
+from tokenpools.control.tenancy import Caller, Refused
+from tokenpools.extproc.flow import Flow
+from tokenpools.identity import Authenticator, Credentials
+from tokenpools.model.config import Config
+
+
+class Processor:
+    def __init__(
+        self, config: Config, clock: Callable[[], float] = time.time, access_log: bool = True
+    ) -> None:
+        self.config = config
+        self.admission = AdmissionRuntime(config, clock)
+        self.auth = Authenticator(config.gateway, clock)
+        self.metrics = AdmissionMetrics(self.admission)
+        self.admission.listeners.append(self.metrics.decided)
+        self.observe = RequestObserver(self.metrics, access_log=access_log)
+
+    @property
+    def credential_headers(self) -> tuple[str, ...]:
+        """What carries the tenant's credential: never sent on to the picker or the engine."""
+        trusted = self.config.gateway.trusted_header
+        secret = () if trusted is None or trusted.secret_header is None else (trusted.secret_header,)
+        return ("authorization", *secret)
+
+    def flow(self) -> Flow:
+        return Flow(self)
+
+    async def caller_of(self, shown: Credentials) -> Caller | Refused:
+        caller = await self.auth.caller(shown, self.admission.directory)
+        if not isinstance(caller, Refused):
+            self.metrics.identified(caller)
+        return caller
+
+    def finished(self, record: RequestRecord) -> None:
+        self.observe.request(record)
+
+    async def reload(self, config: Config) -> Config:
+        """Adopt a validated config (the file followed, or SIGHUP), as `tokenpools serve` does."""
+        self.config = await self.admission.reload(config)
+        self.auth = self.auth.adopt(self.config.gateway)
+        return self.config
+
+    async def start(self, tick_interval_s: float) -> None:
+        await self.admission.start(tick_interval_s)
+
+    async def stop(self) -> None:
+        await self.admission.stop()
+
+    async def ready(self) -> bool:
+        """Ready to admit: started, and the state store answers."""
+        return self.admission.running and await self.admission.store_answers()

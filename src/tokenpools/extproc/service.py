@@ -1,0 +1,99 @@
+"""The gRPC face of the processor: Envoy's `ExternalProcessor.Process` stream, one per HTTP
+request, each message handed to that request's `Flow` and its answer sent back; and gRPC
+health as the endpoint picker protocol asks (liveness, and readiness under the processor's
+service name, which Envoy's health check of the cluster reads)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health, health_pb2
+
+from tokenpools.extproc import messages
+from tokenpools.extproc.flow import Flow
+from tokenpools.extproc.processor import Processor
+
+log = logging.getLogger("tokenpools.extproc")
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+LIVENESS, READINESS = "liveness", "readiness"
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, processor: Processor) -> None:
+        self.processor = processor
+
+    async def Process(  # the name gRPC gives the method
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        flow = self.processor.flow()
+        try:
+            while True:
+                try:
+                    request = await anext(request_iterator)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    # the core evicted this request (it cancels the task that admitted it)
+                    if flow.admitted is None or not flow.admitted.evicted:
+                        raise
+                    yield flow.preempted()
+                    return
+                response = await self._answer(flow, request)
+                yield response
+                if flow.done:  # answered at once, or passed on unadmitted
+                    return
+        finally:
+            self.processor.finished(flow.finish())
+
+    async def _answer(self, flow: Flow, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        kind = messages.kind_of(request)
+        if kind == "request_headers":
+            return await flow.request_headers(request.request_headers, messages.client_address(request))
+        if kind == "request_body":
+            return await flow.request_body(request.request_body)
+        if kind == "response_headers":
+            return flow.response_headers(request.response_headers)
+        if kind == "response_body":
+            return flow.response_body(request.response_body)
+        return messages.trailers(response=kind == "response_trailers")
+
+
+class Health:
+    """gRPC health: liveness while the process runs; the processor's service and readiness
+    while it admits (started, and the state store answers)."""
+
+    def __init__(self, processor: Processor) -> None:
+        self.processor = processor
+        self.servicer = health.aio.HealthServicer()
+        self._watching: asyncio.Task[None] | None = None
+
+    async def start(self, interval_s: float = 2.0) -> None:
+        await self._set(LIVENESS, True)
+        await self._set("", True)
+        self._watching = asyncio.create_task(self._watch(interval_s))
+
+    async def stop(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+        for name in (SERVICE_NAME, READINESS, LIVENESS, ""):
+            await self._set(name, False)
+
+    async def _watch(self, interval_s: float) -> None:
+        while True:
+            try:
+                ready = await self.processor.ready()
+            except Exception:
+                log.exception("readiness check failed")
+                ready = False
+            await self._set(SERVICE_NAME, ready)
+            await self._set(READINESS, ready)
+            await asyncio.sleep(interval_s)
+
+    async def _set(self, name: str, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.servicer.set(name, status)
