@@ -30,6 +30,10 @@ from tests.servers import free_port, wait_until
 T = TypeVar("T")
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET_HINT = "x-gateway-destination-endpoint-subset"
+_TYPES = "type.googleapis.com/envoy.extensions."
+HTTP_OPTIONS = _TYPES + "upstreams.http.v3.HttpProtocolOptions"
+EXT_PROC = _TYPES + "filters.http.ext_proc.v3.ExternalProcessor"
+HCM = _TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
 def envoy_binary() -> str:
@@ -104,9 +108,7 @@ class Picker(ep_grpc.ExternalProcessorServicer):
             )
             yield ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(
-                    response=ep.CommonResponse(
-                        header_mutation=mutation, clear_route_cache=True
-                    )
+                    response=ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
                 ),
                 dynamic_metadata=metadata,
             )
@@ -126,6 +128,10 @@ async def start_grpc(servicer: ep_grpc.ExternalProcessorServicer) -> tuple[grpc.
     return server, port
 
 
+def _loopback(port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
 def _grpc_cluster(name: str, port: int) -> dict[str, Any]:
     return {
         "name": name,
@@ -133,7 +139,7 @@ def _grpc_cluster(name: str, port: int) -> dict[str, Any]:
         "connect_timeout": "1s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "@type": HTTP_OPTIONS,
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
@@ -164,7 +170,7 @@ def envoy_config(
             {
                 "name": "tokenpools",
                 "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                    "@type": EXT_PROC,
                     "grpc_service": {"envoy_grpc": {"cluster_name": "tokenpools"}},
                     "failure_mode_allow": False,
                     "message_timeout": f"{message_timeout_s}s",
@@ -184,7 +190,7 @@ def envoy_config(
         {
             "name": "picker",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+                "@type": EXT_PROC,
                 "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}},
                 "failure_mode_allow": False,
                 "message_timeout": "5s",
@@ -207,7 +213,7 @@ def envoy_config(
         },
     ]
     manager = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": HCM,
         "stat_prefix": "inference",
         "use_remote_address": True,
         "normalize_path": True,
@@ -245,16 +251,14 @@ def envoy_config(
     if tokenpools_port is not None:
         clusters.append(_grpc_cluster("tokenpools", tokenpools_port))
     return {
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "admin": {"address": _loopback(admin_port)},
         "static_resources": {
             "listeners": [
                 {
                     "name": "inference",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                    "address": _loopback(listen_port),
                     "per_connection_buffer_limit_bytes": buffer_limit_bytes,
-                    "filter_chains": [
-                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
-                    ],
+                    "filter_chains": [{"filters": [{"name": "http", "typed_config": manager}]}],
                 }
             ],
             "clusters": clusters,
@@ -310,5 +314,5 @@ class Envoy:
 
 def start_envoy(tokenpools_port: int | None, picker_port: int, **options: Any) -> Envoy:
     listen, admin = free_port(), free_port()
-    return Envoy(envoy_config(listen, admin, tokenpools_port, picker_port, **options), listen, admin)
-
+    config = envoy_config(listen, admin, tokenpools_port, picker_port, **options)
+    return Envoy(config, listen, admin)

@@ -46,7 +46,8 @@ def stack_of(config: dict[str, Any], backends: int = 2) -> Iterator[Stack]:
     loop = LoopThread()
     picker = Picker([f"127.0.0.1:{s.port}" for s in servers])
     picker_server, picker_port = loop.run(start_grpc(picker))
-    running = loop.run(start(Processor(parse_config(config), access_log=False), port=0, http_port=0))
+    processor = Processor(parse_config(config), access_log=False)
+    running = loop.run(start(processor, port=0, http_port=0))
     envoy = start_envoy(running.grpc_port, picker_port)
     stack = Stack(envoy, running, picker, servers, loop)
     try:

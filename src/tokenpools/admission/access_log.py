@@ -28,7 +28,10 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
 def request_id(given: str | None) -> str:
     """The id a request is logged and answered under: the client's `x-request-id`, if sane."""
-    return given if given is not None and _REQUEST_ID.match(given) else f"req_{secrets.token_hex(12)}"
+    if given is not None and _REQUEST_ID.match(given):
+        return given
+    return f"req_{secrets.token_hex(12)}"
+
 
 LogFormat = Literal["text", "json"]
 

@@ -31,7 +31,7 @@ def client_address(request: ep.ProcessingRequest) -> str | None:
     attributes = request.attributes.get(ATTRIBUTES_KEY)
     if attributes is None or "source.address" not in attributes.fields:
         return None
-    address = attributes.fields["source.address"].string_value
+    address = str(attributes.fields["source.address"].string_value)
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         return address or None
@@ -108,7 +108,7 @@ def answer(
 ) -> ep.ProcessingResponse:
     """Answer the client now with an OpenAI-shaped error; the request goes no further."""
     immediate = ep.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        status=http_status_pb2.HttpStatus(code=status),
         headers=mutation({"content-type": "application/json", **(headers or {})}),
         body=error_body(message, kind, code, param),
         details=f"tokenpools_{code or kind}",

@@ -32,8 +32,9 @@ class Processor:
     def credential_headers(self) -> tuple[str, ...]:
         """What carries the tenant's credential: never sent on to the picker or the engine."""
         trusted = self.config.gateway.trusted_header
-        secret = () if trusted is None or trusted.secret_header is None else (trusted.secret_header,)
-        return ("authorization", *secret)
+        if trusted is None or trusted.secret_header is None:
+            return ("authorization",)
+        return ("authorization", trusted.secret_header)
 
     def flow(self) -> Flow:
         return Flow(self)

@@ -23,12 +23,14 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS, READINESS = "liveness", "readiness"
 
 
-class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]  # untyped
     def __init__(self, processor: Processor) -> None:
         self.processor = processor
 
     async def Process(  # the name gRPC gives the method
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[ep.ProcessingRequest],
+        context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
     ) -> AsyncIterator[ep.ProcessingResponse]:
         flow = self.processor.flow()
         try:
@@ -53,7 +55,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     async def _answer(self, flow: Flow, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
         kind = messages.kind_of(request)
         if kind == "request_headers":
-            return await flow.request_headers(request.request_headers, messages.client_address(request))
+            remote = messages.client_address(request)
+            return await flow.request_headers(request.request_headers, remote)
         if kind == "request_body":
             return await flow.request_body(request.request_body)
         if kind == "response_headers":
@@ -95,5 +98,5 @@ class Health:
             await asyncio.sleep(interval_s)
 
     async def _set(self, name: str, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.servicer.set(name, status)
+        status = health_pb2.HealthCheckResponse
+        await self.servicer.set(name, status.SERVING if serving else status.NOT_SERVING)
