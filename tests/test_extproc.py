@@ -16,6 +16,8 @@ import pytest
 from tests.envoy_setup import Envoy, LoopThread, Picker, start_envoy, start_grpc
 from tests.gateway_setup import FAST, KEYS, MODEL, config_data
 from tests.servers import ServerThread, wait_for
+from tests.test_gateway_e2e import open_streams
+from tokenpools.admission.access_log import RequestRecord
 from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.extproc import Processor, Running, start
 from tokenpools.model.config import parse_config
@@ -92,3 +94,153 @@ def test_unknown_key_is_401_without_reaching_the_picker(stack: Stack) -> None:
     assert r.status_code == 401, r.text
     assert r.json()["error"]["code"] == "invalid_api_key"
     assert stack.picker.seen == []
+
+
+def records(stack: Stack) -> list[RequestRecord]:
+    """The access log's records of the processor, as they are written (after each flow)."""
+    seen: list[RequestRecord] = []
+    stack.processor.processor.observe.listeners.append(seen.append)
+    return seen
+
+
+def test_a_stream_settles_on_the_engines_usage_kept_from_a_client_that_did_not_ask(
+    stack: Stack,
+) -> None:
+    log = records(stack)
+    c = stack.client()
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+        )
+    )
+    assert all(ch.usage is None for ch in chunks)
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 6
+    with_usage = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 6
+    done = wait_for(lambda: list(log), lambda v: len(v) == 2, what="both flows recorded")
+    assert [r.completion_tokens for r in done] == [6, 6]  # the engine's count, both times
+    assert all(r.status == 200 and r.decision == "admitted" for r in done)
+    assert done[0].prompt_tokens == with_usage[-1].usage.prompt_tokens
+
+
+def test_a_request_without_max_tokens_gets_the_reserved_ceiling_written_into_its_body() -> None:
+    """The body is rewritten through Envoy (its length too): the engine generates exactly the
+    ceiling admission reserved, not its own default."""
+    config = config_data("http://127.0.0.1:9")
+    config["entitlements"][0]["defaultMaxTokens"] = 7
+    for stack in stack_of(config):
+        reply = stack.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 7
+
+
+def test_429_through_envoy_carries_retry_after_and_ratelimit_headers(stack: Stack) -> None:
+    streams = open_streams(stack.envoy, "gold", 4)  # type: ignore[arg-type]  # gold's whole concurrency
+    with pytest.raises(openai.RateLimitError) as limited:
+        stack.client(max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4
+        )
+    headers = limited.value.response.headers
+    assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1
+    assert headers["x-ratelimit-limit-requests"] == "4"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert limited.value.body["code"] == "concurrency_limit"  # type: ignore[index]
+    assert len(stack.picker.seen) == 4  # the refused one never reached the picker
+    for s in streams:
+        s.close()
+
+
+def test_refusals_before_admission_answer_in_the_openai_shape(stack: Stack) -> None:
+    key = {"Authorization": f"Bearer {KEYS['gold']}"}
+    url = f"{stack.envoy.url}/v1/chat/completions"
+    unknown = httpx.post(
+        url, headers=key, json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    bad = httpx.post(url, headers=key, content=b"{not json")
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    wrong = httpx.post(url, headers=key, json={"model": MODEL, "messages": [], "n": "two"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "messages"
+    huge = httpx.post(url, headers=key, content=b"x" * 70000)
+    assert huge.status_code == 413
+    nobody = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert nobody.status_code == 401 and nobody.headers["www-authenticate"] == "Bearer"
+    other = httpx.post(f"{stack.envoy.url}/v1/audio/speech", headers=key, json={})
+    assert other.status_code == 404  # not governed: never passed on unadmitted
+    get = httpx.get(url, headers=key)
+    assert get.status_code == 405
+    assert stack.picker.seen == []
+
+
+def test_headers_a_client_sends_as_ours_are_replaced(stack: Stack) -> None:
+    forged = {
+        OBJECTIVE_HEADER: "pool-dedicated",
+        FAIRNESS_HEADER: "someone-else",
+        "x-tokenpools-service-class": "dedicated",
+        "x-tokenpools-entitlement": "gold",
+    }
+    reply = stack.client("spot", default_headers=forged).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    assert reply.usage is not None
+    seen = stack.picker.seen[-1]
+    assert seen[OBJECTIVE_HEADER] == "pool-spot"
+    assert seen[FAIRNESS_HEADER] == "s"
+    assert seen["x-tokenpools-service-class"] == "spot"
+    assert seen["x-tokenpools-entitlement"] == "spot"
+
+
+def test_a_client_that_hangs_up_mid_stream_ends_its_lease(stack: Stack) -> None:
+    log = records(stack)
+    (stream,) = open_streams(stack.envoy, "gold", 1, max_tokens=2000)  # type: ignore[arg-type]
+    assert stack.in_flight() == {"gold": 1}
+    stream.close()
+    stack.wait_all_ended()
+    (record,) = wait_for(lambda: list(log), what="the flow recorded")
+    assert record.completion_tokens is not None and 1 <= record.completion_tokens < 2000
+
+
+def test_a_backend_killed_mid_stream_ends_the_lease(stack: Stack) -> None:
+    (stream,) = open_streams(stack.envoy, "gold", 1, max_tokens=5000)  # type: ignore[arg-type]
+    for backend in stack.backends:
+        backend.kill()
+    with pytest.raises(httpx.RemoteProtocolError):  # Envoy resets the client's stream too
+        stream.rest()
+    stream.close()
+    stack.wait_all_ended()
+    stack.picker.endpoints = []  # and with no endpoint left, the picker answers 503: refunded
+    r = httpx.post(
+        f"{stack.envoy.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEYS['gold']}"},
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    )
+    assert r.status_code == 503
+    stack.wait_all_ended()
+
+
+def test_a_preemptible_stream_is_evicted_for_guaranteed_work(stack: Stack) -> None:
+    log = records(stack)
+    streams = open_streams(stack.envoy, "batch", 8, max_tokens=2000)  # type: ignore[arg-type]
+    reply = stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
+    )
+    assert reply.usage is not None
+    wait_for(stack.in_flight, lambda v: v.get("batch") == 7, what="one preemptible evicted")
+    evicted = wait_for(
+        lambda: [r for r in log if r.evicted], what="the evicted flow ended and recorded"
+    )
+    assert len(evicted) == 1 and evicted[0].entitlement == "batch"
+    newest = streams[-1]  # the newest preemptible is the one to go: Envoy resets its stream
+    with pytest.raises(httpx.RemoteProtocolError):
+        newest.rest()
+    for s in streams:
+        s.close()
