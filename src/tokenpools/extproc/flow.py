@@ -30,7 +30,14 @@ from tokenpools.model.objectives import (
     SET_BY_PROCESSOR,
     objective_name,
 )
-from tokenpools.openai_api import CHAT, COMPLETIONS, GENERATES, BadRequest, parse_body
+from tokenpools.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    GENERATES,
+    BadRequest,
+    model_card,
+    parse_body,
+)
 from tokenpools.openai_api.answer_tap import AnswerTap
 from tokenpools.openai_api.refusals import retry_after
 
@@ -38,7 +45,7 @@ if TYPE_CHECKING:
     from tokenpools.extproc.processor import Processor
 
 GOVERNED = (*GENERATES, "/v1/embeddings")  # admitted; anything else is answered 404
-READ_ONLY = ("/v1/models",)  # passed on unadmitted (GET only): it costs the engine nothing
+MODELS = "/v1/models"  # answered by the processor: the models this caller may use
 
 
 class Flow:
@@ -64,14 +71,12 @@ class Flow:
         self.path = self.headers.get(":path", "").partition("?")[0]
         self.record.method, self.record.path = method, self.path
         self.record.request_id = request_id(self.headers.get("x-request-id"))
-        if method == "GET" and self.path in READ_ONLY:
-            self.done = True
-            return messages.request_headers(remove=SET_BY_PROCESSOR)
-        if self.path not in GOVERNED:
+        models = method == "GET" and (self.path == MODELS or self.path.startswith(MODELS + "/"))
+        if self.path not in GOVERNED and not models:
             return self._answer(
                 404, f"{method} {self.path}: not found", "invalid_request_error", "not_found"
             )
-        if method != "POST":
+        if method != "POST" and not models:
             return self._answer(
                 405,
                 f"{method} {self.path}: use POST",
@@ -87,7 +92,7 @@ class Flow:
                 "invalid_request_error",
                 "body_too_large",
             )
-        if message.end_of_stream:
+        if message.end_of_stream and not models:
             return self._answer(400, "the body is empty", "invalid_request_error", None)
         caller = await self.processor.caller_of(Credentials(self.headers, remote))
         if isinstance(caller, Refused):
@@ -103,10 +108,31 @@ class Flow:
             )
         self.caller = caller
         self.record.identified(caller)
+        if models:
+            return self._models(caller)
         # the tenant's credential is not the engine's; the data plane's own headers are ours
         return messages.request_headers(
             remove=(*SET_BY_PROCESSOR, *self.processor.credential_headers)
         )
+
+    def _models(self, caller: Caller) -> ep.ProcessingResponse:
+        """GET /v1/models (or one of them): what this caller may use, as the gateway lists it."""
+        names = self.processor.admission.directory.models(caller)
+        self.done, self.record.status = True, 200
+        headers = {"x-request-id": self.record.request_id}
+        if self.path == MODELS:
+            listing = {"object": "list", "data": [model_card(m) for m in names]}
+            return messages.reply(200, json.dumps(listing).encode(), headers)
+        name = self.path[len(MODELS) + 1 :]
+        if name not in names:
+            return self._answer(
+                404,
+                f"model {name!r} does not exist or this key has no access to it",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        return messages.reply(200, json.dumps(model_card(name)).encode(), headers)
 
     async def request_body(self, message: ep.HttpBody) -> ep.ProcessingResponse:
         assert self.caller is not None
@@ -203,7 +229,8 @@ class Flow:
         answer is charged what streamed (or, before any answer, its whole reservation)."""
         if self.admitted is None or self.admitted.over:
             return
-        if self.record.status == 0:
+        complete = self.tap is not None and self.tap.complete  # gone after the last event
+        if self.record.status == 0 and not complete:
             self.record.status = 499
         if self.tap is not None and self.status == 200:
             self._end(self.tap.so_far(self._prompt_tokens()))

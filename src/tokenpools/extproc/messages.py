@@ -116,6 +116,18 @@ def answer(
     return ep.ProcessingResponse(immediate_response=immediate)
 
 
+def reply(
+    status: int, body: bytes, headers: Mapping[str, str] | None = None
+) -> ep.ProcessingResponse:
+    """Answer the client now with a JSON body of the processor's own (GET /v1/models)."""
+    immediate = ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),
+        headers=mutation({"content-type": "application/json", **(headers or {})}),
+        body=body,
+    )
+    return ep.ProcessingResponse(immediate_response=immediate)
+
+
 def kind_of(request: ep.ProcessingRequest) -> str:
     """Which phase the message is: request_headers, request_body, response_headers, ..."""
     return str(request.WhichOneof("request"))

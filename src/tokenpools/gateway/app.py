@@ -24,7 +24,7 @@ from tokenpools.gateway.inference import inference
 from tokenpools.gateway.responses import error, openai_errors, refused
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, READY_CHECKS, Gateway
 from tokenpools.gateway.usage_api import admin_budgets, admin_usage
-from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, model_card
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
 log = logging.getLogger("tokenpools.gateway")
@@ -39,15 +39,11 @@ async def _models_of(request: web.Request) -> list[str] | web.Response:
     return gw.admission.directory.models(caller)
 
 
-def _model(name: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenpools"}
-
-
 async def list_models(request: web.Request) -> web.Response:
     models = await _models_of(request)
     if isinstance(models, web.Response):
         return models
-    return web.json_response({"object": "list", "data": [_model(m) for m in models]})
+    return web.json_response({"object": "list", "data": [model_card(m) for m in models]})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -63,7 +59,7 @@ async def get_model(request: web.Request) -> web.Response:
             "model_not_found",
             "model",
         )
-    return web.json_response(_model(name))
+    return web.json_response(model_card(name))
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -103,6 +103,11 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+def model_card(name: str) -> dict[str, object]:
+    """A model as GET /v1/models lists it (whichever host answers: the gateway, ext_proc)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenpools"}
+
+
 def sequences(body: dict[str, Any], most: int) -> int:
     """How many sequences the request generates (`n`, or `best_of` when larger); a 400 above
     `most`, the gateway's configured maximum."""

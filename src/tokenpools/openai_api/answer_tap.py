@@ -40,6 +40,7 @@ class AnswerTap:
         self.usage: Usage | None = None
         self.streamed = 0  # content events seen
         self.first_token_at: float | None = None
+        self.complete = False  # a stream's last event ([DONE], or a response's end) went by
         self._pending = b""  # a stream: the bytes of an event not yet whole
         self._tail = b""  # a whole answer: its last TAIL_BYTES
 
@@ -78,6 +79,8 @@ class AnswerTap:
     def _read(self, event: bytes) -> bool:
         """Count what one event carries; False for the usage-only chunk kept from the client."""
         data = _data_of(event)
+        if data == b"[DONE]":
+            self.complete = True
         if data is None or data == b"[DONE]":
             return True
         if self.first_token_at is None:
@@ -89,6 +92,7 @@ class AnswerTap:
                 typed = json_object(data)
                 if typed.get("type") in RESPONSE_END_TYPES:
                     self.usage = usage_from((typed.get("response") or {}).get("usage"))
+                    self.complete = True
             return True
         chunk = json_object(data)
         if chunk.get("usage") and not chunk.get("choices"):
