@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tokenpools"
-HOSTS = {"gateway", "integrations", "sim", "emulator", "k8s"}
+HOSTS = {"gateway", "integrations", "sim", "emulator", "k8s", "extproc"}
 PURE = {"control", "model", "state"}
 
 
