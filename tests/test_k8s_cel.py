@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import cel
 import yaml
+from cel import cel  # the compiled module: xds-protos' own top-level `cel` may empty __init__
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

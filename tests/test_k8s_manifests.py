@@ -168,6 +168,8 @@ def test_rendered_custom_resources_validate_and_round_trip() -> None:
     objects = render(yaml.safe_load(yaml.safe_dump(document, default_flow_style=False)))
     validators = _validators()
     for obj in objects:
+        if obj["kind"] == "InferenceObjective":  # llm-d's kind: tests/test_k8s_objectives.py
+            continue
         plain = yaml.safe_load(yaml.safe_dump(obj))  # datetimes as a cluster stores them
         errors = list(validators[obj["kind"]].iter_errors(plain))
         assert not errors, (obj["metadata"]["name"], [e.message for e in errors])

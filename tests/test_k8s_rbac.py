@@ -154,3 +154,16 @@ def test_a_name_a_tenant_writes_never_walks_an_api_path_elsewhere() -> None:
 
     lookup = KubeLookup(NoCalls(None))  # type: ignore[arg-type]
     assert all(lookup.pool(name) is None for name in sneaky)
+
+
+def test_the_operator_writes_inference_objectives_beside_the_inference_pools_only() -> None:
+    for group in ("llm-d.ai", "inference.networking.x-k8s.io"):
+        for verb in ("list", "create", "patch", "delete"):
+            assert can(OPERATOR, verb, group, "inferenceobjectives", "tokenpools-system")
+            assert not can(OPERATOR, verb, group, "inferenceobjectives", "team-a")
+            assert not can(OPERATOR, verb, group, "inferenceobjectives", None)
+        for verb in ("get", "watch", "update"):  # never asked for: one labelled list a pass
+            assert not can(OPERATOR, verb, group, "inferenceobjectives", "tokenpools-system")
+        assert not can(OPERATOR, "list", group, "inferencepools", "tokenpools-system")
+        for who in (GATEWAY, TENANT):
+            assert not can(who, "list", group, "inferenceobjectives", "tokenpools-system")

@@ -60,6 +60,13 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool, tuple[str, ...]]] = {
     ("tokenpools.io/v1alpha1", "tokenpools"): ("TokenPool", False, ("status", "scale")),
     ("tokenpools.io/v1alpha1", "tokenentitlements"): ("TokenEntitlement", True, ("status",)),
     ("tokenpools.io/v1alpha1", "tokenbudgets"): ("TokenBudget", False, ("status",)),
+    # llm-d's, and the Gateway API Inference Extension's before it moved there
+    ("llm-d.ai/v1alpha2", "inferenceobjectives"): ("InferenceObjective", True, ("status",)),
+    ("inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives"): (
+        "InferenceObjective",
+        True,
+        ("status",),
+    ),
 }
 
 
@@ -133,6 +140,8 @@ class KubeAPI(kmock.KubernetesScaffold):
         self.compacted = 0  # a watch from a resourceVersion below this gets 410 Gone
         self.last_rv = 0  # the newest resourceVersion issued (etcd's revision)
         self.writes: list[tuple[str, str, str | None, int]] = []  # verb, plural, ns, status
+        # resources answered 404, as a cluster without their CRD answers (a test sets it)
+        self.unserved: set[tuple[str, str]] = set()
 
     def compact(self) -> None:
         """As etcd compaction: every resourceVersion seen so far is too old to watch from."""
@@ -178,7 +187,7 @@ class KubeAPI(kmock.KubernetesScaffold):
         if rest[0] == "namespaces" and len(rest) > 2:
             ns, rest = rest[1], rest[2:]
         key = (gv, rest[0])
-        if key not in RESOURCES:
+        if key not in RESOURCES or key in self.unserved:
             return _error(404, "NotFound", f"the server could not find resource {key}")
         name = rest[1] if len(rest) > 1 else None
         sub = rest[2] if len(rest) > 2 else ""

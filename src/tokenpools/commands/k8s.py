@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -12,6 +13,17 @@ from tokenpools.commands.common import fail
 from tokenpools.model.config import ConfigError, load_config
 
 k8s_app = typer.Typer(help="Kubernetes: CRDs, and a config file as custom resources.")
+
+
+class ObjectiveApi(StrEnum):
+    """Where the cluster's InferenceObjective kind lives (k8s/inference_objectives.py)."""
+
+    LLM_D = "llm-d.ai/v1alpha2"
+    LEGACY = "inference.networking.x-k8s.io/v1alpha2"
+
+
+_NAMESPACE = typer.Option(help="the platform's namespace, where the InferencePools are")
+_API = typer.Option(help="the InferenceObjective API your endpoint picker reads")
 
 
 @k8s_app.command("crds")
@@ -26,20 +38,22 @@ def k8s_crds() -> None:
 @k8s_app.command("render")
 def k8s_render(
     config: Annotated[Path, typer.Argument(help="a tokenpools YAML config")],
+    objectives: Annotated[
+        bool, typer.Option(help="each pool's llm-d InferenceObjectives too")
+    ] = True,
+    namespace: Annotated[str, _NAMESPACE] = "tokenpools-system",
+    objective_api: Annotated[ObjectiveApi, _API] = ObjectiveApi.LLM_D,
 ) -> None:
     """Print the TokenPools and TokenEntitlements for an existing config file: each
     entitlement in the namespace named by its tenantId, each pool open to those namespaces,
-    key hashes in the entitlements."""
+    key hashes in the entitlements; and one InferenceObjective per pool and service class
+    (the operator makes and adopts them too)."""
     from tokenpools.k8s.custom_resources import render
     from tokenpools.k8s.manifests import dump_all
 
+    document = _checked(config)
     try:
-        load_config(config)  # the same validation as `check-config`
-    except ConfigError as exc:
-        fail(str(exc))
-    document = yaml.safe_load(config.read_text())
-    try:
-        objects = render(document)
+        objects = render(document, namespace if objectives else None, objective_api.value)
     except ValueError as exc:
         fail(str(exc))
     typer.echo(dump_all(objects), nl=False)
@@ -51,6 +65,35 @@ def k8s_render(
             "entitlement is <namespace>/<name> (docs/identity.md, docs/budgets.md)",
             err=True,
         )
+
+
+@k8s_app.command("objectives")
+def k8s_objectives(
+    config: Annotated[Path, typer.Argument(help="a tokenpools YAML config")],
+    namespace: Annotated[str, _NAMESPACE] = "tokenpools-system",
+    objective_api: Annotated[ObjectiveApi, _API] = ObjectiveApi.LLM_D,
+) -> None:
+    """Print only the InferenceObjectives of a config file's pools: for `tokenpools extproc`
+    in front of llm-d without the operator (its InferencePools named as the pools)."""
+    from tokenpools.k8s.inference_objectives import inference_objectives
+    from tokenpools.k8s.manifests import dump_all
+
+    document = _checked(config)
+    objects = [
+        objective
+        for pool in document.get("pools", [])
+        for objective in inference_objectives(pool["name"], namespace, None, objective_api.value)
+    ]
+    typer.echo(dump_all(objects), nl=False)
+
+
+def _checked(config: Path) -> dict[str, Any]:
+    try:
+        load_config(config)  # the same validation as `check-config`
+    except ConfigError as exc:
+        fail(str(exc))
+    document: dict[str, Any] = yaml.safe_load(config.read_text())
+    return document
 
 
 def operator(

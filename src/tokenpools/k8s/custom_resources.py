@@ -9,7 +9,8 @@ keeps it) — the others go on. An object whose current spec is invalid keeps th
 operator applied (`status.appliedSpec`, k8s/applied.py), so a typo never takes away what was
 working.
 
-`render` goes the other way: the CRs of an existing file.
+`render` goes the other way: the CRs of an existing file, and each pool's llm-d
+InferenceObjectives (k8s/inference_objectives.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tokenpools.k8s.applied import (
     no_replaced,
 )
 from tokenpools.k8s.budget_objects import add_budgets, budget_objects, check_budget
+from tokenpools.k8s.inference_objectives import LLM_D, inference_objectives
 from tokenpools.k8s.names import entitlement_key
 from tokenpools.k8s.schema import (
     API_VERSION,
@@ -153,12 +155,17 @@ def check_spec(kind: str, spec: Mapping[str, Any], namespace: str, name: str) ->
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
-def render(document: Mapping[str, Any]) -> list[dict[str, Any]]:
+def render(
+    document: Mapping[str, Any],
+    objectives_namespace: str | None = "tokenpools-system",
+    objectives_api: str = LLM_D,
+) -> list[dict[str, Any]]:
     """The TokenPools, TokenEntitlements and TokenBudgets for a config file's document. Each
     entitlement goes to the namespace named by its tenantId (in a cluster the namespace is the
     tenant); each pool is opened to the namespaces of its entitlements. Backend credentials
     and tokenizer files do not carry over: they become Secrets in the platform's namespace
-    (docs)."""
+    (docs). Then each pool's InferenceObjectives in `objectives_namespace` (the platform's,
+    where its InferencePool is; None: none), for an InferencePool named as the pool."""
     objects: list[dict[str, Any]] = []
     ents = document.get("entitlements", [])
     for ent in ents:
@@ -193,6 +200,10 @@ def render(document: Mapping[str, Any]) -> list[dict[str, Any]]:
             spec["apiKeyHashes"] = keys
         objects.append(_cr("TokenEntitlement", ent["name"], ent["tenantId"], spec))
     objects += budget_objects(document.get("budgets", []), ents)
+    if objectives_namespace is not None:
+        for pool in document.get("pools", []):
+            name = pool["name"]
+            objects += inference_objectives(name, objectives_namespace, None, objectives_api)
     return objects
 
 

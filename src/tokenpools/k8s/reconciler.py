@@ -6,7 +6,8 @@ object), then reconciles every pool (its virtual node, the node's kubelet duties
 and every entitlement (its lease pods and state) on its own. A failed API call fails only that
 object: it gets a `Reconciled=False` condition and an Event naming the API error, and is tried
 again after an exponential backoff, while every other object and the nodes' heartbeats (a
-separate schedule, k8s/virtual_node.py) go on. Writes happen only when something changed, so
+separate schedule, k8s/virtual_node.py) go on. A pool's llm-d InferenceObjectives are part of
+the pool (k8s/objective_sync.py). Writes happen only when something changed, so
 the loop settles. The clock is injected; all I/O goes through `Kube`."""
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tokenpools.k8s.custom_resources import config_data
 from tokenpools.k8s.errors import describe
 from tokenpools.k8s.lease_pods import LeasePods
 from tokenpools.k8s.names import label_value
+from tokenpools.k8s.objective_sync import ObjectiveSync
 from tokenpools.k8s.operator_metrics import OperatorMetrics
 from tokenpools.k8s.status import conditions, write_status
 from tokenpools.k8s.virtual_node import VirtualNodes
@@ -58,6 +60,7 @@ class Reconciler:
         self.metrics = metrics or OperatorMetrics(clock)
         self.nodes = VirtualNodes(kube, clock, self.metrics)
         self.lease_pods = LeasePods(kube, clock)
+        self.objectives = ObjectiveSync(kube, namespace)
         self._retry: dict[tuple[str, str, str], tuple[int, float]] = {}  # failures, not before
 
     def heartbeat(self) -> int:
@@ -75,6 +78,7 @@ class Reconciler:
         cluster = config_data(pools, ents, labels, budgets=budgets)
         config = parse_config(cluster.data)  # each object's problems are already set aside
         live = {e["metadata"]["uid"] for e in ents if not e["metadata"].get("deletionTimestamp")}
+        self.objectives.begin()
         for obj in pools:
             self._guarded("TokenPool", obj, partial(self._pool, obj, cluster, config, live))
         states: Counter[str] = Counter()
@@ -87,6 +91,7 @@ class Reconciler:
         for state in ("Bound", "Pending", "Degraded", "Expired", "Invalid"):
             self.metrics.lease_pods.labels(state).set(states[state])
         self._forget_orphan_nodes({p["metadata"]["name"] for p in pools})
+        self._forget_orphan_objectives(pools)
 
     def _guarded(self, kind: str, obj: Any, step: Callable[[], Any]) -> Any:
         """`step()`'s result, or None when it failed (recorded) or waits out its backoff."""
@@ -188,6 +193,8 @@ class Reconciler:
         conds = [("Ready", True, "NodeReady", message), spec]
         status["conditions"] = conditions(old.get("conditions"), conds, self.clock(), gen)
         write_status(self.kube, POOLS, obj, status)
+        # last: the node and status above stand even when the objectives' API fails
+        self.objectives.sync(obj, extras.inferencePoolRef)
 
     def _replicas(self, replicas: int, extras: Any) -> tuple[int, int]:
         """(ready replicas, replicas asked for): the workload's, else the spec's. A workload
@@ -219,6 +226,16 @@ class Reconciler:
         self.kube.create(EVENTS, self.namespace, o.event(obj, "Scaled", why, now))
         log.info("pool %s: %s", obj["metadata"]["name"], why)
         return {"lastScaleTime": o.iso(now)}
+
+    def _forget_orphan_objectives(self, pools: list[Any]) -> None:
+        """Best-effort: a failure is tried again next pass, and the garbage collector removes
+        them through their owner reference anyway."""
+        live = {p["metadata"]["name"] for p in pools if not p["metadata"].get("deletionTimestamp")}
+        try:
+            self.objectives.forget(live)
+        except Exception as exc:
+            self.metrics.errors.labels("InferenceObjective", describe(exc)[0]).inc()
+            log.warning("deleting InferenceObjectives of deleted pools: %s", describe(exc)[1])
 
     def _forget_orphan_nodes(self, pools: set[str]) -> None:
         wanted = {label_value(p) for p in pools}

@@ -2,7 +2,8 @@
 
 TokenPool is cluster-scoped and belongs to the platform: its spec is a `pools[]` entry without
 `name` (metadata.name), with the workload to scale, the namespaces whose entitlements may use
-it, and backends whose credentials come from Secrets in the platform's namespace. A cluster
+it, backends whose credentials come from Secrets in the platform's namespace, and the
+InferencePool its llm-d InferenceObjectives point at. A cluster
 pool names no file: no `apiKeyFile`, no `apiKeyEnv`, no tokenizer path.
 
 TokenEntitlement is namespaced and belongs to its tenant, which *is* its namespace: its spec
@@ -72,6 +73,22 @@ class ScaleTargetRef(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=253)]
 
 
+# a Kubernetes object name (a DNS subdomain), as an InferenceObjective's poolRef takes it
+OBJECT_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+class InferencePoolRef(_Strict):
+    """The Gateway API Inference Extension InferencePool in front of the pool's replicas, in
+    the platform's namespace: an InferenceObjective names a pool of its own namespace, and the
+    operator writes objectives there only. Absent: an InferencePool named as the TokenPool."""
+
+    # v1 (inference.networking.k8s.io); the alpha group for an older extension's pools
+    group: Literal["inference.networking.k8s.io", "inference.networking.x-k8s.io"] = (
+        "inference.networking.k8s.io"
+    )
+    name: Annotated[str, Field(min_length=1, max_length=253, pattern=OBJECT_NAME)]
+
+
 class Autoscaling(_Strict):
     # publish: desired replicas in status and /metrics, for HPA or KEDA to act on (the
     # workload has one owner); write: the operator writes the workload's /scale itself
@@ -104,6 +121,8 @@ class PoolExtras(_Strict):
     capacityShrinkAfterS: Annotated[float, Field(ge=0)] = 60.0
     backends: list[ClusterBackend] = []
     tokenizer: Literal["estimate", "backend"] = "estimate"
+    # the picker's pool the operator's InferenceObjectives point at (k8s/inference_objectives.py)
+    inferencePoolRef: InferencePoolRef | None = None
 
 
 class EntitlementExtras(_Strict):
