@@ -29,8 +29,10 @@ from tokenpools.shipped import EXAMPLE_CONFIG
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.33"
-# kinds of other projects' CRDs, in optional overlays: cert-manager, Prometheus Operator, KEDA
-THIRD_PARTY = {"Issuer", "Certificate", "ServiceMonitor", "ScaledObject"}
+# kinds of other projects' CRDs, in optional overlays: cert-manager, Prometheus Operator, KEDA,
+# and the gateways that attach the ext_proc processor (tests/test_k8s_gateways.py checks them)
+THIRD_PARTY = {"Issuer", "Certificate", "ServiceMonitor", "ScaledObject", "EnvoyExtensionPolicy",
+               "GatewayExtension", "TrafficPolicy", "AgentgatewayPolicy"}  # fmt: skip
 
 
 def test_generated_manifests_match_the_schema() -> None:
@@ -154,7 +156,7 @@ def test_lease_pods_and_every_deployment_pass_pod_security_restricted() -> None:
     ent = {"metadata": {"name": "e", "namespace": "t", "uid": "u"}, "spec": {"pool": "p"}}
     for cls in ServiceClass:
         assert restricted_violations(o.lease_pod(ent, cls, {})["spec"]) == []
-    for directory in (DEPLOY / "base", DEPLOY / "redis"):
+    for directory in (DEPLOY / "base", DEPLOY / "redis", DEPLOY / "extproc" / "processor"):
         for doc in _kustomize(directory):
             for pod in _pod_specs(doc):
                 assert restricted_violations(pod) == [], doc["metadata"]["name"]
