@@ -35,6 +35,8 @@ COMPILED = [
     "src/tokenpools/control/priority.py",
     "src/tokenpools/control/retry.py",
     "src/tokenpools/control/store.py",
+    "src/tokenpools/control/store_reads.py",
+    "src/tokenpools/control/store_terms.py",
     "src/tokenpools/model/resources.py",
     "src/tokenpools/model/request.py",
 ]

@@ -1,5 +1,5 @@
 """The value classes built on every request or tick write their `__init__` out, so mypyc
-compiles it (the one @dataclass generates runs interpreted, ~6× slower; control/store.py says
+compiles it (the one @dataclass generates runs interpreted, ~6× slower; control/store_terms.py says
 more above Lease). A written one must still be the dataclass's: its fields, in order, with
 their defaults, frozen where declared frozen."""
 
