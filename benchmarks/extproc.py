@@ -55,7 +55,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' Envoy setup
 from tests.envoy_setup import envoy_binary, envoy_config
 
-from gateway import bench_config, cpu_seconds, fixed_rate, one, pct
+from gateway import answered, bench_config, cpu_seconds, fixed_rate, pct
 from smoke import parse_args
 from tokenpools.processes import free_port, stop, wait_port, wait_ready
 
@@ -234,23 +234,6 @@ async def measured(
     return result, {r: cpu_seconds(p.pid) - before[r] for r, p in procs.items()}, elapsed
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float, stream: bool) -> int:
-    """`concurrency` clients, each sending its next request when its last is answered: how
-    many were answered."""
-    done = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        end = time.perf_counter() + seconds
-
-        async def worker() -> None:
-            nonlocal done
-            while time.perf_counter() < end:
-                await one(session, url, stream)
-                done += 1
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done
-
-
 async def admitted(metrics_url: str) -> float:
     """The processor's tokenpools_admitted_total, summed over its labels."""
     async with aiohttp.ClientSession() as session, session.get(metrics_url) as r:
@@ -379,8 +362,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     work = fixed_rate(setup.url, stream, args.rate, args.seconds)
                     lat, cpu, took = await measured(setup.procs, work)
                     at_rate.setdefault((mode, target), []).append(Window(len(lat), took, cpu, lat))
-                    loop = closed_loop(setup.url, args.concurrency, args.seconds, stream)
-                    done, cpu, took = await measured(setup.procs, loop)
+                    loop = answered(setup.url, args.concurrency, args.seconds, stream)
+                    (done, _), cpu, took = await measured(setup.procs, loop)
                     ceiling.setdefault((mode, target), []).append(Window(done, took, cpu))
                     if target == "envoy-extproc":
                         sent += len(lat) + done

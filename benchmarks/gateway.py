@@ -90,6 +90,15 @@ async def fixed_rate(url: str, stream: bool, rps: float, seconds: float) -> list
 
 
 async def closed_loop(url: str, concurrency: int, seconds: float, stream: bool = False) -> float:
+    """`concurrency` clients, each sending its next request when its last is answered: req/s."""
+    done, took = await answered(url, concurrency, seconds, stream)
+    return done / took
+
+
+async def answered(
+    url: str, concurrency: int, seconds: float, stream: bool = False
+) -> tuple[int, float]:
+    """The closed loop's requests answered, and the seconds they took."""
     done = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         end = time.perf_counter() + seconds
@@ -102,7 +111,7 @@ async def closed_loop(url: str, concurrency: int, seconds: float, stream: bool =
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return done / (time.perf_counter() - t0)
+        return done, time.perf_counter() - t0
 
 
 def pct(values: list[float], q: float) -> float:

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import Any
 
 import aiohttp
@@ -21,17 +20,10 @@ from tokenpools.admission import Admitted
 from tokenpools.gateway.backends import BackendState
 from tokenpools.gateway.responses import error
 from tokenpools.gateway.runtime import Gateway
-from tokenpools.gateway.sse import events
 from tokenpools.model.request import Usage
-from tokenpools.openai_api import CHAT, COMPLETIONS, RESPONSES, error_body
+from tokenpools.openai_api import CHAT, COMPLETIONS, error_body
+from tokenpools.openai_api.answer_tap import AnswerTap
 from tokenpools.openai_api.refusals import retry_after
-from tokenpools.openai_api.usage import (
-    RESPONSE_END_TYPES,
-    RESPONSE_ENDS,
-    json_object,
-    usage_from,
-    usage_in,
-)
 
 # Not passed back: hop-by-hop headers (RFC 9110 §7.6.1) and what this server sets itself
 # (the body is re-framed, and decompressed by the client session).
@@ -76,9 +68,12 @@ class Exchange:
         self.prompt_tokens = prompt_tokens
         self.headers = headers  # the gateway's own for the client: request id, rate limits
         self.trace = trace  # the trace context for the backend
-        self.usage: Usage | None = None
-        self.streamed = 0  # content events seen: the output estimate if the engine never says
-        self.first_token_at: float | None = None
+        self.usage: Usage | None = None  # what it was settled on, once it was
+        self.tap: AnswerTap | None = None  # the answer read as it passes (openai_api)
+
+    @property
+    def first_token_at(self) -> float | None:
+        return None if self.tap is None else self.tap.first_token_at
 
     def end(self, usage: Usage | None, refund: bool = True) -> None:
         """End the admitted request on `usage`, or release it (None: refund, or charge all of
@@ -87,7 +82,13 @@ class Exchange:
             self.usage = usage
 
     def _so_far(self) -> Usage:
-        return Usage(self.prompt_tokens, self.streamed)
+        """The engine's usage, or the estimate from what was streamed."""
+        assert self.tap is not None
+        return self.tap.so_far(self.prompt_tokens)
+
+    @property
+    def _streamed(self) -> bool:
+        return self.tap is not None and self.tap.streamed > 0
 
     async def run(
         self, request: web.Request, body: dict[str, Any], raw: bytes | None
@@ -99,6 +100,7 @@ class Exchange:
         if stream and not wants_usage and self.path in (CHAT, COMPLETIONS):
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
             raw = None  # always ask for usage, so a stream settles on real numbers
+        self.tap = AnswerTap(self.path, stream, wants_usage)
         if backend.spec.model is not None and body["model"] != backend.spec.model:
             body["model"] = backend.spec.model
             raw = None
@@ -131,14 +133,14 @@ class Exchange:
                     return web.Response(status=status, body=text, headers=headers)
                 if not stream:
                     text = await upstream.read()
-                    self.first_token_at = time.monotonic()
-                    self.end(self._usage_of(text))
+                    self.tap.feed(text, end=True)
+                    self.end(self._so_far())
                     return web.Response(body=text, headers=headers)
                 response = web.StreamResponse(headers=headers)
                 response.headers["Cache-Control"] = "no-cache"
                 await response.prepare(request)
-                await self._relay(upstream.content, response, wants_usage)
-                self.end(self.usage or self._so_far())
+                await self._relay(upstream.content, response)
+                self.end(self._so_far())
                 return response
         except asyncio.CancelledError:
             if self.admitted.evicted:  # preempted by a higher-priority request: say why
@@ -152,7 +154,7 @@ class Exchange:
                     "preempted",
                     headers=retry_after(1.0) | self.headers,
                 )
-            self.end(self._so_far() if self.streamed else None, refund=False)
+            self.end(self._so_far() if self._streamed else None, refund=False)
             raise
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             backend.healthy = not isinstance(exc, aiohttp.ClientConnectorError)
@@ -199,43 +201,17 @@ class Exchange:
             out[name] = value
         return out
 
-    def _usage_of(self, text: bytes) -> Usage:
-        """The engine's counts in a whole response, found without parsing it (an embeddings
-        answer can be megabytes of floats); the estimate if it has none."""
-        found = usage_in(text)
-        return found if found is not None else Usage(self.prompt_tokens, 0)
-
-    async def _relay(
-        self, content: aiohttp.StreamReader, response: web.StreamResponse, wants_usage: bool
-    ) -> None:
-        """Pass the server-sent events on as they came, reading usage as they pass; the usage
-        chunk the gateway asked for on the client's behalf is kept from it."""
-        async for event, data in events(content):
-            if data == b"[DONE]":
-                await response.write(event)
-                return
-            if self.first_token_at is None:
-                self.first_token_at = time.monotonic()
-            if self._read(data) or wants_usage or self.path not in (CHAT, COMPLETIONS):
-                await response.write(event)
-
-    def _read(self, data: bytes) -> bool:
-        """Count what an event carries; False for the usage-only chunk of a chat stream."""
-        if self.path == RESPONSES:  # typed events; the last one carries the response's usage
-            if b'"response.output_text.delta"' in data:
-                self.streamed += 1
-            elif any(end in data for end in RESPONSE_ENDS):
-                event = json_object(data)
-                if event.get("type") in RESPONSE_END_TYPES:
-                    self.usage = usage_from((event.get("response") or {}).get("usage"))
-            return True
-        chunk = json_object(data)
-        if chunk.get("usage") and not chunk.get("choices"):
-            self.usage = usage_from(chunk["usage"])
-            return False
-        if chunk.get("choices"):
-            self.streamed += 1
-        return True
+    async def _relay(self, content: aiohttp.StreamReader, response: web.StreamResponse) -> None:
+        """Pass the server-sent events on whole, as they came, read by the tap as they pass
+        (the usage chunk the gateway asked for on the client's behalf is kept from it)."""
+        assert self.tap is not None
+        async for chunk in content.iter_any():
+            sent = self.tap.feed(chunk)
+            if sent:
+                await response.write(sent)
+        rest = self.tap.feed(b"", end=True)
+        if rest:
+            await response.write(rest)
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

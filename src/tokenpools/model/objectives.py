@@ -8,6 +8,7 @@ from it, the processor names them from it (a test checks they agree)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -37,6 +38,7 @@ _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 _MAX_NAME = 63
 
 
+@functools.lru_cache(maxsize=4096)  # named on every admitted request: computed once per pair
 def objective_name(pool: str, service_class: ServiceClass) -> str:
     """The InferenceObjective of a pool's class: `<pool>-<class>` as a DNS label (a name too
     long or not a label is cut and made unique by a digest of the pool's name)."""

@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Quota, Reason, Reject
+from tokenpools.model.objectives import CLASS_HEADER, ENTITLEMENT_HEADER
 
 NOT_RETRYABLE = {
     Reason.EXCEEDS_ENTITLEMENT: 400,
@@ -93,8 +94,8 @@ def charged_headers(entitlements: Mapping[str, EntitlementView], name: str) -> d
     """What an admitted request is charged to: the entitlement (one of its tenant's layers)."""
     view = entitlements.get(name)
     return {
-        "x-tokenpools-entitlement": _header_value(name),
-        "x-tokenpools-service-class": "" if view is None else view.ent.service_class.value,
+        ENTITLEMENT_HEADER: _header_value(name),
+        CLASS_HEADER: "" if view is None else view.ent.service_class.value,
     }
 
 
