@@ -43,14 +43,15 @@ class Stack:
         wait_for(self.in_flight, lambda v: not v, what="every lease ended")
 
 
-def stack_of(config: dict[str, Any], backends: int = 2) -> Iterator[Stack]:
+def stack_of(config: dict[str, Any], backends: int = 2, **envoy: Any) -> Iterator[Stack]:
+    """The stack of a config; `envoy`: options of Envoy's config (tests/envoy_setup.py)."""
     servers = [ServerThread(make_emulator(FAST, speed=1.0)) for _ in range(backends)]
     loop = LoopThread()
     picker = Picker([f"127.0.0.1:{s.port}" for s in servers])
     picker_server, picker_port = loop.run(start_grpc(picker))
     processor = Processor(parse_config(config), access_log=False)
     running = loop.run(start(processor, port=0, http_port=0))
-    envoy = start_envoy(running.grpc_port, picker_port)
+    envoy = start_envoy(running.grpc_port, picker_port, **envoy)
     stack = Stack(envoy, running, picker, servers, loop)
     try:
         yield stack

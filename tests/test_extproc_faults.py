@@ -1,0 +1,67 @@
+"""Envoy and the processor failing for real, as docs/envoy.md promises: Envoy killed with
+streams in flight (their leases end with the gRPC streams that carried them), the processor
+stalled past Envoy's message timeout (Envoy refuses, fail closed; what the processor admitted
+still ends), and Envoy's own body limit answered before the processor reads anything."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.gateway_setup import KEYS, MODEL, config_data
+from tests.servers import wait_for
+from tests.test_extproc import Stack, stack_of
+from tests.test_gateway_e2e import open_streams
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+GOLD = {"Authorization": f"Bearer {KEYS['gold']}"}
+
+
+@pytest.fixture
+def stack() -> Iterator[Stack]:
+    yield from stack_of(config_data("http://127.0.0.1:9"), message_timeout_s=0.5)
+
+
+def test_envoy_killed_with_streams_in_flight_ends_their_leases(stack: Stack) -> None:
+    open_streams(stack.envoy, "gold", 3, max_tokens=2000)  # type: ignore[arg-type]
+    assert stack.in_flight() == {"gold": 3}
+    stack.envoy.proc.kill()
+    stack.wait_all_ended()
+
+
+def test_a_processor_stalled_past_the_message_timeout_fails_closed(stack: Stack) -> None:
+    url = f"{stack.envoy.url}/v1/chat/completions"
+    assert httpx.post(url, json=BODY, headers=GOLD).status_code == 200
+    stalled = threading.Event()
+
+    def stall() -> None:  # the processor's event loop blocked, as by a stuck call
+        stalled.set()
+        time.sleep(2.0)
+
+    stack.loop.loop.call_soon_threadsafe(stall)
+    stalled.wait(5)
+    started = time.monotonic()
+    refused = httpx.post(url, json=BODY, headers=GOLD, timeout=10)
+    assert refused.status_code >= 500  # Envoy gave up on the processor: nothing passed
+    assert time.monotonic() - started < 1.9  # at the message timeout, not after the stall
+    assert len(stack.picker.seen) == 1
+    wait_for(
+        lambda: httpx.post(url, json=BODY, headers=GOLD).status_code,
+        lambda status: status == 200,
+        what="admitting again once the stall is over",
+    )
+    stack.wait_all_ended()
+
+
+def test_a_body_over_envoys_buffer_is_refused_by_envoy() -> None:
+    config = config_data("http://127.0.0.1:9")
+    config["gateway"]["maxBodyBytes"] = 1 << 22  # ours is larger: Envoy's limit answers
+    for stack in stack_of(config, buffer_limit_bytes=64 * 1024):
+        big = {**BODY, "messages": [{"role": "user", "content": "x" * 200_000}]}
+        r = httpx.post(f"{stack.envoy.url}/v1/chat/completions", json=big, headers=GOLD)
+        assert r.status_code == 413
+        assert stack.picker.seen == [] and stack.in_flight() == {}
