@@ -15,7 +15,7 @@ import pytest
 
 import tokenpools
 from tokenpools.control.core import Pending
-from tokenpools.control.decisions import Admit, Quota, Reject
+from tokenpools.control.decisions import Admit, Check, Quota, Reason, Reject
 from tokenpools.control.metering import Charge, Meter
 from tokenpools.control.observation import Observation
 from tokenpools.control.store import (
@@ -91,6 +91,10 @@ def test_a_written_init_sets_every_field_and_keeps_frozen_values_frozen() -> Non
     assert (lease.tokens, lease.expires_at, lease.preemptible, lease.drew_own) == (
         10.0, 30.0, True, False,
     )  # fmt: skip
+    # a class constant beside written fields: readable on an instance of either build
+    assert Admit(lease, 1.0).admitted is True
+    refused = Reject(Reason.POOL_FULL, Check.CAPACITY, "full")
+    assert refused.admitted is False
 
 
 def test_written_inits_still_refuse_what_the_dataclass_refused() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from tokenpools.control.store import Lease, Outcome, Shortfall
 from tokenpools.model.entitlement import BindingState
@@ -155,7 +155,7 @@ class Admit:
     budget: tuple[str, float, float] | None = None
     lowered: bool = False  # max_tokens was lowered to fit a budget: the host must send it
 
-    admitted = True
+    admitted: ClassVar[bool] = True  # a class constant: no instance slot to fill
 
     def __init__(
         self,
@@ -189,7 +189,7 @@ class Reject:
     budget: str | None = None  # for insufficient_quota: the budget that refused
     max_tokens_fit: int = 0  # > 0: the budgets allow this request with max_tokens lowered to it
 
-    admitted = False
+    admitted: ClassVar[bool] = False
 
     def __init__(
         self,
