@@ -27,7 +27,6 @@ from tokenpools.model.objectives import (
     ENTITLEMENT_HEADER,
     FAIRNESS_HEADER,
     OBJECTIVE_HEADER,
-    SET_BY_PROCESSOR,
     objective_name,
 )
 from tokenpools.openai_api import (
@@ -110,10 +109,7 @@ class Flow:
         self.record.identified(caller)
         if models:
             return self._models(caller)
-        # the tenant's credential is not the engine's; the data plane's own headers are ours
-        return messages.request_headers(
-            remove=(*SET_BY_PROCESSOR, *self.processor.credential_headers)
-        )
+        return self.processor.identified
 
     def _models(self, caller: Caller) -> ep.ProcessingResponse:
         """GET /v1/models (or one of them): what this caller may use, as the gateway lists it."""
@@ -189,9 +185,7 @@ class Flow:
     # -- the answer ----------------------------------------------------------------------
 
     def response_headers(self, message: ep.HttpHeaders) -> ep.ProcessingResponse:
-        headers = messages.headers_of(message)
-        status = headers.get(":status", "0")
-        self.status = int(status) if status.isdigit() else 0
+        self.status = messages.status_of(message)
         if self.cleared is None:
             return messages.response_headers()
         if self.status != 200:  # the engine's own words pass on; the lease ends by its status

@@ -88,9 +88,25 @@ def response_headers(set_headers: Mapping[str, str] | None = None) -> ep.Process
     return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=_common(set_headers)))
 
 
+# The answers that carry nothing of their own are built once (the processor never changes a
+# message after it is built): most of an answer's chunks pass on unchanged.
+_PASS_CHUNK = ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse()))
+
+
 def response_body(body: bytes | None = None) -> ep.ProcessingResponse:
     """Pass an answer's chunk on, or (`body`) what replaces it."""
+    if body is None:
+        return _PASS_CHUNK
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=_common(body=body)))
+
+
+def status_of(message: ep.HttpHeaders) -> int:
+    """An answer's status (`:status`), without reading its other headers; 0 if it has none."""
+    for h in message.headers.headers:
+        if h.key == ":status":
+            value = h.raw_value.decode() if h.raw_value else h.value
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def trailers(response: bool) -> ep.ProcessingResponse:

@@ -8,13 +8,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
+
 from tokenpools.admission import AdmissionRuntime
 from tokenpools.admission.access_log import RequestObserver, RequestRecord
 from tokenpools.admission.metrics import AdmissionMetrics
 from tokenpools.control.tenancy import Caller, Refused
+from tokenpools.extproc import messages
 from tokenpools.extproc.flow import Flow
 from tokenpools.identity import Authenticator, Credentials
 from tokenpools.model.config import Config
+from tokenpools.model.objectives import SET_BY_PROCESSOR
 
 
 class Processor:
@@ -27,14 +31,7 @@ class Processor:
         self.metrics = AdmissionMetrics(self.admission)
         self.admission.listeners.append(self.metrics.decided)
         self.observe = RequestObserver(self.metrics, access_log=access_log)
-
-    @property
-    def credential_headers(self) -> tuple[str, ...]:
-        """What carries the tenant's credential: never sent on to the picker or the engine."""
-        trusted = self.config.gateway.trusted_header
-        if trusted is None or trusted.secret_header is None:
-            return ("authorization",)
-        return ("authorization", trusted.secret_header)
+        self.identified = _identified(config)
 
     def flow(self) -> Flow:
         return Flow(self)
@@ -52,6 +49,7 @@ class Processor:
         """Adopt a validated config (the file followed, or SIGHUP), as `tokenpools serve` does."""
         self.config = await self.admission.reload(config)
         self.auth = self.auth.adopt(self.config.gateway)
+        self.identified = _identified(self.config)
         return self.config
 
     async def start(self, tick_interval_s: float) -> None:
@@ -63,3 +61,11 @@ class Processor:
     async def ready(self) -> bool:
         """Ready to admit: started, and the state store answers."""
         return self.admission.running and await self.admission.store_answers()
+
+
+def _identified(config: Config) -> ProcessingResponse:
+    """The answer to an identified request's headers, built once per config: the data plane's
+    own headers and the tenant's credential removed (it is tokenpools', not the engine's)."""
+    trusted = config.gateway.trusted_header
+    secret = () if trusted is None or trusted.secret_header is None else (trusted.secret_header,)
+    return messages.request_headers(remove=(*SET_BY_PROCESSOR, "authorization", *secret))
