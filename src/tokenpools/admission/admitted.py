@@ -11,6 +11,7 @@ from typing import Any
 from tokenpools.control.metering import Charge
 from tokenpools.control.store import Lease
 from tokenpools.model.request import Usage
+from tokenpools.openai_api.answer_tap import AnswerTap
 
 EndFn = Callable[["Admitted", Usage | None, bool], None]
 
@@ -23,6 +24,7 @@ class Admitted:
         self.ended = False  # settled or released by its host
         self.evicted = False  # ended by the core (eviction, expiry); the host stops serving it
         self.charge: Charge | None = None  # what its usage cost, once settled (if metered)
+        self.usage: Usage | None = None  # what it was settled on (None: released, or not yet)
 
     @property
     def over(self) -> bool:
@@ -34,8 +36,17 @@ class Admitted:
         if self.over:
             return False
         self.ended = True
+        self.usage = usage
         self._on_end(self, usage, refund)
         return True
+
+    def abandon(self, tap: AnswerTap | None, prompt_tokens: int) -> bool:
+        """The client went away, or the connection broke, before the answer's end: charged
+        what streamed (the engine's count if it gave one), or, before anything streamed, the
+        whole reservation (the engine may have worked on it)."""
+        if tap is not None and (tap.streamed > 0 or tap.usage is not None):
+            return self.end(tap.so_far(prompt_tokens), refund=False)
+        return self.end(None, refund=False)
 
     def close(self) -> None:
         """The host is done with it: a request that never ended is charged in full (its

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from multidict import CIMultiDict
@@ -186,10 +186,10 @@ class Flow:
 
     def response_headers(self, message: ep.HttpHeaders) -> ep.ProcessingResponse:
         self.status = messages.status_of(message)
-        if self.cleared is None:
+        if self.cleared is None or self.admitted is None:
             return messages.response_headers()
         if self.status != 200:  # the engine's own words pass on; the lease ends by its status
-            self._end(None, refund=self.status != 504)  # a timeout may have run the engine
+            self.admitted.end(None, refund=self.status != 504)  # a timeout may have run the engine
         return messages.response_headers(
             {**self.cleared.headers, "x-request-id": self.record.request_id}
         )
@@ -201,13 +201,12 @@ class Flow:
             return self.preempted()
         sent = self.tap.feed(message.body, message.end_of_stream)
         if message.end_of_stream and self.status == 200:
-            self._end(self.tap.so_far(self._prompt_tokens()))
+            self.admitted.end(self.tap.so_far(self._prompt_tokens()))
         return messages.response_body(None if sent == message.body else sent)
 
     def preempted(self) -> ep.ProcessingResponse:
         """Evicted by the core for higher-priority work: the answer ends now (a stream whose
         headers have gone is reset by Envoy; otherwise the client gets a 503 to retry)."""
-        self.record.evicted = True
         return self._answer(
             503,
             "this request was preempted by higher-priority work; retry later",
@@ -226,28 +225,22 @@ class Flow:
         complete = self.tap is not None and self.tap.complete  # gone after the last event
         if self.record.status == 0 and not complete:
             self.record.status = 499
-        if self.tap is not None and self.status == 200:
-            self._end(self.tap.so_far(self._prompt_tokens()))
-        else:
-            self._end(None, refund=False)
+        self.admitted.abandon(self.tap if self.status == 200 else None, self._prompt_tokens())
 
     def finish(self) -> RequestRecord:
         """The flow is over: nothing may stay held; the record for the log and the metrics."""
         self.abandon()
+        r = self.record
         if self.admitted is not None:
             self.admitted.close()
-        r = self.record
+            a = self.admitted
+            r.settled(a.usage, a.charge, a.evicted)
         if r.status == 0:
             r.status = self.status or 0
         r.duration_s = time.monotonic() - r.started
         if self.tap is not None:
             r.first_token(self.tap.first_token_at)
         return r
-
-    def _end(self, usage: Any, refund: bool = True) -> None:
-        assert self.admitted is not None
-        if self.admitted.end(usage, refund):
-            self.record.settled(usage, self.admitted.charge, self.admitted.evicted)
 
     def _prompt_tokens(self) -> int:
         return 0 if self.cleared is None else self.cleared.prompt_tokens

@@ -68,27 +68,16 @@ class Exchange:
         self.prompt_tokens = prompt_tokens
         self.headers = headers  # the gateway's own for the client: request id, rate limits
         self.trace = trace  # the trace context for the backend
-        self.usage: Usage | None = None  # what it was settled on, once it was
         self.tap: AnswerTap | None = None  # the answer read as it passes (openai_api)
 
     @property
     def first_token_at(self) -> float | None:
         return None if self.tap is None else self.tap.first_token_at
 
-    def end(self, usage: Usage | None, refund: bool = True) -> None:
-        """End the admitted request on `usage`, or release it (None: refund, or charge all of
-        it); only its first end counts."""
-        if self.admitted.end(usage, refund):
-            self.usage = usage
-
     def _so_far(self) -> Usage:
         """The engine's usage, or the estimate from what was streamed."""
         assert self.tap is not None
         return self.tap.so_far(self.prompt_tokens)
-
-    @property
-    def _streamed(self) -> bool:
-        return self.tap is not None and self.tap.streamed > 0
 
     async def run(
         self, request: web.Request, body: dict[str, Any], raw: bytes | None
@@ -117,7 +106,7 @@ class Exchange:
             ) as upstream:
                 headers = self._passed(upstream.headers)
                 if upstream.status in (401, 403):  # not the client's key: ours, upstream
-                    self.end(None)
+                    self.admitted.end(None)
                     log.warning("backend %s refused the gateway's key", backend.spec.url)
                     return error(
                         502,
@@ -128,19 +117,19 @@ class Exchange:
                     )
                 if upstream.status != 200:  # its own words, e.g. a validation error
                     text = await upstream.read()
-                    self.end(None)
+                    self.admitted.end(None)
                     status = upstream.status if upstream.status < 500 else 502
                     return web.Response(status=status, body=text, headers=headers)
                 if not stream:
                     text = await upstream.read()
                     self.tap.feed(text, end=True)
-                    self.end(self._so_far())
+                    self.admitted.end(self._so_far())
                     return web.Response(body=text, headers=headers)
                 response = web.StreamResponse(headers=headers)
                 response.headers["Cache-Control"] = "no-cache"
                 await response.prepare(request)
                 await self._relay(upstream.content, response)
-                self.end(self._so_far())
+                self.admitted.end(self._so_far())
                 return response
         except asyncio.CancelledError:
             if self.admitted.evicted:  # preempted by a higher-priority request: say why
@@ -154,12 +143,12 @@ class Exchange:
                     "preempted",
                     headers=retry_after(1.0) | self.headers,
                 )
-            self.end(self._so_far() if self._streamed else None, refund=False)
+            self.admitted.abandon(self.tap, self.prompt_tokens)
             raise
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             backend.healthy = not isinstance(exc, aiohttp.ClientConnectorError)
             if response is None:
-                self.end(None)
+                self.admitted.end(None)
                 return error(
                     502,
                     f"backend error: {exc.__class__.__name__}",
@@ -167,14 +156,14 @@ class Exchange:
                     "backend_error",
                     headers=self.headers,
                 )
-            self.end(self._so_far())
+            self.admitted.end(self._so_far())
             await _write_quietly(
                 response, _error_event("the backend failed mid-stream", "backend_error")
             )
             return response
         except TimeoutError:
             if response is None:
-                self.end(None, refund=False)
+                self.admitted.end(None, refund=False)
                 return error(
                     504,
                     "the backend timed out",
@@ -182,11 +171,11 @@ class Exchange:
                     "backend_timeout",
                     headers=self.headers,
                 )
-            self.end(self._so_far())
+            self.admitted.end(self._so_far())
             await _write_quietly(response, _error_event("the backend timed out", "backend_timeout"))
             return response
         except ConnectionResetError:  # the client went away while we wrote
-            self.end(self._so_far(), refund=False)
+            self.admitted.end(self._so_far(), refund=False)
             return response or web.Response(status=499)
         finally:
             backend.open_requests -= 1

@@ -109,7 +109,7 @@ async def _answer(
             return await exchange.run(request, body, forward)
         finally:
             admitted = exchange.admitted
-            record.settled(exchange.usage, admitted.charge, admitted.evicted)
+            record.settled(admitted.usage, admitted.charge, admitted.evicted)
             record.first_token(exchange.first_token_at)
     finally:
         admitted.close()
