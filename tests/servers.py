@@ -70,6 +70,8 @@ class ServerThread:
                     handler.transport.abort()
 
         asyncio.run_coroutine_threadsafe(abort(), self.loop).result(10)
+        # what it left on its loop ends here, not garbage-collected inside a later test
+        asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
 
