@@ -16,9 +16,18 @@ from typing import Any
 from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Admit, Reject
 from tokenpools.control.tenancy import Caller
-from tokenpools.openai_api import EMBEDDINGS, max_tokens, max_tokens_field, sequences
+from tokenpools.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    max_tokens,
+    max_tokens_field,
+    sequences,
+)
+from tokenpools.openai_api.answer_tap import AnswerTap
 from tokenpools.openai_api.refusals import (
     Refusal,
+    bad_request,
     budget_headers,
     charged_headers,
     ratelimit_headers,
@@ -43,8 +52,16 @@ class Cleared:
     decision: Admit
     pool: str
     prompt_tokens: int  # as admission counted them
-    rewritten: bool  # the body's max_tokens was written: forward the body, not the bytes
+    rewritten: bool  # the body was written to (max_tokens, usage asked): forward the body
     headers: dict[str, str]  # x-ratelimit-*, the entitlement charged and its class, the budget
+    stream: bool = False
+    # the client asked for a stream's usage chunk itself; if not, the front door asked on its
+    # behalf and the host keeps that chunk from it (openai_api.answer_tap.AnswerTap)
+    usage_asked: bool = False
+
+    def tap(self, path: str) -> AnswerTap:
+        """The reader of this request's answer, for the host that relays it."""
+        return AnswerTap(path, self.stream, self.usage_asked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +105,7 @@ def no_route(model: object) -> Stopped:
 
 
 def bad_field(message: str, param: str | None) -> Stopped:
-    return Stopped(Refusal(400, message, "invalid_request_error", None, param, {}))
+    return Stopped(bad_request(message, param))
 
 
 def write_back(request: AdmissionRequest, decision: Admit, requested: int | None) -> bool:
@@ -97,6 +114,20 @@ def write_back(request: AdmissionRequest, decision: Admit, requested: int | None
     if requested is not None and not decision.lowered:
         return False
     request.body[max_tokens_field(request.path)] = decision.max_tokens
+    return True
+
+
+def usage_asked(body: dict[str, Any]) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+def ask_for_usage(request: AdmissionRequest) -> bool:
+    """A chat or completions stream always asks the engine for its usage chunk, so it settles
+    on the engine's counts; returns whether the body changed."""
+    body = request.body
+    if not body.get("stream") or request.path not in (CHAT, COMPLETIONS) or usage_asked(body):
+        return False
+    body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return True
 
 

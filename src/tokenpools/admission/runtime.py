@@ -23,10 +23,12 @@ from tokenpools.admission.front_door import (
     AdmissionRequest,
     Cleared,
     Stopped,
+    ask_for_usage,
     asked,
     bad_field,
     cleared_headers,
     no_route,
+    usage_asked,
     write_back,
 )
 from tokenpools.control.budgets import Budgets, budget_status
@@ -110,9 +112,12 @@ class AdmissionRuntime:
         if isinstance(decision, Reject):
             first = route.entitlements[0]
             return Stopped(refusal(decision), decision, first, route.pool, prompt_tokens)
+        asked_usage = usage_asked(request.body)
         rewritten = write_back(request, decision, wants.max_tokens)
+        rewritten = ask_for_usage(request) or rewritten
         headers = cleared_headers(decision, self.core.entitlements)
-        return Cleared(decision, route.pool, prompt_tokens, rewritten, headers)
+        stream = bool(request.body.get("stream"))
+        return Cleared(decision, route.pool, prompt_tokens, rewritten, headers, stream, asked_usage)
 
     async def admit(self, entitlement: str | Sequence[str], cost: RequestCost) -> Decision:
         """Decide, tell the listeners, and end the preemptible requests an admission evicts.

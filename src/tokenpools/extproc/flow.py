@@ -15,10 +15,10 @@ import time
 from typing import TYPE_CHECKING
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from multidict import CIMultiDict
 
 from tokenpools.admission import AdmissionRequest, Admitted, Cleared, Stopped
 from tokenpools.admission.access_log import RequestRecord, request_id
+from tokenpools.admission.front_door import no_route
 from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.extproc import messages
 from tokenpools.identity import Credentials
@@ -30,15 +30,21 @@ from tokenpools.model.objectives import (
     objective_name,
 )
 from tokenpools.openai_api import (
-    CHAT,
-    COMPLETIONS,
     GENERATES,
     BadRequest,
     model_card,
     parse_body,
 )
 from tokenpools.openai_api.answer_tap import AnswerTap
-from tokenpools.openai_api.refusals import retry_after
+from tokenpools.openai_api.refusals import (
+    Refusal,
+    bad_request,
+    preempted,
+    too_large,
+    unauthorized,
+)
+
+INVALID = "invalid_request_error"
 
 if TYPE_CHECKING:
     from tokenpools.extproc.processor import Processor
@@ -52,7 +58,6 @@ class Flow:
         self.processor = processor
         self.record = RequestRecord("", "", "")
         self.path = ""
-        self.headers: CIMultiDict[str] = CIMultiDict()
         self.caller: Caller | None = None
         self.cleared: Cleared | None = None
         self.admitted: Admitted | None = None
@@ -65,46 +70,29 @@ class Flow:
     async def request_headers(
         self, message: ep.HttpHeaders, remote: str | None
     ) -> ep.ProcessingResponse:
-        self.headers = messages.headers_of(message)
-        method = self.headers.get(":method", "")
-        self.path = self.headers.get(":path", "").partition("?")[0]
+        headers = messages.headers_of(message)
+        method = headers.get(":method", "")
+        self.path = headers.get(":path", "").partition("?")[0]
         self.record.method, self.record.path = method, self.path
-        self.record.request_id = request_id(self.headers.get("x-request-id"))
+        self.record.request_id = request_id(headers.get("x-request-id"))
         models = method == "GET" and (self.path == MODELS or self.path.startswith(MODELS + "/"))
+        where = f"{method} {self.path}"
         if self.path not in GOVERNED and not models:
-            return self._answer(
-                404, f"{method} {self.path}: not found", "invalid_request_error", "not_found"
-            )
+            return self._refuse(Refusal(404, f"{where}: not found", INVALID, "not_found", None, {}))
         if method != "POST" and not models:
-            return self._answer(
-                405,
-                f"{method} {self.path}: use POST",
-                "invalid_request_error",
-                "method_not_allowed",
+            return self._refuse(
+                Refusal(405, f"{where}: use POST", INVALID, "method_not_allowed", None, {})
             )
         limit = self.processor.config.gateway.max_body_bytes
-        length = self.headers.get("content-length", "")
+        length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            return self._answer(
-                413,
-                f"the body is larger than {limit} bytes",
-                "invalid_request_error",
-                "body_too_large",
-            )
+            return self._refuse(too_large(limit))
         if message.end_of_stream and not models:
-            return self._answer(400, "the body is empty", "invalid_request_error", None)
-        caller = await self.processor.caller_of(Credentials(self.headers, remote))
+            return self._refuse(bad_request("the body is empty"))
+        caller = await self.processor.caller_of(Credentials(headers, remote))
         if isinstance(caller, Refused):
             self.processor.metrics.unauthorized.labels(caller.code).inc()
-            if caller.forbidden:
-                return self._answer(403, caller.message, "permission_error", caller.code)
-            return self._answer(
-                401,
-                caller.message,
-                "invalid_request_error",
-                caller.code,
-                headers={"www-authenticate": "Bearer"},
-            )
+            return self._refuse(unauthorized(caller))
         self.caller = caller
         self.record.identified(caller)
         if models:
@@ -121,29 +109,18 @@ class Flow:
             return messages.reply(200, json.dumps(listing).encode(), headers)
         name = self.path[len(MODELS) + 1 :]
         if name not in names:
-            return self._answer(
-                404,
-                f"model {name!r} does not exist or this key has no access to it",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            return self._refuse(no_route(name).refusal)
         return messages.reply(200, json.dumps(model_card(name)).encode(), headers)
 
     async def request_body(self, message: ep.HttpBody) -> ep.ProcessingResponse:
         assert self.caller is not None
         limit = self.processor.config.gateway.max_body_bytes
         if len(message.body) > limit:
-            return self._answer(
-                413,
-                f"the body is larger than {limit} bytes",
-                "invalid_request_error",
-                "body_too_large",
-            )
+            return self._refuse(too_large(limit))
         try:
             body = parse_body(message.body, self.path)
         except BadRequest as exc:
-            return self._answer(400, str(exc), "invalid_request_error", None, exc.param)
+            return self._refuse(bad_request(str(exc), exc.param))
         self.record.model, self.record.stream = body["model"], bool(body.get("stream"))
         result = await self.processor.admission.clear(
             AdmissionRequest(self.caller, self.path, body)
@@ -152,20 +129,13 @@ class Flow:
         if isinstance(result, Stopped):
             if result.decision is not None and result.entitlement is not None:
                 self.record.decided(result.decision, result.entitlement)
-            r = result.refusal
-            return self._answer(r.status, r.message, r.kind, r.code, r.param, r.headers)
+            return self._refuse(result.refusal)
         self.cleared = result
         self.record.decided(result.decision, result.decision.lease.entitlement)
         self.admitted = self.processor.admission.track(result.decision, asyncio.current_task())
-        stream = bool(body.get("stream"))
-        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.tap = AnswerTap(self.path, stream, wants_usage)
-        rewritten = result.rewritten
-        if stream and not wants_usage and self.path in (CHAT, COMPLETIONS):
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            rewritten = True  # always ask for usage, so a stream settles on real numbers
+        self.tap = result.tap(self.path)
         upstream = {**self._data_plane_headers(result), "x-request-id": self.record.request_id}
-        if not rewritten:
+        if not result.rewritten:
             return messages.request_body(upstream)
         raw = json.dumps(body, separators=(",", ":")).encode()
         upstream["content-length"] = str(len(raw))
@@ -207,13 +177,7 @@ class Flow:
     def preempted(self) -> ep.ProcessingResponse:
         """Evicted by the core for higher-priority work: the answer ends now (a stream whose
         headers have gone is reset by Envoy; otherwise the client gets a 503 to retry)."""
-        return self._answer(
-            503,
-            "this request was preempted by higher-priority work; retry later",
-            "server_error",
-            "preempted",
-            headers=retry_after(1.0),
-        )
+        return self._refuse(preempted())
 
     # -- endings -------------------------------------------------------------------------
 
@@ -245,16 +209,9 @@ class Flow:
     def _prompt_tokens(self) -> int:
         return 0 if self.cleared is None else self.cleared.prompt_tokens
 
-    def _answer(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        code: str | None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> ep.ProcessingResponse:
+    def _refuse(self, r: Refusal) -> ep.ProcessingResponse:
+        """Answer the client now; the request goes no further."""
         self.done = True
-        self.record.status = status
-        headers = {**(headers or {}), "x-request-id": self.record.request_id}
-        return messages.answer(status, message, kind, code, param, headers)
+        self.record.status = r.status
+        headers = {**r.headers, "x-request-id": self.record.request_id}
+        return messages.answer(r.status, r.message, r.kind, r.code, r.param, headers)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -18,12 +19,12 @@ from multidict import CIMultiDict
 
 from tokenpools.admission import Admitted
 from tokenpools.gateway.backends import BackendState
-from tokenpools.gateway.responses import error
+from tokenpools.gateway.responses import answer, error
 from tokenpools.gateway.runtime import Gateway
 from tokenpools.model.request import Usage
-from tokenpools.openai_api import CHAT, COMPLETIONS, error_body
+from tokenpools.openai_api import error_body
 from tokenpools.openai_api.answer_tap import AnswerTap
-from tokenpools.openai_api.refusals import retry_after
+from tokenpools.openai_api.refusals import preempted
 
 # Not passed back: hop-by-hop headers (RFC 9110 §7.6.1) and what this server sets itself
 # (the body is re-framed, and decompressed by the client session).
@@ -60,6 +61,7 @@ class Exchange:
         prompt_tokens: int,
         headers: dict[str, str],
         trace: dict[str, str],
+        tap: AnswerTap,
     ) -> None:
         self.gw = gw
         self.admitted = admitted
@@ -68,15 +70,14 @@ class Exchange:
         self.prompt_tokens = prompt_tokens
         self.headers = headers  # the gateway's own for the client: request id, rate limits
         self.trace = trace  # the trace context for the backend
-        self.tap: AnswerTap | None = None  # the answer read as it passes (openai_api)
+        self.tap = tap  # the answer read as it passes (the front door made it)
 
     @property
     def first_token_at(self) -> float | None:
-        return None if self.tap is None else self.tap.first_token_at
+        return self.tap.first_token_at
 
     def _so_far(self) -> Usage:
         """The engine's usage, or the estimate from what was streamed."""
-        assert self.tap is not None
         return self.tap.so_far(self.prompt_tokens)
 
     async def run(
@@ -84,12 +85,7 @@ class Exchange:
     ) -> web.StreamResponse:
         gw, backend = self.gw, self.backend
         assert gw.session is not None
-        stream = bool(body.get("stream"))
-        wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        if stream and not wants_usage and self.path in (CHAT, COMPLETIONS):
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-            raw = None  # always ask for usage, so a stream settles on real numbers
-        self.tap = AnswerTap(self.path, stream, wants_usage)
+        stream = self.tap.stream
         if backend.spec.model is not None and body["model"] != backend.spec.model:
             body["model"] = backend.spec.model
             raw = None
@@ -136,13 +132,8 @@ class Exchange:
                 if response is not None:
                     await _write_quietly(response, _preempted_event())
                     return response
-                return error(
-                    503,
-                    "preempted by higher-priority work",
-                    "server_error",
-                    "preempted",
-                    headers=retry_after(1.0) | self.headers,
-                )
+                why = preempted()
+                return answer(replace(why, headers=why.headers | self.headers))
             self.admitted.abandon(self.tap, self.prompt_tokens)
             raise
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
@@ -193,7 +184,6 @@ class Exchange:
     async def _relay(self, content: aiohttp.StreamReader, response: web.StreamResponse) -> None:
         """Pass the server-sent events on whole, as they came, read by the tap as they pass
         (the usage chunk the gateway asked for on the client's behalf is kept from it)."""
-        assert self.tap is not None
         async for chunk in content.iter_any():
             sent = self.tap.feed(chunk)
             if sent:
@@ -213,6 +203,5 @@ def _error_event(message: str, code: str) -> bytes:
 
 
 def _preempted_event() -> bytes:
-    return _error_event(
-        "this request was preempted by higher-priority work; retry later", "preempted"
-    )
+    why = preempted()
+    return _error_event(why.message, "preempted")

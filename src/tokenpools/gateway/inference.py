@@ -21,7 +21,7 @@ from tokenpools.openai_api import (
     BadRequest,
     parse_body,
 )
-from tokenpools.openai_api.refusals import retry_after
+from tokenpools.openai_api.refusals import bad_request, retry_after
 
 
 async def inference(request: web.Request) -> web.StreamResponse:
@@ -78,7 +78,7 @@ async def _answer(
     try:
         body = parse_body(raw, path)
     except BadRequest as exc:
-        return error(400, str(exc), "invalid_request_error", None, exc.param)
+        return answer(bad_request(str(exc), exc.param))
     record.model, record.stream = body["model"], bool(body.get("stream"))
     result = await gw.admission.clear(AdmissionRequest(caller, path, body), gw.ask_engine)
     record.pool, record.counted_prompt_tokens = result.pool, result.prompt_tokens
@@ -104,7 +104,9 @@ async def _answer(
             )
         record.backend = backend.spec.url
         forward = None if result.rewritten else raw  # unchanged bodies go as they came
-        exchange = Exchange(gw, admitted, backend, path, result.prompt_tokens, headers, trace)
+        exchange = Exchange(
+            gw, admitted, backend, path, result.prompt_tokens, headers, trace, result.tap(path)
+        )
         try:
             return await exchange.run(request, body, forward)
         finally:

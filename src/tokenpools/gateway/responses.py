@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from tokenpools.openai_api import error_body
-from tokenpools.openai_api.refusals import Refusal
+from tokenpools.openai_api.refusals import Refusal, unauthorized
+from tokenpools.openai_api.refusals import too_large as too_large_refusal
 
 if TYPE_CHECKING:
     from tokenpools.control.tenancy import Refused
@@ -40,18 +41,11 @@ def answer(r: Refusal) -> web.Response:
 
 
 def refused(why: Refused) -> web.Response:
-    """A credential refused (identity/authenticator.py): 401, or 403 for a tenant with nothing
-    here."""
-    if why.forbidden:
-        return error(403, why.message, "permission_error", why.code)
-    headers = {"WWW-Authenticate": "Bearer"}
-    return error(401, why.message, "invalid_request_error", why.code, headers=headers)
+    return answer(unauthorized(why))
 
 
 def too_large(limit: int) -> web.Response:
-    return error(
-        413, f"the body is larger than {limit} bytes", "invalid_request_error", "body_too_large"
-    )
+    return answer(too_large_refusal(limit))
 
 
 HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}

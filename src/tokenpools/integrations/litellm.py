@@ -52,6 +52,7 @@ from tokenpools.openai_api import (
     EMBEDDINGS,
     RESPONSES,
 )
+from tokenpools.openai_api.refusals import preempted
 from tokenpools.openai_api.usage import usage_from
 
 CONFIG_ENV = "TOKENPOOLS_CONFIG"
@@ -196,9 +197,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             reason = {} if result.decision is None else {"x-tokenpools-reason": code}
             raise _error(r.status, r.message, r.kind, code, **r.headers, **reason)
         decision, prompt_tokens = result.decision, result.prompt_tokens
-        stream = bool(data.get("stream"))
-        if stream and path in (CHAT, COMPLETIONS):  # LiteLLM drops the usage chunk if unasked
-            data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        stream = result.stream  # the front door asked for its usage chunk (LiteLLM needs it)
         task = asyncio.current_task()
         # a stream is ended by its iterator (an error event), others by cancelling their task
         admitted = admission.track(decision, None if stream else task)
@@ -268,13 +267,8 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         try:
             async for item in response:
                 if tracked.admitted.evicted:
-                    raise _error(
-                        503,
-                        "this request was preempted by higher-priority work; retry later",
-                        "server_error",
-                        "preempted",
-                        **{"Retry-After": "1"},
-                    )
+                    why = preempted()
+                    raise _error(why.status, why.message, why.kind, "preempted", **why.headers)
                 usage = _usage(item) or usage
                 streamed += bool(getattr(item, "choices", None))
                 yield item

@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Quota, Reason, Reject
+from tokenpools.control.tenancy import Refused
 from tokenpools.model.objectives import CLASS_HEADER, ENTITLEMENT_HEADER
 
 NOT_RETRYABLE = {
@@ -56,6 +57,33 @@ def refusal(decision: Reject) -> Refusal:
     wait = decision.retry_after_s if decision.retry_after_s is not None else 60.0
     headers = retry_after(wait) | ratelimit_headers(decision.quota)
     return Refusal(429, message, "rate_limit_exceeded", code, None, headers)
+
+
+def unauthorized(why: Refused) -> Refusal:
+    """A credential refused (identity/authenticator.py): 401, or 403 for a tenant with nothing
+    here."""
+    if why.forbidden:
+        return Refusal(403, why.message, "permission_error", why.code, None, {})
+    bearer = {"WWW-Authenticate": "Bearer"}
+    return Refusal(401, why.message, "invalid_request_error", why.code, None, bearer)
+
+
+def too_large(limit: int) -> Refusal:
+    return Refusal(
+        413, f"the body is larger than {limit} bytes", "invalid_request_error", "body_too_large",
+        None, {},
+    )  # fmt: skip
+
+
+def bad_request(message: str, param: str | None = None) -> Refusal:
+    """A body the API cannot take (openai_api.BadRequest); OpenAI's code is null."""
+    return Refusal(400, message, "invalid_request_error", None, param, {})
+
+
+def preempted() -> Refusal:
+    """An admitted request the core evicted for higher-priority work (preemptible only)."""
+    message = "this request was preempted by higher-priority work; retry later"
+    return Refusal(503, message, "server_error", "preempted", None, retry_after(1.0))
 
 
 def retry_after(wait: float) -> dict[str, str]:
