@@ -26,6 +26,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from tests.servers import free_port, wait_until
+from tokenpools.extproc.messages import PROCESSING_MODE
 
 T = TypeVar("T")
 DESTINATION = "x-gateway-destination-endpoint"
@@ -175,14 +176,7 @@ def envoy_config(
                     "failure_mode_allow": False,
                     "message_timeout": f"{message_timeout_s}s",
                     "request_attributes": ["source.address"],
-                    "processing_mode": {
-                        "request_header_mode": "SEND",
-                        "request_body_mode": "BUFFERED",
-                        "request_trailer_mode": "SKIP",
-                        "response_header_mode": "SEND",
-                        "response_body_mode": "STREAMED",
-                        "response_trailer_mode": "SKIP",
-                    },
+                    "processing_mode": PROCESSING_MODE,
                 },
             }
         )

@@ -18,19 +18,12 @@ import pytest
 import yaml
 
 from tests.test_k8s_manifests import DEPLOY, _kustomize, restricted_violations
+from tokenpools.extproc.messages import PROCESSING_MODE
 
 EXTPROC = DEPLOY / "extproc"
 ENVOY = DEPLOY / "envoy" / "envoy.yaml"
 SERVICE, NAMESPACE, PORT = "tokenpools-extproc", "tokenpools-system", 9002
-# docs/envoy.md, "The filter": what the processor needs of Envoy's ext_proc filter
-MODES = {
-    "request_header_mode": "SEND",
-    "request_body_mode": "BUFFERED",
-    "request_trailer_mode": "SKIP",
-    "response_header_mode": "SEND",
-    "response_body_mode": "STREAMED",
-    "response_trailer_mode": "SKIP",
-}
+MODES = PROCESSING_MODE  # docs/envoy.md, "The filter": what the processor needs
 GATEWAYS = ("envoy-gateway", "kgateway", "agentgateway")
 
 

@@ -16,6 +16,16 @@ from multidict import CIMultiDict
 from tokenpools.openai_api import error_body
 
 ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"  # where Envoy puts the request attributes asked
+# What the processor needs of Envoy's ext_proc filter (docs/envoy.md, "The filter"): the one
+# declaration deploy/ and the tests' Envoy are checked against.
+PROCESSING_MODE = {
+    "request_header_mode": "SEND",  # who calls
+    "request_body_mode": "BUFFERED",  # model, max_tokens, n, stream
+    "request_trailer_mode": "SKIP",
+    "response_header_mode": "SEND",  # the status ends a failed request's lease
+    "response_body_mode": "STREAMED",  # usage read as chunks pass, never buffered whole
+    "response_trailer_mode": "SKIP",
+}
 
 
 def headers_of(message: ep.HttpHeaders) -> CIMultiDict[str]:
