@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 
 from tokenpools.openai_api import error_body
 
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"  # where Envoy puts the request attributes asked
 # What the processor needs of Envoy's ext_proc filter (docs/envoy.md, "The filter"): the one
 # declaration deploy/ and the tests' Envoy are checked against.
@@ -51,16 +52,13 @@ def client_address(request: ep.ProcessingRequest) -> str | None:
 def mutation(
     set_headers: Mapping[str, str] | None = None, remove: Iterable[str] = ()
 ) -> ep.HeaderMutation:
-    return ep.HeaderMutation(
-        set_headers=[
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=k.lower(), raw_value=v.encode()),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-            for k, v in (set_headers or {}).items()
-        ],
-        remove_headers=list(remove),
-    )
+    out = ep.HeaderMutation(remove_headers=list(remove))
+    add = out.set_headers.add  # filled in place: half the cost of nested constructors
+    for k, v in (set_headers or {}).items():
+        option = add(append_action=_OVERWRITE)
+        option.header.key = k.lower()
+        option.header.raw_value = v.encode()
+    return out
 
 
 def _common(

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from tokenpools.admission.access_log import LogFormat, setup_logging
 from tokenpools.admission.config_file import ConfigFile, reload_from
+from tokenpools.event_loop import new_loop
 from tokenpools.extproc.processor import Processor
 from tokenpools.extproc.service import ExternalProcessor, Health
 from tokenpools.model.config import load_config
@@ -115,4 +116,5 @@ def serve(
     access_log: bool = True,
 ) -> None:
     setup_logging(log_format)
-    asyncio.run(_serve(path, host, port, http_port, access_log))
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(_serve(path, host, port, http_port, access_log))
