@@ -129,6 +129,14 @@ async def start_grpc(servicer: ep_grpc.ExternalProcessorServicer) -> tuple[grpc.
     return server, port
 
 
+def _mode(answer_mode: str) -> dict[str, str]:
+    """The processor's filter mode, its answers sent as `answer_mode` (Envoy wants the
+    trailers of an answer sent full duplex)."""
+    duplex = answer_mode == "FULL_DUPLEX_STREAMED"
+    trailers = "SEND" if duplex else PROCESSING_MODE["response_trailer_mode"]
+    return {**PROCESSING_MODE, "response_body_mode": answer_mode, "response_trailer_mode": trailers}
+
+
 def _loopback(port: int) -> dict[str, Any]:
     return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
@@ -162,9 +170,11 @@ def envoy_config(
     buffer_limit_bytes: int = 1 << 20,
     route_timeout_s: float = 60.0,
     message_timeout_s: float = 5.0,
+    answer_mode: str = "STREAMED",
 ) -> dict[str, Any]:
     """Envoy's static config; `tokenpools_port` None: Envoy with the picker alone (the
-    baseline). The tokenpools filter is the one docs/envoy.md shows."""
+    baseline). The tokenpools filter is the one docs/envoy.md shows; `answer_mode`
+    FULL_DUPLEX_STREAMED: as a gateway without STREAMED (agentgateway) would send answers."""
     filters: list[dict[str, Any]] = []
     if tokenpools_port is not None:
         filters.append(
@@ -176,7 +186,7 @@ def envoy_config(
                     "failure_mode_allow": False,
                     "message_timeout": f"{message_timeout_s}s",
                     "request_attributes": ["source.address"],
-                    "processing_mode": PROCESSING_MODE,
+                    "processing_mode": _mode(answer_mode),
                 },
             }
         )
@@ -277,8 +287,9 @@ class Envoy:
         try:
             wait_until(self._ready, timeout_s=30, what="Envoy's admin says LIVE")
         except AssertionError:
+            log = self.log.read_text()[-3000:]
             self.stop()
-            raise AssertionError(f"Envoy did not start:\n{self.log.read_text()[-3000:]}") from None
+            raise AssertionError(f"Envoy did not start:\n{log}") from None
 
     def _ready(self) -> bool:
         if self.proc.poll() is not None:

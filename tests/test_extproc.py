@@ -245,3 +245,25 @@ def test_a_preemptible_stream_is_evicted_for_guaranteed_work(stack: Stack) -> No
         newest.rest()
     for s in streams:
         s.close()
+
+
+def test_answers_sent_full_duplex_are_sent_back_whole_and_settle() -> None:
+    """Where the data plane sends the answer FULL_DUPLEX_STREAMED, every byte is the
+    processor's to send back: streams arrive whole (the usage chunk kept from a client that
+    did not ask), whole answers too, and both settle on the engine's counts."""
+    for stack in stack_of(config_data("http://127.0.0.1:9"), answer_mode="FULL_DUPLEX_STREAMED"):
+        log = records(stack)
+        c = stack.client()
+        chunks = list(
+            c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+            )
+        )
+        assert all(ch.usage is None for ch in chunks)
+        assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 6
+        whole = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
+        assert whole.usage is not None and whole.usage.completion_tokens == 5
+        done = wait_for(lambda log=log: list(log), lambda v: len(v) == 2, what="both recorded")
+        assert [r.completion_tokens for r in done] == [6, 5]

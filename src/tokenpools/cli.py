@@ -155,6 +155,12 @@ def extproc(
     ] = 9090,
     log_format: Annotated[LogLines, typer.Option(help="log lines as")] = LogLines.TEXT,
     access_log: Annotated[bool, typer.Option(help="one log line per inference request")] = True,
+    full_duplex_answers: Annotated[
+        bool,
+        typer.Option(
+            help="answers come FULL_DUPLEX_STREAMED though the data plane does not say so"
+        ),
+    ] = False,
 ) -> None:
     """Run admission as an Envoy external processor (ext_proc), before the endpoint picker."""
     try:
@@ -162,7 +168,7 @@ def extproc(
     except ImportError as exc:
         fail(f"{exc}: install the extproc extra (pip install 'tokenpools[extproc]')")
     try:
-        run(config, host, port, metrics_port, log_format.value, access_log)
+        run(config, host, port, metrics_port, log_format.value, access_log, full_duplex_answers)
     except ConfigError as exc:
         fail(str(exc))
 

@@ -64,6 +64,7 @@ class Flow:
         self.tap: AnswerTap | None = None
         self.status: int | None = None  # the answer's, once its headers passed
         self.done = False  # answered at once, or passed on unadmitted: nothing more to do
+        self.duplex = False  # the answer comes FULL_DUPLEX_STREAMED: every chunk is sent back
 
     # -- the request ---------------------------------------------------------------------
 
@@ -165,13 +166,20 @@ class Flow:
         )
 
     def response_body(self, message: ep.HttpBody) -> ep.ProcessingResponse:
+        end = message.end_of_stream
         if self.tap is None or self.admitted is None:
-            return messages.response_body()
+            return (
+                messages.response_body_streamed(message.body, end)
+                if self.duplex
+                else (messages.response_body())
+            )
         if self.admitted.evicted:
             return self.preempted()
-        sent = self.tap.feed(message.body, message.end_of_stream)
-        if message.end_of_stream and self.status == 200:
+        sent = self.tap.feed(message.body, end)
+        if end and self.status == 200:
             self.admitted.end(self.tap.so_far(self._prompt_tokens()))
+        if self.duplex:
+            return messages.response_body_streamed(sent, end)
         return messages.response_body(None if sent == message.body else sent)
 
     def preempted(self) -> ep.ProcessingResponse:

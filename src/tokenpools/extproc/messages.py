@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from multidict import CIMultiDict
@@ -16,6 +17,7 @@ from multidict import CIMultiDict
 from tokenpools.openai_api import error_body
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"  # where Envoy puts the request attributes asked
 # What the processor needs of Envoy's ext_proc filter (docs/envoy.md, "The filter"): the one
 # declaration deploy/ and the tests' Envoy are checked against.
@@ -106,6 +108,24 @@ def response_body(body: bytes | None = None) -> ep.ProcessingResponse:
     if body is None:
         return _PASS_CHUNK
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=_common(body=body)))
+
+
+def response_body_streamed(body: bytes, end: bool) -> ep.ProcessingResponse:
+    """In FULL_DUPLEX_STREAMED mode every chunk is the processor's to send on: `body` goes
+    downstream as the answer's next bytes (`end`: its last)."""
+    common = ep.CommonResponse()
+    common.body_mutation.streamed_response.body = body
+    common.body_mutation.streamed_response.end_of_stream = end
+    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
+
+
+def answer_is_duplex(request: ep.ProcessingRequest) -> bool | None:
+    """Whether the answer's body comes FULL_DUPLEX_STREAMED (every chunk must be sent back),
+    from the protocol configuration Envoy sends with a stream's first message; None: not
+    this message."""
+    if not request.HasField("protocol_config"):
+        return None
+    return bool(request.protocol_config.response_body_mode == _FULL_DUPLEX)
 
 
 def status_of(message: ep.HttpHeaders) -> int:

@@ -23,9 +23,16 @@ from tokenpools.model.objectives import SET_BY_PROCESSOR
 
 class Processor:
     def __init__(
-        self, config: Config, clock: Callable[[], float] = time.time, access_log: bool = True
+        self,
+        config: Config,
+        clock: Callable[[], float] = time.time,
+        access_log: bool = True,
+        duplex_answers: bool = False,
     ) -> None:
         self.config = config
+        # answers come FULL_DUPLEX_STREAMED even where the data plane does not say so in its
+        # protocol configuration (Envoy does; another ext_proc client may not)
+        self.duplex_answers = duplex_answers
         self.admission = AdmissionRuntime(config, clock)
         self.auth = Authenticator(config.gateway, clock)
         self.metrics = AdmissionMetrics(self.admission)
@@ -34,7 +41,9 @@ class Processor:
         self.identified = _identified(config)
 
     def flow(self) -> Flow:
-        return Flow(self)
+        flow = Flow(self)
+        flow.duplex = self.duplex_answers
+        return flow
 
     async def caller_of(self, shown: Credentials) -> Caller | Refused:
         caller = await self.auth.caller(shown, self.admission.directory)

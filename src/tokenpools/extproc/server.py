@@ -90,8 +90,10 @@ async def start(
     return Running(processor, bound, http_bound, server, runner, checks)
 
 
-async def _serve(path: Path, host: str, port: int, http_port: int, access_log: bool) -> None:
-    processor = Processor(load_config(path), access_log=access_log)
+async def _serve(
+    path: Path, host: str, port: int, http_port: int, access_log: bool, duplex: bool
+) -> None:
+    processor = Processor(load_config(path), access_log=access_log, duplex_answers=duplex)
     running = await start(processor, host, port, http_port)
     log.info("ext_proc on %s:%d (gRPC), metrics on :%d", host, running.grpc_port, running.http_port)
     loop = asyncio.get_running_loop()
@@ -114,7 +116,8 @@ def serve(
     http_port: int = 9090,
     log_format: LogFormat = "text",
     access_log: bool = True,
+    duplex_answers: bool = False,
 ) -> None:
     setup_logging(log_format)
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(_serve(path, host, port, http_port, access_log))
+        runner.run(_serve(path, host, port, http_port, access_log, duplex_answers))

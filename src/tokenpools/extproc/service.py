@@ -53,6 +53,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             self.processor.finished(flow.finish())
 
     async def _answer(self, flow: Flow, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        duplex = messages.answer_is_duplex(request)
+        if duplex is not None:
+            flow.duplex = duplex
         kind = messages.kind_of(request)
         if kind == "request_headers":
             remote = messages.client_address(request)

@@ -1,0 +1,103 @@
+"""The processor's flow fed Envoy's messages directly, without Envoy: how it answers an
+answer's chunks depends on the mode the data plane sends them in — announced in the stream's
+protocol configuration (Envoy does), or set for data planes that do not announce it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from tests.gateway_setup import KEYS, MODEL, config_data
+from tokenpools.admission.access_log import RequestRecord
+from tokenpools.extproc import Processor
+from tokenpools.extproc.service import ExternalProcessor
+from tokenpools.model.config import parse_config
+
+ANSWER = json.dumps(
+    {
+        "choices": [{"message": {"content": "hi"}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+    }
+).encode()
+
+
+def headers(**values: str) -> ep.HttpHeaders:
+    return ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+        )
+    )
+
+
+def exchange(announced: int | None) -> list[ep.ProcessingRequest]:
+    """One admitted request and its whole answer, as Envoy's messages."""
+    first = ep.ProcessingRequest(
+        request_headers=headers(
+            **{
+                ":method": "POST",
+                ":path": "/v1/chat/completions",
+                "authorization": f"Bearer {KEYS['gold']}",
+            }
+        )
+    )
+    if announced is not None:
+        first.protocol_config.response_body_mode = announced  # type: ignore[assignment]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    return [
+        first,
+        ep.ProcessingRequest(
+            request_body=ep.HttpBody(body=json.dumps(body).encode(), end_of_stream=True)
+        ),
+        ep.ProcessingRequest(response_headers=headers(**{":status": "200"})),
+        ep.ProcessingRequest(response_body=ep.HttpBody(body=ANSWER, end_of_stream=True)),
+    ]
+
+
+async def run(
+    processor: Processor, messages: list[ep.ProcessingRequest]
+) -> list[ep.ProcessingResponse]:
+    async def stream() -> AsyncIterator[ep.ProcessingRequest]:
+        for m in messages:
+            yield m
+
+    await processor.start(3600)
+    try:
+        return [r async for r in ExternalProcessor(processor).Process(stream(), None)]  # type: ignore[arg-type]
+    finally:
+        await processor.stop()
+
+
+@pytest.mark.parametrize(
+    ("announced", "flag", "duplex"),
+    [
+        (None, False, False),
+        (None, True, True),  # a data plane that does not announce: the flag says
+        (pm.ProcessingMode.FULL_DUPLEX_STREAMED, False, True),  # announced: it wins
+        (pm.ProcessingMode.STREAMED, True, False),
+    ],
+)
+def test_an_answers_chunks_are_answered_as_its_mode_wants(
+    announced: int | None, flag: bool, duplex: bool
+) -> None:
+    processor = Processor(
+        parse_config(config_data("http://127.0.0.1:9")), access_log=False, duplex_answers=flag
+    )
+    records: list[RequestRecord] = []
+    processor.observe.listeners.append(records.append)
+    answers = asyncio.run(run(processor, exchange(announced)))
+    assert [a.WhichOneof("response") for a in answers] == [
+        "request_headers", "request_body", "response_headers", "response_body",
+    ]  # fmt: skip
+    chunk = answers[-1].response_body.response.body_mutation
+    if duplex:  # every byte is sent back by the processor, the end marked
+        assert chunk.streamed_response.body == ANSWER and chunk.streamed_response.end_of_stream
+    else:  # passed on as it came
+        assert chunk.WhichOneof("mutation") is None
+    (record,) = records  # settled on the answer's usage
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == (200, 3, 2)
