@@ -1,5 +1,6 @@
 """`serve --kubernetes`: the gateway takes each object as the operator applied it, with the
-binding the operator wrote, backend credentials only from the platform namespace's Secrets,
+binding the operator wrote, backend credentials only from the platform namespace's Secrets
+(the labelled ones: tests/test_k8s_ownership.py),
 and watches that list again on 410 Gone and report themselves stale on /readyz."""
 
 from __future__ import annotations
@@ -58,19 +59,17 @@ def test_backend_keys_come_only_from_the_platform_namespace(bench: Bench) -> Non
     ref = {"url": "http://127.0.0.1:9", "apiKeySecretRef": {"name": "vllm-key"}}
     kube.create(POOLS, None, pool(backends=[ref]))
     bench.settle()
-    secret = {"metadata": {"name": "vllm-key"},
+    secret = {"metadata": {"name": "vllm-key", "labels": {"tokenpools.io/backend-key": "true"}},
               "data": {"apiKey": base64.b64encode(b"backend-secret\n").decode()}}  # fmt: skip
     kube.create(SECRETS, NS, secret)  # a tenant's Secret of that name is never read
     pools = kube.list(POOLS)
-    secrets = {s["metadata"]["name"]: s["data"] for s in kube.list(SECRETS, PLATFORM)}
     try:
-        cluster_config(pools, [], secrets)
+        cluster_config(pools, [], kube.list(SECRETS, PLATFORM))
         raise AssertionError("a missing platform Secret must be refused")
     except ValueError as exc:
         assert "vllm-key" in str(exc)
     kube.create(SECRETS, PLATFORM, secret)
-    secrets = {s["metadata"]["name"]: s["data"] for s in kube.list(SECRETS, PLATFORM)}
-    [backend] = cluster_config(pools, [], secrets).pools["qwen"].backends
+    [backend] = cluster_config(pools, [], kube.list(SECRETS, PLATFORM)).pools["qwen"].backends
     assert backend.api_key == "backend-secret" and backend.api_key_file is None
 
 

@@ -92,13 +92,20 @@ def test_a_tenant_cannot_touch_pools_status_keys_or_leases() -> None:
 
 
 def test_components_hold_least_privilege() -> None:
-    # the gateway reads Secrets in the platform's namespace only, and writes nothing
-    assert can(GATEWAY, "get", "", "secrets", "tokenpools-system")
-    assert not can(GATEWAY, "get", "", "secrets", "team-a")
-    assert not can(GATEWAY, "list", "", "secrets", None)
+    # the gateway lists and watches Secrets in the platform's namespace only (by a label
+    # selector: tests/test_k8s_ownership.py), gets none by name, and writes nothing but Events
+    for verb in ("list", "watch"):
+        assert can(GATEWAY, verb, "", "secrets", "tokenpools-system")
+        assert not can(GATEWAY, verb, "", "secrets", "team-a")
+        assert not can(GATEWAY, verb, "", "secrets", None)
+    assert not can(GATEWAY, "get", "", "secrets", "tokenpools-system")
+    assert can(GATEWAY, "create", "", "events", "tokenpools-system")
+    assert not can(GATEWAY, "create", "", "events", "team-a")
     for verb in ("create", "update", "patch", "delete"):
         assert not can(GATEWAY, verb, TP, "tokenentitlements", "team-a")
         assert not can(GATEWAY, verb, TP, "tokenbudgets", None)
+        assert not can(GATEWAY, verb, TP, "tokenpools/status", None)
+        assert not can(GATEWAY, verb, "", "secrets", "tokenpools-system")
     assert can(GATEWAY, "watch", TP, "tokenbudgets", None)
     assert can(OPERATOR, "patch", TP, "tokenbudgets/status", None)
     assert not can(OPERATOR, "patch", TP, "tokenbudgets", None)
@@ -112,6 +119,16 @@ def test_components_hold_least_privilege() -> None:
     assert can(OPERATOR, "patch", "coordination.k8s.io", "leases", "kube-node-lease")
     assert not can(OPERATOR, "patch", "coordination.k8s.io", "leases", "team-a")
     assert can(OPERATOR, "create", "", "pods", "team-a")  # lease pods live with tenants
+    # Nodes: created and deleted (only its installation's: the admission policy,
+    # tests/test_k8s_ownership.py), their status patched, but never updated or patched: it
+    # cannot relabel a Node someone else made into one of its own
+    for verb in ("create", "delete"):
+        assert can(OPERATOR, verb, "", "nodes", None)
+    assert can(OPERATOR, "patch", "", "nodes/status", None)
+    for verb in ("update", "patch", "deletecollection"):
+        assert not can(OPERATOR, verb, "", "nodes", None)
+    for verb in ("update", "patch", "deletecollection"):  # pods: create, delete, status only
+        assert not can(OPERATOR, verb, "", "pods", "team-a")
 
 
 def _property_names(node: Any) -> set[str]:

@@ -3,7 +3,8 @@ semantics the operator depends on added here (kmock's own store lacks them; see
 docs/kubernetes.md): uid / resourceVersion / generation / creationTimestamp stamping,
 namespaced and cluster objects, PUT with resourceVersion preconditions (409), JSON merge
 patches, `/status` and `/scale` subresources that touch only their part, `pods/NAME/binding`,
-graceful deletion of bound pods and finalizers, label and field selectors, and watches that
+graceful deletion of bound pods and finalizers, label and field selectors (an object that
+leaves a watch's selection comes to it as DELETED), and watches that
 resume from a resourceVersion and end after timeoutSeconds, lists paged by `limit` and
 `continue`, and writes that change nothing keep the object's resourceVersion (no event).
 
@@ -386,10 +387,13 @@ class KubeAPI(kmock.KubernetesScaffold):
                 changed = self.changed  # set by any change from here on, scanned or not
                 for rv, kind, obj in [h for h in self.history[key] if h[0] > since]:
                     since = rv
-                    if (ns is None or obj["metadata"].get("namespace") == ns) and _matches(
-                        obj, query
-                    ):
-                        await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                    if ns is not None and obj["metadata"].get("namespace") != ns:
+                        continue
+                    if not _matches(obj, query):  # as the API server: one that leaves the
+                        if kind != "MODIFIED" or not self._matched_before(key, rv, obj, query):
+                            continue  # selection is DELETED for this watch
+                        kind = "DELETED"
+                    await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     break
@@ -399,6 +403,19 @@ class KubeAPI(kmock.KubernetesScaffold):
             return resp
         await resp.write_eof()
         return resp
+
+    def _matched_before(
+        self, key: tuple[str, str], rv: int, obj: dict[str, Any], query: dict[str, str]
+    ) -> bool:
+        """Whether the version of `obj` before `rv` was in the watch's selection."""
+        meta = obj["metadata"]
+        for old_rv, kind, old in reversed(self.history[key]):
+            same = (old["metadata"].get("namespace"), old["metadata"]["name"]) == (
+                meta.get("namespace"), meta["name"]
+            )  # fmt: skip
+            if old_rv < rv and same:
+                return kind != "DELETED" and _matches(old, query)
+        return False
 
 
 class ServerThread:

@@ -100,11 +100,20 @@ def operator(
     namespace: Annotated[
         str, typer.Option(help="where the leader Lease lives")
     ] = "tokenpools-system",
+    installation: Annotated[
+        str | None,
+        typer.Option(
+            help="this installation's id, the label tokenpools.io/installation of its virtual "
+            "nodes (default: $TOKENPOOLS_INSTALLATION, else the namespace)"
+        ),
+    ] = None,
 ) -> None:
     """Run the Kubernetes operator (kopf): virtual nodes, lease pods, autoscaling."""
     import os
 
     os.environ.setdefault("TOKENPOOLS_NAMESPACE", namespace)
+    if installation is not None:
+        os.environ["TOKENPOOLS_INSTALLATION"] = installation
     import kopf
 
     import tokenpools.k8s.kopf_operator  # noqa: F401  (registers the handlers)

@@ -111,12 +111,24 @@ class Kube:
         return json.loads(resp.data) if resp.data else None
 
     def watch(
-        self, kind: Kind, namespace: str | None, resource_version: str, timeout_s: int
+        self,
+        kind: Kind,
+        namespace: str | None,
+        resource_version: str,
+        timeout_s: int,
+        labels: Mapping[str, str] | None = None,
     ) -> Iterator[Any]:
         """The watch events after `resource_version`, one dict per line, until the server
-        ends the stream (after `timeout_s`)."""
-        query = {"watch": "true", "resourceVersion": resource_version,
-                 "timeoutSeconds": timeout_s, "allowWatchBookmarks": "true"}  # fmt: skip
+        ends the stream (after `timeout_s`); only objects with `labels`, when given (an object
+        that loses them comes as DELETED)."""
+        query: dict[str, Any] = {
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": timeout_s,
+            "allowWatchBookmarks": "true",
+        }
+        if labels:
+            query["labelSelector"] = selector(labels)
         _, url, headers, _, _ = self.api.param_serialize(
             "GET", kind.path(namespace), query_params=list(query.items()),
             header_params={"Accept": "application/json"}, auth_settings=["BearerToken"],
@@ -168,7 +180,7 @@ class Kube:
         `continue`), and the list's resourceVersion to watch from."""
         query: dict[str, Any] = {"limit": page}
         if labels:
-            query["labelSelector"] = ",".join(f"{k}={v}" for k, v in labels.items())
+            query["labelSelector"] = selector(labels)
         if fields:
             query["fieldSelector"] = ",".join(f"{k}={v}" for k, v in fields.items())
         items: builtins.list[Any] = []
@@ -180,7 +192,7 @@ class Kube:
                 break
             query["continue"] = token
         if labels:  # a server that ignores selectors must not widen what we act on
-            items = [i for i in items if _has_labels(i, labels)]
+            items = [i for i in items if has_labels(i, labels)]
         return items, str((listing.get("metadata") or {}).get("resourceVersion") or "")
 
     def create(self, kind: Kind, namespace: str | None, obj: Any) -> Any:
@@ -203,6 +215,10 @@ class Kube:
                 raise
 
 
-def _has_labels(obj: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+def selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def has_labels(obj: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
     have = obj.get("metadata", {}).get("labels") or {}
     return all(have.get(k) == v for k, v in labels.items())

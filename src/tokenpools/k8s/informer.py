@@ -1,7 +1,9 @@
 """A list-then-watch cache of one kind of object (client-go's informer pattern, on the
 official client): list once (paged), then watch from the list's resourceVersion, resuming from
 the last event or bookmark seen; list again when the server says that version is gone (410,
-as a status or as an ERROR event). Runs in a thread; `on_change` is called after each change.
+as a status or as an ERROR event). With `labels`, only objects that carry them: the server is
+asked for those alone, and an event for one without them removes it from the cache. Runs in a
+thread; `on_change` is called after each change.
 
 `failing_since` is when the informer last stopped getting answers (None while it gets them),
 so a host can report a cache that has gone stale instead of acting on it silently."""
@@ -11,12 +13,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from tokenpools.k8s.api import Kind, Kube
+from tokenpools.k8s.api import Kind, Kube, has_labels
 
 log = logging.getLogger("tokenpools.k8s")
 Key = tuple[str, str]  # namespace ("" when cluster-scoped), name
@@ -36,8 +38,10 @@ class Informer:
         on_change: Callable[[], None],
         watch_timeout_s: int = 60,
         clock: Callable[[], float] = time.monotonic,
+        labels: Mapping[str, str] | None = None,
     ) -> None:
         self.kube, self.kind, self.namespace = kube, kind, namespace
+        self.labels = dict(labels or {})  # only objects with these: asked of the server too
         self.on_change = on_change
         self.watch_timeout_s = watch_timeout_s
         self.clock = clock
@@ -81,7 +85,7 @@ class Informer:
         self._stopped.wait(1.0)
 
     def _list(self) -> str:
-        items, version = self.kube.list_with_version(self.kind, self.namespace)
+        items, version = self.kube.list_with_version(self.kind, self.namespace, self.labels)
         with self._lock:
             self._objects = {key_of(o): o for o in items}
         self.lists += 1
@@ -92,7 +96,10 @@ class Informer:
 
     def _watch(self, version: str) -> str | None:
         """Follow one watch stream; the version to resume from, or None to list again."""
-        for event in self.kube.watch(self.kind, self.namespace, version, self.watch_timeout_s):
+        stream = self.kube.watch(
+            self.kind, self.namespace, version, self.watch_timeout_s, self.labels
+        )
+        for event in stream:
             self.failing_since = None
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":  # 410 Gone: the version is too old
@@ -100,8 +107,8 @@ class Informer:
             version = str(obj.get("metadata", {}).get("resourceVersion") or version)
             if kind == "BOOKMARK":
                 continue
-            with self._lock:
-                if kind == "DELETED":
+            with self._lock:  # one that lost the labels is gone, whatever the server says
+                if kind == "DELETED" or not has_labels(obj, self.labels):
                     self._objects.pop(key_of(obj), None)
                 else:
                     self._objects[key_of(obj)] = obj

@@ -66,7 +66,8 @@ async def _start(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube = Kube(load_client(os.environ.get("KUBECONFIG")))
     namespace = os.environ.get("TOKENPOOLS_NAMESPACE", "tokenpools-system")
     identity = os.environ.get("POD_NAME", socket.gethostname())
-    rec = Reconciler(kube, time.time, namespace)
+    installation = os.environ.get("TOKENPOOLS_INSTALLATION")  # default: the namespace
+    rec = Reconciler(kube, time.time, namespace, installation=installation)
     loop = OperatorLoop(rec, LeaderElection(kube, namespace, identity, time.time), time.time)
     _state.wake = asyncio.Event()
     _state.tasks = [

@@ -34,8 +34,10 @@ def _bound(pod: Any) -> bool:
 
 
 class LeasePods:
-    def __init__(self, kube: Kube, clock: Callable[[], float]) -> None:
-        self.kube, self.clock = kube, clock
+    def __init__(
+        self, kube: Kube, clock: Callable[[], float], installation: str = o.DEFAULT_INSTALLATION
+    ) -> None:
+        self.kube, self.clock, self.installation = kube, clock, installation
 
     def reconcile(self, obj: Any, cluster: ClusterConfig, config: Config, pods: list[Any]) -> str:
         """Make the entitlement's lease pods match its spec in force; its state."""
@@ -85,7 +87,9 @@ class LeasePods:
     ) -> tuple[Any, str | None]:
         ns = obj["metadata"]["namespace"]
         try:
-            return self.kube.create(PODS, ns, o.lease_pod(obj, service_class, want)), None
+            return self.kube.create(
+                PODS, ns, o.lease_pod(obj, service_class, want, self.installation)
+            ), None
         except Conflict:  # a pod of that name: a terminating one of ours, or someone else's
             pod = self.kube.find(PODS, ns, pod_name)
             if pod is not None and o.owner_uid(pod) != obj["metadata"]["uid"]:

@@ -26,6 +26,15 @@ from tokenpools.model.service_class import ServiceClass
 POOL_LABEL = "tokenpools.io/pool"
 LEASE_LABEL = "tokenpools.io/lease"  # "true" on every lease pod; how the operator lists them
 ENTITLEMENT_LABEL = "tokenpools.io/entitlement"
+# Which installation of tokenpools made a virtual node (its value: the installation id, by
+# default the platform's namespace; `tokenpools operator --installation`). A Node without this
+# installation's id is never adopted, patched, its pods failed, or deleted; its lease pods
+# select it, so nothing binds to a node of the same name someone else made.
+INSTALLATION_LABEL = "tokenpools.io/installation"
+DEFAULT_INSTALLATION = "tokenpools-system"
+# The label the platform sets on a Secret that holds a backend key: the gateway lists and
+# watches Secrets by it, so a TokenPool's apiKeySecretRef can name no other Secret.
+BACKEND_KEY_LABEL = "tokenpools.io/backend-key"
 TAINT = {"key": "virtual-kubelet.io/provider", "value": "tokenpools", "effect": "NoSchedule"}
 FINALIZER = "tokenpools.io/cleanup"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
@@ -47,7 +56,12 @@ def parse_time(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
-def node(pool: str) -> dict[str, Any]:
+def installation_id(given: str | None, namespace: str) -> str:
+    """This installation's id as a label value: `given`, else the platform's namespace."""
+    return label_value(given or namespace)
+
+
+def node(pool: str, installation: str = DEFAULT_INSTALLATION) -> dict[str, Any]:
     name = node_name(pool)
     return {
         "apiVersion": "v1",
@@ -56,6 +70,7 @@ def node(pool: str) -> dict[str, Any]:
             "name": name,
             "labels": {
                 POOL_LABEL: label_value(pool),
+                INSTALLATION_LABEL: installation,
                 "type": "virtual-kubelet",
                 "kubernetes.io/role": "agent",
                 "kubernetes.io/hostname": label_value(name),
@@ -141,7 +156,10 @@ _RESTRICTED_CONTAINER = {
 
 
 def lease_pod(
-    ent: Mapping[str, Any], service_class: ServiceClass, requests: Mapping[str, int]
+    ent: Mapping[str, Any],
+    service_class: ServiceClass,
+    requests: Mapping[str, int],
+    installation: str = DEFAULT_INSTALLATION,
 ) -> dict[str, Any]:
     meta = ent["metadata"]
     ns, name, pool = meta["namespace"], meta["name"], ent["spec"]["pool"]
@@ -170,7 +188,9 @@ def lease_pod(
         },
         "spec": {
             "priorityClassName": PRIORITY_CLASSES[service_class].name,
-            "nodeSelector": {POOL_LABEL: label_value(pool)},
+            # the pool's node of this installation only: never a node of that name or pool
+            # label that another installation, or anyone, made
+            "nodeSelector": {POOL_LABEL: label_value(pool), INSTALLATION_LABEL: installation},
             "tolerations": [
                 {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"},
                 *_UNTIL_BACK,

@@ -41,7 +41,7 @@ from tokenpools.k8s.names import label_value
 from tokenpools.k8s.objective_sync import ObjectiveSync
 from tokenpools.k8s.operator_metrics import OperatorMetrics
 from tokenpools.k8s.status import conditions, write_status
-from tokenpools.k8s.virtual_node import VirtualNodes
+from tokenpools.k8s.virtual_node import NodeConflict, VirtualNodes
 from tokenpools.model.config import Config, parse_config
 
 log = logging.getLogger("tokenpools.operator")
@@ -55,11 +55,13 @@ class Reconciler:
         clock: Callable[[], float],
         namespace: str = "tokenpools-system",
         metrics: OperatorMetrics | None = None,
+        installation: str | None = None,
     ) -> None:
         self.kube, self.clock, self.namespace = kube, clock, namespace  # the platform's
+        self.installation = o.installation_id(installation, namespace)  # whose nodes are ours
         self.metrics = metrics or OperatorMetrics(clock)
-        self.nodes = VirtualNodes(kube, clock, self.metrics)
-        self.lease_pods = LeasePods(kube, clock)
+        self.nodes = VirtualNodes(kube, clock, self.metrics, self.installation)
+        self.lease_pods = LeasePods(kube, clock, self.installation)
         self.objectives = ObjectiveSync(kube, namespace)
         self._retry: dict[tuple[str, str, str], tuple[int, float]] = {}  # failures, not before
 
@@ -169,7 +171,12 @@ class Reconciler:
             pool.with_replicas(shown.replicas), config.policy.elastic_oversubscription
         )
         message = f"{shown.replicas} replicas of {pool.per_replica}"
-        node = self.nodes.ensure(name, alloc, message)
+        try:
+            node = self.nodes.ensure(name, alloc, message)
+        except NodeConflict as conflict:
+            self._node_conflict(obj, cluster, conflict)
+            self.objectives.sync(obj, extras.inferencePoolRef)
+            return
         self.nodes.kubelet(node, alloc, live)
         members = [e for e in config.entitlements.values() if e.pool == name]
         desired = desired_replicas(pool, baseline_need(members))
@@ -195,6 +202,29 @@ class Reconciler:
         write_status(self.kube, POOLS, obj, status)
         # last: the node and status above stand even when the objectives' API fails
         self.objectives.sync(obj, extras.inferencePoolRef)
+
+    def _node_conflict(self, obj: Any, cluster: ClusterConfig, conflict: NodeConflict) -> None:
+        """The pool's node name is someone else's Node: nothing is written to it or bound to
+        it (lease pods select this installation's node), and the pool says so."""
+        where = ("TokenPool", "", obj["metadata"]["name"])
+        gen, old = obj["metadata"].get("generation", 1), obj.get("status") or {}
+        was = {c.get("type"): c.get("reason") for c in old.get("conditions") or []}
+        why = str(conflict)
+        stale = cluster.stale(where)
+        spec = ("SpecAccepted", not stale, "Invalid" if stale else "Accepted",
+                cluster.problems[where] if stale else "spec applied")  # fmt: skip
+        conds = [("Ready", False, "NodeConflict", why), spec]
+        status = {
+            "nodeName": None,
+            "observedGeneration": gen,
+            "appliedSpec": cluster.applied[where],
+            "conditions": conditions(old.get("conditions"), conds, self.clock(), gen),
+        }
+        write_status(self.kube, POOLS, obj, status)
+        if was.get("Ready") != "NodeConflict":
+            log.warning("pool %s: %s", where[2], why)
+            event = o.event(obj, "NodeConflict", why, self.clock(), "Warning")
+            self.kube.create(EVENTS, self.namespace, event)
 
     def _replicas(self, replicas: int, extras: Any) -> tuple[int, int]:
         """(ready replicas, replicas asked for): the workload's, else the spec's. A workload

@@ -4,7 +4,12 @@ heartbeat, and the kubelet's duties towards the pods bound to it.
 The heartbeat is separate from reconciliation and renews each node on its own: a failing
 write for one pool, or a reconciliation that keeps failing, never lets another node's
 heartbeat lapse (the node lifecycle controller would mark it Unknown and, after its
-toleration, evict every pod on it)."""
+toleration, evict every pod on it).
+
+Only its own nodes: a Node is this installation's when it carries `tokenpools.io/installation`
+with this installation's id. A Node of the same name without it (someone's real node, or
+another installation's virtual node) is never adopted: not patched, no heartbeat, its pods
+neither failed nor finalized, and not deleted with the pool (`NodeConflict`)."""
 
 from __future__ import annotations
 
@@ -25,17 +30,43 @@ VIRTUAL = {"type": "virtual-kubelet"}
 NOT_OURS = "only the lease pods the tokenpools operator creates run on a tokenpools virtual node"
 
 
+class NodeConflict(Exception):
+    """The pool's node name is taken by a Node that is not this installation's."""
+
+    def __init__(self, node: str, installation: str) -> None:
+        super().__init__(
+            f"node {node} exists and is not this installation's (no label "
+            f"{o.INSTALLATION_LABEL}={installation}): it is left alone and nothing is bound to "
+            "it; delete it, or label it so to hand it over"
+        )
+        self.node = node
+
+
 class VirtualNodes:
-    def __init__(self, kube: Kube, clock: Callable[[], float], metrics: OperatorMetrics) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        clock: Callable[[], float],
+        metrics: OperatorMetrics,
+        installation: str = o.DEFAULT_INSTALLATION,
+    ) -> None:
         self.kube, self.clock, self.metrics = kube, clock, metrics
+        self.installation = installation
+
+    def ours(self, node: Mapping[str, Any]) -> bool:
+        labels = node["metadata"].get("labels") or {}
+        return labels.get(o.INSTALLATION_LABEL) == self.installation
 
     def ensure(self, pool: str, alloc: Mapping[str, int], message: str) -> str:
-        """The pool's node exists and advertises `alloc`; written only when that changed."""
+        """The pool's node exists and advertises `alloc`; written only when that changed.
+        Raises NodeConflict, writing nothing, when a Node not ours has its name."""
         name = node_name(pool)
         node = self.kube.find(NODES, None, name)
         if node is None:
-            node = self.kube.create(NODES, None, o.node(pool))
+            node = self.kube.create(NODES, None, o.node(pool, self.installation))
             log.info("node %s created", name)
+        if not self.ours(node):
+            raise NodeConflict(name, self.installation)
         status = node.get("status") or {}
         want = o.node_status(alloc, self.clock(), message)["status"]
         ready = {c.get("type"): c for c in status.get("conditions") or []}.get("Ready") or {}
@@ -46,15 +77,22 @@ class VirtualNodes:
         return name
 
     def remove(self, pool: str) -> None:
+        """The pool's node and its Lease, if the node is ours (or gone)."""
         name = node_name(pool)
+        node = self.kube.find(NODES, None, name)
+        if node is not None and not self.ours(node):
+            log.warning("pool %s deleted: node %s is not ours, left alone", pool, name)
+            return
         self.kube.delete(NODES, None, name)
         self.kube.delete(LEASES, o.NODE_LEASE_NAMESPACE, name)
         self.metrics.forget(name)
 
     def nodes(self) -> list[Any]:
+        """This installation's virtual nodes."""
+        mine = {**VIRTUAL, o.INSTALLATION_LABEL: self.installation}
         return [
             n
-            for n in self.kube.list(NODES, labels=VIRTUAL)
+            for n in self.kube.list(NODES, labels=mine)
             if o.POOL_LABEL in (n["metadata"].get("labels") or {})
         ]
 
