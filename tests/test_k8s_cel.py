@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.crds import crds
-from tokenpools.k8s.custom_resources import check_spec
+from tokenpools.k8s.custom_resources import check_spec, config_data, render
 from tokenpools.model.profile import BUILTIN_PROFILES
 from tokenpools.model.service_class import ServiceClass
 
@@ -57,9 +57,16 @@ def _pool_specs() -> st.SearchStrategy[dict[str, Any]]:
             "kvCacheGiB": st.just(2.0),
         },
     )
+    profile = {"name": "own", "layers": 32, "kvHeads": 8, "headDim": 128}
     return st.fixed_dictionaries(
-        {"model": models, "perReplica": per},
-        optional={"replicas": counts, "minReplicas": counts, "maxReplicas": counts},
+        {"perReplica": per},
+        optional={
+            "model": models,
+            "customModel": st.just(profile),  # one of the two (k8s/schema.py ModelChoice)
+            "replicas": counts,
+            "minReplicas": counts,
+            "maxReplicas": counts,
+        },
     )
 
 
@@ -95,6 +102,28 @@ def test_entitlement_rules_agree_with_the_config_schema(
         spec["apiKeyHashes"] = keys
     refused_by_cel = bool(cel_refuses("TokenEntitlement", spec))
     assert refused_by_cel == (check_spec("TokenEntitlement", spec, "t", "e") is not None), spec
+
+
+def test_a_pool_names_a_built_in_profile_or_brings_its_own() -> None:
+    """`model` is a string the API server can type (tests/test_k8s_cel_types.py); a profile of
+    the pool's own goes in `customModel`, and becomes the config's `model` mapping."""
+    own = {"name": "mine", "layers": 2, "kvHeads": 2, "headDim": 64, "bytesPerElement": 2.0}
+    per = {"tokensPerSecond": 100, "concurrency": 4, "kvTokens": 1000}
+    document = {"pools": [{"name": "p", "model": own, "perReplica": per}], "entitlements": []}
+    (pool,) = [o for o in render(document, None) if o["kind"] == "TokenPool"]
+    assert "model" not in pool["spec"] and pool["spec"]["customModel"] == own
+    assert cel_refuses("TokenPool", pool["spec"]) == []
+    assert check_spec("TokenPool", pool["spec"], "", "p") is None
+    built = config_data([pool], [])
+    assert not built.problems and built.data["pools"][0]["model"] == own
+    both = {**pool["spec"], "model": "Qwen3-8B"}
+    assert cel_refuses("TokenPool", both) == [
+        "give model (a built-in profile) or customModel, one of the two"
+    ]
+    assert check_spec("TokenPool", both, "", "p") is not None
+    # a pool stored before customModel, its profile in `model`, is still read
+    stored = {**pool, "spec": {"model": own, "perReplica": per}}
+    assert config_data([stored], []).data["pools"][0]["model"] == own
 
 
 def test_the_pool_of_an_entitlement_is_immutable() -> None:

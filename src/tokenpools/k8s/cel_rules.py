@@ -28,9 +28,16 @@ _QUANTITY_ONE_KV = _rule(
 )
 
 POOL_SPEC: list[dict[str, str]] = [
+    # `model` is typed (a string): CEL reads typed fields only (tests/test_k8s_cel_types.py)
     _rule(
-        f"type(self.model) != string || self.model in {_PROFILES}",
-        f"model must be one of the built-in profiles {_PROFILES} or a profile mapping",
+        "has(self.model) != has(self.customModel)",
+        "give model (a built-in profile) or customModel, one of the two",
+        "FieldValueRequired",
+    ),
+    _rule(
+        f"!has(self.model) || self.model in {_PROFILES}",
+        f"model must be one of the built-in profiles {_PROFILES}; a profile of its own goes "
+        "in customModel",
     ),
     _rule(
         f"{_or('minReplicas', 0)} <= {_or('replicas', 1)} && "

@@ -39,6 +39,7 @@ from tokenpools.k8s.schema import (
     ENTITLEMENT_REPLACED,
     POOL_REPLACED,
     EntitlementExtras,
+    ModelChoice,
     PoolExtras,
     split,
 )
@@ -120,13 +121,17 @@ def _refused(
 
 
 def _pool(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], PoolExtras]:
+    if isinstance(spec.get("model"), Mapping):  # stored before `customModel` (k8s/schema.py)
+        spec = {**{k: v for k, v in spec.items() if k != "model"}, "customModel": spec["model"]}
     no_replaced(spec, POOL_REPLACED, PoolExtras)
     own, extra = split(spec, PoolExtras)
     extras = PoolExtras.model_validate(extra)
+    model = ModelChoice(model=extras.model, customModel=extras.customModel).config_value()
     backends = [
         b.model_dump(exclude={"apiKeySecretRef"}, exclude_none=True) for b in extras.backends
     ]
-    out = {**own, "name": where[2], "backends": backends, "tokenizer": extras.tokenizer}
+    out = {**own, "name": where[2], "model": model, "backends": backends,
+           "tokenizer": extras.tokenizer}  # fmt: skip
     PoolSpec.model_validate(out)
     return out, extras
 
@@ -182,6 +187,8 @@ def render(
             )
     for pool in document.get("pools", []):
         spec = {k: v for k, v in pool.items() if k not in ("name", "backends", "tokenizer")}
+        if isinstance(spec["model"], Mapping):  # a profile of its own (k8s/schema.py)
+            spec["customModel"] = spec.pop("model")
         tenants = sorted({e["tenantId"] for e in ents if e["pool"] == pool["name"]})
         spec["namespaceSelector"] = {"matchExpressions": [
             {"key": "kubernetes.io/metadata.name", "operator": "In", "values": tenants}

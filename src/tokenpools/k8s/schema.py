@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tokenpools.model.config_schema import ProfileSpec
 from tokenpools.model.keys import KEY_HASH_PATTERN
 
 GROUP = "tokenpools.io"
@@ -110,7 +111,36 @@ class ClusterBackend(_Strict):
     apiKeySecretRef: SecretKeyRef | None = None
 
 
+# The config file's `model` is a built-in profile's name or a profile mapping. The API server
+# types a field one way only, and its CEL reads typed fields only (a field with no type is left
+# out of CEL, and a rule that reads it does not compile: tests/test_k8s_cel_types.py), so a
+# TokenPool says the name in `model` (a string) and a profile of its own in `customModel`.
+ModelName = Annotated[str, Field(min_length=1, max_length=253)]
+
+
+class ModelChoice(_Strict):
+    """A TokenPool's `model` or `customModel`: exactly one (also a CEL rule of the CRD)."""
+
+    model: ModelName | None = None
+    customModel: ProfileSpec | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelChoice:
+        if (self.model is None) == (self.customModel is None):
+            raise ValueError("give model (a built-in profile) or customModel, one of the two")
+        return self
+
+    def config_value(self) -> str | dict[str, Any]:
+        """The config file's `model`."""
+        if self.customModel is not None:
+            return self.customModel.model_dump()
+        assert self.model is not None
+        return self.model
+
+
 class PoolExtras(_Strict):
+    model: ModelName | None = None  # a built-in profile's name (ModelChoice)
+    customModel: ProfileSpec | None = None  # or a profile of its own
     # which namespaces' entitlements may use the pool: none when absent (as Kueue's
     # ClusterQueue), every namespace for {}
     namespaceSelector: LabelSelector | None = None
@@ -131,7 +161,7 @@ class EntitlementExtras(_Strict):
 
 
 # Fields of the file schema a cluster gives otherwise (metadata, namespace, the extras above).
-POOL_REPLACED = ("name", "backends", "tokenizer")
+POOL_REPLACED = ("name", "model", "backends", "tokenizer")
 ENTITLEMENT_REPLACED = ("name", "apiKeys", "tenantId")
 BUDGET_REPLACED = ("name",)
 
