@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from tokenpools.control.store import Lease, Outcome, Shortfall
 from tokenpools.model.entitlement import BindingState
@@ -155,7 +155,11 @@ class Admit:
     budget: tuple[str, float, float] | None = None
     lowered: bool = False  # max_tokens was lowered to fit a budget: the host must send it
 
-    admitted: ClassVar[bool] = True  # a class constant: no instance slot to fill
+    # a property, not a field: mypyc lists even a ClassVar among a dataclass's fields, and
+    # dataclasses.replace would then pass it to __init__
+    @property
+    def admitted(self) -> bool:
+        return True
 
     def __init__(
         self,
@@ -189,7 +193,9 @@ class Reject:
     budget: str | None = None  # for insufficient_quota: the budget that refused
     max_tokens_fit: int = 0  # > 0: the budgets allow this request with max_tokens lowered to it
 
-    admitted: ClassVar[bool] = False
+    @property
+    def admitted(self) -> bool:
+        return False
 
     def __init__(
         self,
