@@ -86,13 +86,23 @@ class Clients:
             self.retry_or_give_up(job, verdict.retry_after_s)
             return
         sim.active[req.req_id] = attempt
+        for victim in verdict.evict:
+            sim.evict(victim)
         if isinstance(verdict, Send):
-            for victim in verdict.evict:
-                sim.evict(victim)
             sim.to_engine(req)
         else:
             assert isinstance(verdict, Queue)
             sim.dispatch_queued()
+
+    def refused_in_queue(self, req_id: str, reason: str) -> None:
+        """The policy gave up on an attempt it had queued (a queue time-out): the client gets
+        its refusal now, without Retry-After."""
+        attempt = self.sim.active.pop(req_id, None)
+        if attempt is None:
+            return
+        attempt.outcome, attempt.reason, attempt.finished_at = "rejected", reason, self.sim.now
+        self.rejected[attempt.job.tenant] += 1
+        self.retry_or_give_up(attempt.job, None)
 
     def retry_or_give_up(self, job: Job, retry_after_s: float | None) -> None:
         retry = self.tenants[job.tenant].retry

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tokenpools.model.service_class import ServiceClass
+from tokenpools.sim.fairness import fairness_block, jobs_within_slo
 from tokenpools.sim.records import Attempt, RunResult
 
 DIGITS = 4
@@ -152,8 +152,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         },
         "utilization": utilization,
         "useful_utilization": useful_utilization(result),
-        "jain_index": _r(jain_index(result)),
-        "vtc_service_difference": _r(vtc_service_difference(result)),
+        "fairness": fairness_block(result, DIGITS),
         "gave_up": dict(sorted(result.gave_up.items())),
     }
     if scenario.autoscaling is not None:
@@ -191,64 +190,15 @@ def slo_attainment(result: RunResult, protected_only: bool) -> float | None:
     """Share of the (protected) tenants' requests — jobs, not attempts — that completed
     within the tenant's TTFT SLO; a job refused or evicted for good misses it."""
     jobs = good = 0
+    per_tenant = jobs_within_slo(result)
     for tenant in result.scenario.tenants:
         ent = result.config.entitlements[tenant.entitlement or tenant.name]
         if protected_only and not ent.protected:
             continue
-        slo = tenant.slo_ttft_s or (ent.slo_target_ms / 1000 if ent.slo_target_ms else None)
-        met: dict[int, bool] = {}
-        for a in result.attempts:
-            if a.req.tenant != tenant.name:
-                continue
-            key = id(a.job)
-            ok = (
-                a.outcome == "completed"
-                and a.first_token_at is not None
-                and (slo is None or a.first_token_at - a.req.sent_at <= slo)
-            )
-            met[key] = met.get(key, False) or ok
-        jobs += len(met)
-        good += sum(met.values())
+        n, met = per_tenant[tenant.name]
+        jobs += n
+        good += met
     return good / jobs if jobs else None
-
-
-def _elastic(result: RunResult) -> list[tuple[str, float]]:
-    out = []
-    for tenant in result.scenario.tenants:
-        ent = result.config.entitlements[tenant.entitlement or tenant.name]
-        if ent.service_class == ServiceClass.ELASTIC and ent.baseline.throughput > 0:
-            out.append((tenant.name, ent.baseline.throughput))
-    return out
-
-
-def jain_index(result: RunResult) -> float | None:
-    """Jain's index of service/entitlement among elastic tenants (1 = perfectly fair);
-    service is the prompt and output tokens of completed requests per second."""
-    elastic = _elastic(result)
-    if len(elastic) < 2:
-        return None
-    served: dict[str, float] = defaultdict(float)
-    for a in result.attempts:
-        if a.outcome == "completed":
-            served[a.req.tenant] += a.req.prompt_tokens + a.output_tokens
-    xs = [served[name] / result.scenario.duration_s / rate for name, rate in elastic]
-    total = sum(xs)
-    squares = sum(x * x for x in xs)
-    return total * total / (len(xs) * squares) if squares > 0 else None
-
-
-def vtc_service_difference(result: RunResult, window_s: float = 60.0) -> float | None:
-    """VTC's fairness metric: the largest gap in weighted service (input 1, output 2) between
-    elastic tenants within any 60 s window, in tokens."""
-    names = [name for name, _ in _elastic(result)]
-    if len(names) < 2:
-        return None
-    windows: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(names, 0.0))
-    for a in result.attempts:
-        if a.outcome == "completed" and a.req.tenant in names and a.finished_at is not None:
-            service = a.req.prompt_tokens + 2 * a.output_tokens
-            windows[int(a.finished_at // window_s)][a.req.tenant] += service
-    return max((max(w.values()) - min(w.values()) for w in windows.values()), default=0.0)
 
 
 def summary_json(result: RunResult) -> dict[str, Any]:

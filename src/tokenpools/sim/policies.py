@@ -1,5 +1,6 @@
-"""The admission policies the simulator runs, by name: tokenpools (sim/tokenpools_policy.py)
-and what people run today (sim/baselines.py)."""
+"""The admission policies the simulator runs, by name: tokenpools (sim/tokenpools_policy.py),
+what people run today (sim/baselines.py), llm-d's flow control (sim/llmd_flow.py) and tokenpools
+in front of it (sim/tokenpools_llmd.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from tokenpools.sim.baselines import (
     VirtualTokenCounter,
     derive_limits,
 )
+from tokenpools.sim.llmd_flow import LlmdFlowControl
 from tokenpools.sim.policy import AdmissionPolicy, Cluster, TenantLimits
+from tokenpools.sim.scenario import LlmdSpec
+from tokenpools.sim.tokenpools_llmd import TokenPoolsThenLlmd
 from tokenpools.sim.tokenpools_policy import TokenPools
 
 __all__ = ["POLICIES", "TokenPools", "derive_limits", "make_policy"]
@@ -28,7 +32,9 @@ POLICIES = (
     "concurrency",
     "priority-shed",
     "vtc",
+    "llm-d",
     "tokenpools",
+    "tokenpools+llm-d",
 )
 
 
@@ -40,6 +46,7 @@ def make_policy(
     now: float,
     absent: frozenset[str] = frozenset(),
     layered: frozenset[str] = frozenset(),
+    llmd: LlmdSpec | None = None,
 ) -> AdmissionPolicy:
     factories: dict[str, Callable[[], AdmissionPolicy]] = {
         "none": NoAdmissionControl,
@@ -48,7 +55,9 @@ def make_policy(
         "concurrency": lambda: StaticConcurrency(limits),
         "priority-shed": lambda: PriorityShed(limits, cluster),
         "vtc": VirtualTokenCounter,
+        "llm-d": lambda: LlmdFlowControl(config, cluster, llmd),
         "tokenpools": lambda: TokenPools(config, now, absent, layered),
+        "tokenpools+llm-d": lambda: TokenPoolsThenLlmd(config, now, cluster, llmd, absent, layered),
     }
     if name not in factories:
         raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

@@ -3,6 +3,8 @@
 A policy sees each attempt before the engine does and answers Send (send it now), Queue
 (it queues the attempt and releases it later through `dispatch`) or Refuse (a 429, with or
 without Retry-After). It hears when attempts end, and may ask for in-flight ones to be evicted.
+A policy that queues may also give up on a queued attempt later (a queue time-out), or evict
+in-flight ones from its dispatch loop: the host collects both through `aftermath`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Send:
 
 @dataclass(slots=True)
 class Queue:
-    pass
+    evict: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -41,6 +43,27 @@ class Refuse:
 
 
 Verdict = Send | Queue | Refuse
+
+
+@dataclass(slots=True)
+class Aftermath:
+    """What a queueing policy decided outside `admit`: in-flight attempts to terminate, and
+    queued ones it refuses after all (request id, reason), answered without Retry-After."""
+
+    evict: list[str] = field(default_factory=list)
+    refuse: list[tuple[str, str]] = field(default_factory=list)
+    wake_at: float | None = None  # run a dispatch cycle then, though nothing else happens
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointLoad:
+    """One serving replica as an endpoint picker scrapes it: requests waiting in the engine,
+    running, its slots and the share of its KV cache in use."""
+
+    waiting: int
+    running: int
+    slots: int
+    kv_usage: float
 
 
 class Cluster(Protocol):
@@ -57,6 +80,9 @@ class Cluster(Protocol):
 
     @property
     def kv_usage(self) -> float: ...
+
+    @property
+    def endpoints(self) -> list[EndpointLoad]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +101,13 @@ class AdmissionPolicy:
         return Send()
 
     def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
+        """Queued attempts to send now. The host calls it again after sending them, until it
+        returns none, so a policy may release one at a time and look at the engines again."""
         return []
+
+    def aftermath(self, now: float) -> Aftermath:
+        """Evictions and late refusals decided since the last call (after dispatch, on ticks)."""
+        return Aftermath()
 
     def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
         pass

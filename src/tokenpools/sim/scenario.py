@@ -175,6 +175,43 @@ class AutoscalingSpec(_Strict):
     scale_down_delay_s: NonNeg = 120.0
 
 
+class LlmdSpec(_Strict):
+    """How llm-d's flow control is configured for the `llm-d` and `tokenpools+llm-d` policies
+    (sim/llmd_flow.py). Defaults are llm-d's own (pkg/epp/flowcontrol and its plugins), except
+    where noted: fairness `program-aware` and in-flight eviction on, which a platform team
+    comparing it with tokenpools would turn on (llm-d ships global-strict and eviction off)."""
+
+    # service class → band (InferenceObjective priority); default: model/objectives.PRIORITY
+    priorities: dict[str, int] | None = None
+    fairness: Literal["program-aware", "round-robin", "global-strict"] = "program-aware"
+    las_weight_service: NonNeg = 0.8
+    las_weight_head_wait: NonNeg = 0.2
+    las_half_life_s: NonNeg = 60.0  # 0: no decay
+    detector: Literal["utilization", "concurrency"] = "utilization"
+    queue_depth_threshold: Annotated[int, Field(gt=0)] = 5
+    kv_cache_util_threshold: Annotated[float, Field(gt=0, le=1)] = 0.8
+    # concurrency detector: requests in flight per endpoint at saturation (llm-d: 100); None:
+    # the engine's max_num_seqs, what an operator would set for these engines
+    max_concurrency: Annotated[int, Field(gt=0)] | None = None
+    usage_limit: Literal["static", "priority-holdback", "soft-reflective-ceiling"] = "static"
+    threshold: Annotated[float, Field(gt=0, le=1)] = 1.0  # static
+    min_ceiling: Annotated[float, Field(ge=0, lt=1)] = 0.4  # priority-holdback (required there)
+    max_ceiling: Annotated[float, Field(gt=0, le=1)] = 1.0
+    domain: Literal["rank", "value"] = "rank"
+    request_ttl_s: NonNeg = 60.0  # 0: no queue time-out
+    band_max_requests: Annotated[int, Field(gt=0)] = 5000
+    band_max_bytes: Annotated[int, Field(gt=0)] = 1_000_000_000
+    eviction: bool = True
+    max_revocations: Annotated[int, Field(gt=0)] = 2
+    confirmation_grace_s: NonNeg = 0.5
+
+    @model_validator(mode="after")
+    def _check(self) -> LlmdSpec:
+        if self.usage_limit == "priority-holdback" and self.min_ceiling >= self.max_ceiling:
+            raise ValueError("llmd: min_ceiling must be below max_ceiling")
+        return self
+
+
 class EngineSpec(_Strict):
     profile: str
     replicas: int = Field(default=1, ge=1)
@@ -192,6 +229,7 @@ class Scenario(_Strict):
     capacity: list[CapacityEvent] = []
     restarts: list[Restart] = []
     autoscaling: AutoscalingSpec | None = None
+    llmd: LlmdSpec = LlmdSpec()
     sample_interval_s: Pos = 0.5
 
     @model_validator(mode="after")

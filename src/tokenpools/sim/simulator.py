@@ -20,7 +20,7 @@ from tokenpools.model.config import ConfigError
 from tokenpools.sim.autoscaler import Autoscaler, ReplicaMeter
 from tokenpools.sim.clients import Clients
 from tokenpools.sim.policies import derive_limits, make_policy
-from tokenpools.sim.policy import AdmissionPolicy, SimRequest, TenantLimits
+from tokenpools.sim.policy import AdmissionPolicy, EndpointLoad, SimRequest, TenantLimits
 from tokenpools.sim.records import Attempt, RunResult, Sample
 from tokenpools.sim.scenario import Scenario
 
@@ -73,7 +73,14 @@ class Simulation:
         }
         layered = frozenset(t.entitlement or t.name for t in scenario.tenants if t.layered)
         self.policy: AdmissionPolicy = make_policy(
-            policy, self.config, limits, self, 0.0, frozenset(self._joining.values()), layered
+            policy,
+            self.config,
+            limits,
+            self,
+            0.0,
+            frozenset(self._joining.values()),
+            layered,
+            scenario.llmd,
         )
         self.policy_name = policy
         self.now = 0.0
@@ -84,6 +91,7 @@ class Simulation:
         self.active: dict[str, Attempt] = {}  # by request id, admitted and not yet ended
         self.where: dict[str, int] = {}  # request id → the replica serving it
         self.samples: list[Sample] = []
+        self._wakes: set[float] = set()  # dispatch cycles the policy asked for
         self.output_tokens: Counter[tuple[str, str]] = Counter()
         self.clients = Clients(self)
 
@@ -105,6 +113,15 @@ class Simulation:
     def kv_usage(self) -> float:
         serving = self.serving
         return sum(self.engines[i].kv_usage for i in serving) / max(1, len(serving))
+
+    @property
+    def endpoints(self) -> list[EndpointLoad]:
+        """The serving replicas as a picker reads them, without scrape lag: a request handed
+        to an engine counts as waiting at once (docs/simulation.md, llm-d)."""
+        return [
+            EndpointLoad(e.num_waiting, e.num_running, e.profile.max_num_seqs, e.kv_usage)
+            for e in (self.engines[i] for i in self.serving)
+        ]
 
     # -- scheduling ---------------------------------------------------------------------------
 
@@ -227,13 +244,35 @@ class Simulation:
         self.clients.retry_or_give_up(attempt.job, None)
 
     def dispatch_queued(self) -> None:
-        free = sum(
-            max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting)
-            for e in (self.engines[i] for i in self.serving)
-        )
-        if free:
-            for req in self.policy.dispatch(self.now, free):
+        """Ask the policy for queued attempts until it releases none (it may release one at a
+        time and read the engines again), then act on what it decided besides."""
+        while True:
+            free = sum(
+                max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting)
+                for e in (self.engines[i] for i in self.serving)
+            )
+            released = self.policy.dispatch(self.now, free)
+            if not released:
+                break
+            for req in released:
                 self.to_engine(req)
+        self._aftermath()
+
+    def _aftermath(self) -> None:
+        after = self.policy.aftermath(self.now)
+        for req_id, reason in after.refuse:
+            self.clients.refused_in_queue(req_id, reason)
+        for req_id in after.evict:
+            self.evict(req_id)
+        if after.evict or after.refuse:  # room was made: the policy may release more
+            self.dispatch_queued()
+        elif after.wake_at is not None and after.wake_at not in self._wakes:
+            self._wakes.add(after.wake_at)  # one wake-up per instant, however often asked
+            self.at(after.wake_at, partial(self._wake, after.wake_at))
+
+    def _wake(self, at: float) -> None:
+        self._wakes.discard(at)
+        self.dispatch_queued()
 
     # -- timeline -----------------------------------------------------------------------------
 
@@ -282,6 +321,8 @@ class Simulation:
     def _tick(self) -> None:
         for req_id in self.policy.tick(self.now):
             self.evict(req_id)
+        if self.policy.holds_requests:
+            self._aftermath()
 
         self.at(self.now + 0.5, self._tick)
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from tokenpools.control import pipeline
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.decisions import Admit
+from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.tenancy import Directory
 from tokenpools.model.config import Config
 from tokenpools.model.request import Account, RequestCost, Usage
@@ -76,13 +76,17 @@ class TokenPools(AdmissionPolicy):
         return [lease.lease_id for lease in self.core.apply_config(self._current(), now)]
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
-        self.tenant_of[req.entitlement] = req.tenant
-        cost = RequestCost(req.prompt_tokens, req.max_tokens, 1, self.accounts.get(req.entitlement))
-        names = self.layers.get(req.entitlement, (req.entitlement,))
-        decision = pipeline.run(self.core, names, cost, now, req.req_id)
+        decision = self.decide(req, now)
         if isinstance(decision, Admit):
             return Send([lease.lease_id for lease in decision.evict])
         return Refuse(decision.reason.value, decision.retry_after_s)
+
+    def decide(self, req: SimRequest, now: float) -> Decision:
+        """The core's decision on one attempt, through the admission pipeline."""
+        self.tenant_of[req.entitlement] = req.tenant
+        cost = RequestCost(req.prompt_tokens, req.max_tokens, 1, self.accounts.get(req.entitlement))
+        names = self.layers.get(req.entitlement, (req.entitlement,))
+        return pipeline.run(self.core, names, cost, now, req.req_id)
 
     def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
         self.core.settle(req.req_id, Usage(req.prompt_tokens, output_tokens), now)

@@ -1,0 +1,187 @@
+"""Fairness as the literature measures it, for every policy's summary (docs/simulation.md):
+
+- VTC's service difference (Sheng et al., OSDI 2024; their artifact's measure): in 60 s windows,
+  each tenant's service rate (input + 2 × output tokens of its completed requests, spread evenly
+  over each request's decode, first token to last) and its demand rate (the same cost of the
+  requests it first sent in the window); the window's difference is the largest, over tenants,
+  of min(most served tenant's rate − its own, its demand − its own): how far a tenant that still
+  wanted more fell behind the best served. Within each service class, where tenants are meant to
+  be treated alike; 0 when nobody who wanted more was behind.
+- Jain's index over entitled-share-normalised service: x = tokens served / min(entitlement,
+  tokens asked for) per tenant with a baseline, (Σx)² / (n·Σx²); 1 when every tenant got the
+  same multiple of what it was entitled to (or asked for, if less).
+- SLO attainment per class: the share of a class's jobs (not attempts: a job retried counts
+  once) that completed within its tenant's TTFT SLO.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+from tokenpools.sim.records import Attempt, RunResult
+
+WINDOW_S = 60.0
+STEP_S = 10.0  # window centres this far apart
+W_IN, W_OUT = 1.0, 2.0  # VTC's cost of a token
+
+
+def _cost(prompt: int, output: int) -> float:
+    return W_IN * prompt + W_OUT * output
+
+
+def _classes(result: RunResult) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = defaultdict(list)
+    for t in result.scenario.tenants:
+        ent = result.config.entitlements[t.entitlement or t.name]
+        groups[ent.service_class.value].append(t.name)
+    return dict(groups)
+
+
+def _served(a: Attempt, start: float, end: float) -> float:
+    """The part of a completed attempt's cost that falls in [start, end)."""
+    assert a.first_token_at is not None and a.finished_at is not None
+    first, last = a.first_token_at, a.finished_at
+    cost = _cost(a.req.prompt_tokens, a.output_tokens)
+    if last <= first:  # one token: all of it at the end
+        return cost if start <= last < end else 0.0
+    return cost * max(0.0, min(end, last) - max(start, first)) / (last - first)
+
+
+def window_difference(service: dict[str, float], demand: dict[str, float]) -> float:
+    """One window: max over tenants of min(best service − own, own demand − own), at least 0."""
+    if len(service) < 2:
+        return 0.0
+    best = max(service.values())
+    return max(0.0, *(min(best - s, demand[t] - s) for t, s in service.items()))
+
+
+def service_difference(
+    result: RunResult, window_s: float = WINDOW_S, step_s: float = STEP_S
+) -> dict[str, Any] | None:
+    """VTC's service difference per class with at least two tenants, in weighted tokens/s:
+    the largest and the mean over windows (and over classes, the worst); None when no class
+    has two tenants."""
+    duration = result.scenario.duration_s
+    window = min(window_s, duration)
+    count = int((duration - window) // step_s + 1e-9) + 1  # windows [i·step, i·step + window)
+    grouped = {c: n for c, n in _classes(result).items() if len(n) >= 2}
+    if not grouped:
+        return None
+    tenants = {t for names in grouped.values() for t in names}
+    service = [dict.fromkeys(tenants, 0.0) for _ in range(count)]
+    demand = [dict.fromkeys(tenants, 0.0) for _ in range(count)]
+
+    def centres(first: float, last: float) -> range:
+        """The windows that may meet [first, last] (one more on each side costs nothing)."""
+        lo = max(0, math.floor((first - window) / step_s))
+        hi = min(count - 1, math.ceil(last / step_s))
+        return range(lo, hi + 1)
+
+    for a in result.attempts:
+        if a.req.tenant not in tenants:
+            continue
+        if a.number == 1:
+            cost = _cost(a.job.prompt_tokens, a.job.output_tokens) / window
+            for i in centres(a.req.sent_at, a.req.sent_at):
+                if i * step_s <= a.req.sent_at < i * step_s + window:
+                    demand[i][a.req.tenant] += cost
+        if a.outcome == "completed" and a.first_token_at is not None and a.finished_at is not None:
+            for i in centres(a.first_token_at, a.finished_at):
+                service[i][a.req.tenant] += _served(a, i * step_s, i * step_s + window) / window
+    by_class: dict[str, dict[str, float]] = {}
+    for cls, names in grouped.items():
+        diffs = [
+            window_difference({t: service[i][t] for t in names}, {t: demand[i][t] for t in names})
+            for i in range(count)
+        ]
+        by_class[cls] = {"max": max(diffs), "mean": sum(diffs) / len(diffs)}
+    return {
+        "max": max(v["max"] for v in by_class.values()),
+        "mean": max(v["mean"] for v in by_class.values()),
+        "by_class": by_class,
+    }
+
+
+def jain(xs: list[float]) -> float | None:
+    squares = sum(x * x for x in xs)
+    if len(xs) < 2 or squares <= 0:
+        return None
+    return sum(xs) ** 2 / (len(xs) * squares)
+
+
+def entitled_jain_index(result: RunResult) -> float | None:
+    """Jain's index of served / min(entitled, asked) over tenants with a throughput baseline,
+    in the pool's weighted tokens per second (the unit of the entitlement)."""
+    pool = next(iter(result.config.pools.values()))
+    w_in, w_out = pool.input_token_weight, pool.output_token_weight
+    served: dict[str, float] = defaultdict(float)
+    asked: dict[str, float] = defaultdict(float)
+    for a in result.attempts:
+        if a.outcome == "completed":
+            served[a.req.tenant] += w_in * a.req.prompt_tokens + w_out * a.output_tokens
+        if a.number == 1:
+            asked[a.req.tenant] += w_in * a.job.prompt_tokens + w_out * a.job.output_tokens
+    seconds = result.scenario.duration_s
+    xs = []
+    for t in result.scenario.tenants:
+        rate = result.config.entitlements[t.entitlement or t.name].baseline.throughput
+        wanted = min(rate, asked[t.name] / seconds)
+        if rate > 0 and wanted > 0:
+            xs.append(served[t.name] / seconds / wanted)
+    return jain(xs)
+
+
+def jobs_within_slo(result: RunResult) -> dict[str, tuple[int, int]]:
+    """Per tenant: (jobs, jobs that completed within the tenant's TTFT SLO); a job refused or
+    evicted for good misses it; a tenant without an SLO meets it by completing."""
+    mine: dict[str, list[Attempt]] = defaultdict(list)
+    for a in result.attempts:
+        mine[a.req.tenant].append(a)
+    out = {}
+    for tenant in result.scenario.tenants:
+        ent = result.config.entitlements[tenant.entitlement or tenant.name]
+        slo = tenant.slo_ttft_s or (ent.slo_target_ms / 1000 if ent.slo_target_ms else None)
+        met: dict[int, bool] = {}
+        for a in mine[tenant.name]:
+            ok = (
+                a.outcome == "completed"
+                and a.first_token_at is not None
+                and (slo is None or a.first_token_at - a.req.sent_at <= slo)
+            )
+            met[id(a.job)] = met.get(id(a.job), False) or ok
+        out[tenant.name] = (len(met), sum(met.values()))
+    return out
+
+
+def slo_attainment_by_class(result: RunResult) -> dict[str, float | None]:
+    per_tenant = jobs_within_slo(result)
+    out: dict[str, float | None] = {}
+    for cls, names in _classes(result).items():
+        jobs = sum(per_tenant[n][0] for n in names)
+        good = sum(per_tenant[n][1] for n in names)
+        out[cls] = good / jobs if jobs else None
+    return out
+
+
+def fairness_block(result: RunResult, digits: int = 4) -> dict[str, Any]:
+    """The `fairness` block of a policy's summary."""
+
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, digits)
+
+    diff = service_difference(result)
+    if diff is not None:
+        diff = {
+            "max": r(diff["max"]),
+            "mean": r(diff["mean"]),
+            "by_class": {
+                c: {"max": r(v["max"]), "mean": r(v["mean"])} for c, v in diff["by_class"].items()
+            },
+        }
+    return {
+        "vtc_service_difference": diff,
+        "jain_index": r(entitled_jain_index(result)),
+        "slo_attainment": {c: r(v) for c, v in slo_attainment_by_class(result).items()},
+    }
