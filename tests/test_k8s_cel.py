@@ -4,22 +4,18 @@ take tokenpools capacity by hand and any pod but a lease pod from the operator."
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import yaml
 from cel import cel  # the compiled module: xds-protos' own top-level `cel` may empty __init__
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kube.admission import OPERATOR, refusals
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.crds import crds
 from tokenpools.k8s.custom_resources import check_spec, config_data, render
 from tokenpools.model.profile import BUILTIN_PROFILES
 from tokenpools.model.service_class import ServiceClass
-
-POLICY = Path(__file__).resolve().parent.parent / "deploy" / "base" / "admission-policy.yaml"
-OPERATOR = "system:serviceaccount:tokenpools-system:tokenpools-operator"
 
 
 def _spec_schema(kind: str) -> dict[str, Any]:
@@ -134,12 +130,7 @@ def test_the_pool_of_an_entitlement_is_immutable() -> None:
 
 
 def _policy_allows(pod: dict[str, Any], user: str) -> list[str]:
-    policy = yaml.safe_load(POLICY.read_text().split("\n---\n")[0])["spec"]
-    ctx: dict[str, Any] = {"object": pod, "request": {"userInfo": {"username": user}}}
-    ctx["variables"] = {}
-    for var in policy["variables"]:
-        ctx["variables"][var["name"]] = cel.evaluate(var["expression"], ctx)
-    return [v["message"] for v in policy["validations"] if not cel.evaluate(v["expression"], ctx)]
+    return refusals("tokenpools-lease-pods", "CREATE", "pods", pod, None, user)
 
 
 def test_the_admission_policy_keeps_capacity_to_the_operators_lease_pods() -> None:
@@ -147,7 +138,9 @@ def test_the_admission_policy_keeps_capacity_to_the_operators_lease_pods() -> No
     lease = o.lease_pod(ent, ServiceClass.GUARANTEED, {"tokenpools.io/concurrency": 2})
     assert _policy_allows(lease, OPERATOR) == []
     assert _policy_allows(lease, "alice") == [
-        "only the tokenpools operator may create pods that hold tokenpools capacity"
+        "only the tokenpools operator may create pods that hold tokenpools capacity",
+        "only the tokenpools operator may mark a pod as a lease pod (the tokenpools.io/lease "
+        "label, the tokenpools.io/made-by annotation, a TokenEntitlement owner)",
     ]
     by_hand = {"metadata": {}, "spec": {"priorityClassName": "tokenpools-dedicated",
                                         "containers": [{"image": "x"}]}}  # fmt: skip

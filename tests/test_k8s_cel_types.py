@@ -81,6 +81,8 @@ POD = _object(
         ("containers",),
         containers=_map_list(["name"], _CONTAINER),
         initContainers=_map_list(["name"], _CONTAINER),
+        ephemeralContainers=_map_list(["name"], _CONTAINER),
+        resources=_RESOURCES,  # pod-level resources (PodLevelResources)
         volumes=_map_list(["name"], _VOLUME),
         priorityClassName=_S, priority={"type": "integer", "format": "int32"}, nodeName=_S,
         serviceAccountName=_S, automountServiceAccountToken=_B, nodeSelector=_LABELS,

@@ -26,7 +26,10 @@ def test_pool_entitlements_preemption_shrink_and_cleanup(bench: Bench) -> None:
     assert alloc["tokenpools.io/concurrency"] == "16"
     assert alloc["tokenpools.io/shared-concurrency"] == "24"
     assert alloc["tokenpools.io/tokens-per-second"] == "480" and int(alloc["pods"]) > 0
-    assert node["spec"]["taints"] == [o.TAINT]
+    assert node["spec"]["taints"] == [o.TAINT] and o.TAINT["effect"] == "NoExecute"
+    assert node["metadata"]["labels"]["kubernetes.io/os"] == "linux"
+    # cpu and memory: what its pods can request, not a fictitious 1,000 CPUs and 4 Ti
+    assert (alloc["cpu"], alloc["memory"], alloc["pods"]) == ("500m", "2000Mi", "500")
     assert [c["status"] for c in node["status"]["conditions"] if c["type"] == "Ready"] == ["True"]
     assert bench.states() == {"gold": "Bound", "chat": "Bound", "batch": "Bound"}
     [gold] = bench.leases("gold")
@@ -35,7 +38,9 @@ def test_pool_entitlements_preemption_shrink_and_cleanup(bench: Bench) -> None:
     assert gold["spec"]["priorityClassName"] == "tokenpools-guaranteed"
     assert gold["metadata"]["ownerReferences"][0]["kind"] == "TokenEntitlement"
     assert gold["status"]["phase"] == "Running"
-    keys = {(t["key"], t["effect"]) for t in gold["spec"]["tolerations"]}
+    assert (res["requests"]["cpu"], res["requests"]["memory"]) == ("1m", "4Mi")  # for quotas
+    keys = {(t["key"], t.get("effect")) for t in gold["spec"]["tolerations"]}
+    assert (o.TAINT["key"], None) in keys  # every effect of the node's taint
     assert ("node.kubernetes.io/unreachable", "NoExecute") in keys
     assert ("node.kubernetes.io/not-ready", "NoExecute") in keys
     assert not any("tolerationSeconds" in t for t in gold["spec"]["tolerations"])

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import yaml
-from cel import cel  # the compiled module: xds-protos' own top-level `cel` may empty __init__
 
+from tests.kube.admission import OPERATOR, refusals
+from tests.kube.admission import policy as admission_policy
 from tests.kube.harness import NS, PLATFORM, Bench, bench, ent, pool
 from tests.servers import wait_until
 from tokenpools.k8s import objects as o
@@ -31,7 +32,6 @@ from tokenpools.model.service_class import ServiceClass
 __all__ = ["bench"]
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "base"
-OPERATOR = "system:serviceaccount:tokenpools-system:tokenpools-operator"
 NODE = node_name("qwen")
 
 
@@ -247,17 +247,6 @@ def test_a_key_whose_label_is_taken_away_is_dropped_by_the_watch(bench: Bench) -
 # -- the admission policy: the operator's node and pod writes -------------------------------
 
 
-def _scope_policy() -> dict[str, Any]:
-    docs = [d for d in yaml.safe_load_all((DEPLOY / "admission-policy.yaml").read_text()) if d]
-    [policy] = [d for d in docs if d["metadata"]["name"] == "tokenpools-operator-scope"
-                and d["kind"] == "ValidatingAdmissionPolicy"]  # fmt: skip
-    [binding] = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"
-                 and d["spec"]["policyName"] == "tokenpools-operator-scope"]  # fmt: skip
-    assert binding["spec"]["validationActions"] == ["Deny"]
-    spec: dict[str, Any] = policy["spec"]
-    return spec
-
-
 def _refusals(
     operation: str,
     resource: str,
@@ -266,26 +255,7 @@ def _refusals(
     user: str = OPERATOR,
     sub: str = "",
 ) -> list[str]:
-    """The messages of the policy's validations that fail, as the API server runs them (the
-    policy applies only to requests its rules and matchConditions match)."""
-    policy = _scope_policy()
-    rules = policy["matchConstraints"]["resourceRules"]
-    name = f"{resource}/{sub}" if sub else resource
-    if not any(operation in r["operations"] and name in r["resources"] for r in rules):
-        return []
-    ctx: dict[str, Any] = {
-        "object": new,
-        "oldObject": old,
-        "request": {"operation": operation, "userInfo": {"username": user},
-                    "resource": {"group": "", "version": "v1", "resource": resource},
-                    "subResource": sub},
-    }  # fmt: skip
-    if not all(cel.evaluate(m["expression"], ctx) for m in policy["matchConditions"]):
-        return []
-    ctx["variables"] = {}
-    for var in policy["variables"]:
-        ctx["variables"][var["name"]] = cel.evaluate(var["expression"], ctx)
-    return [v["message"] for v in policy["validations"] if not cel.evaluate(v["expression"], ctx)]
+    return refusals("tokenpools-operator-scope", operation, resource, new, old, user, sub)
 
 
 NODES_ONLY = "the tokenpools operator may write only the Nodes of its own installation"
@@ -334,7 +304,7 @@ def test_the_admission_policy_lets_the_operator_delete_only_its_pods() -> None:
 
 def test_the_installation_id_agrees_across_operator_policy_and_code() -> None:
     """The policy's installation and user, the operator's setting, and the default id."""
-    policy = _scope_policy()
+    policy = admission_policy("tokenpools-operator-scope")
     value = {v["name"]: v["expression"] for v in policy["variables"]}["installation"]
     docs = list(yaml.safe_load_all((DEPLOY / "operator.yaml").read_text()))
     deployment = next(d for d in docs if d["kind"] == "Deployment")

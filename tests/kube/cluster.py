@@ -11,10 +11,25 @@ from tests.kube.apiserver import ServerThread
 from tests.kube.scheduler import Bind, Preempt, SNode, SPod, queue_order, schedule_one
 from tokenpools.k8s.api import NODES, PODS, PRIORITY_CLASSES, Kube
 
+_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}  # fmt: skip
+
+
+def quantity(resource: str, text: str) -> int:
+    """A resource.Quantity as the scheduler compares it: cpu in millicores, anything else in
+    whole units (memory in bytes), so "1" cpu and "1000m" are equal."""
+    scale = 1000 if resource == "cpu" else 1
+    if text.endswith("m"):
+        return int(text[:-1]) * scale // 1000
+    for suffix, factor in _SUFFIXES.items():
+        if text.endswith(suffix):
+            return int(text[: -len(suffix)]) * factor * scale
+    return int(text) * scale
+
 
 def _node(obj: dict[str, Any]) -> SNode:
     status = obj.get("status") or {}
-    alloc = {k: int(v) for k, v in (status.get("allocatable") or {}).items() if v.isdigit()}
+    alloc = {k: quantity(k, v) for k, v in (status.get("allocatable") or {}).items()}
     ready = any(
         c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
     )
@@ -29,7 +44,7 @@ def _pod(obj: dict[str, Any], seq: dict[tuple[str | None, str], int]) -> SPod:
     requests: dict[str, int] = {}
     for c in spec.get("containers", []):
         for k, v in ((c.get("resources") or {}).get("requests") or {}).items():
-            requests[k] = requests.get(k, 0) + int(v)
+            requests[k] = requests.get(k, 0) + quantity(k, v)
     key = (meta["namespace"], meta["name"])
     return SPod(
         meta["name"],

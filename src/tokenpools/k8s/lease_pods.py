@@ -4,7 +4,11 @@ The spec in force is the current one when valid, else the last applied (`Cluster
 invalid edit changes nothing but a condition. A valid edit that changes what the lease pod
 requests (or its priority) is a new pod, made beside the old one; the entitlement stays Bound
 under its applied spec until the new pod binds, then the old pod goes — a resize never leaves
-a tenant without its binding while it waits for room."""
+a tenant without its binding while it waits for room.
+
+Bound means a pod the operator made, exactly as it makes them (k8s/lease_proof.py), bound to
+its pool's node: a pod that only looks like a lease pod (a tenant's, with the label, the owner
+and the name but not the requests, or with other containers) never counts, and is deleted."""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from tokenpools.control.placement import lease_requests
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, PODS, Conflict, Kube
 from tokenpools.k8s.applied import ClusterConfig
-from tokenpools.k8s.names import entitlement_key
+from tokenpools.k8s.lease_proof import Lease, other_installation, proof
+from tokenpools.k8s.names import entitlement_key, node_name
 from tokenpools.k8s.status import conditions, write_status
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState
@@ -25,12 +30,6 @@ log = logging.getLogger("tokenpools.operator")
 BOUND, DEGRADED, PENDING = (s.value for s in (BindingState.BOUND, BindingState.DEGRADED,
                                                BindingState.PENDING))  # fmt: skip
 EXPIRED, INVALID = BindingState.EXPIRED.value, "Invalid"
-
-
-def _bound(pod: Any) -> bool:
-    return bool(
-        pod and pod["spec"].get("nodeName") and not pod["metadata"].get("deletionTimestamp")
-    )
 
 
 class LeasePods:
@@ -49,6 +48,16 @@ class LeasePods:
             return self._status(obj, INVALID, cluster.problems.get(where, "invalid"), None, {})
         applied = cluster.applied[where]
         ent = config.entitlements[entitlement_key(ns, name)]
+        pods = self._genuine(obj, pods)
+        node = node_name(ent.pool)
+
+        def bound(pod: Any) -> bool:  # by the scheduler (the operator never sets nodeName)
+            return bool(
+                pod
+                and pod["spec"].get("nodeName") == node
+                and not pod["metadata"].get("deletionTimestamp")
+            )
+
         if ent.expires_at is not None and self.clock() >= ent.expires_at:
             self._delete(pods)
             return self._status(obj, EXPIRED, "past expiresAt", applied, {}, cluster)
@@ -60,15 +69,14 @@ class LeasePods:
         else:
             why = None
         others = [p for p in pods if p is not target]
-        if _bound(target):
+        if bound(target):
             self._delete(others)
-            node = target["spec"]["nodeName"]
             return self._status(
                 obj, BOUND, f"lease pod bound to {node}", applied, want, cluster, target
             )
         waiting = why or _unschedulable(target) or "lease pod waiting for the scheduler"
         old = obj.get("status") or {}
-        still = [p for p in others if _bound(p)]
+        still = [p for p in others if bound(p)]
         if still and old.get("state") == BOUND and old.get("appliedSpec"):
             message = f"resize waiting, the current lease stays: {waiting}"
             return self._status(
@@ -80,7 +88,23 @@ class LeasePods:
         return self._status(obj, state, waiting, applied, want, cluster, target)
 
     def finalize(self, pods: list[Any]) -> None:
-        self._delete(pods)
+        self._delete([p for p in pods if not other_installation(p, self.installation)])
+
+    def _genuine(self, obj: Any, pods: list[Any]) -> list[Any]:
+        """The entitlement's pods the operator made; a pod that only looks like one is
+        deleted (with a Warning Event), and one of another installation is left alone."""
+        meta, out = obj["metadata"], []
+        for pod in pods:
+            held = proof(pod, meta["uid"], meta["name"], self.installation)
+            if isinstance(held, Lease):
+                out.append(pod)
+            elif not other_installation(pod, self.installation):
+                why = f"pod {pod['metadata']['name']} is not a lease pod the operator made ({held})"
+                log.warning("%s/%s: %s: deleted", meta["namespace"], meta["name"], why)
+                self._delete([pod])
+                event = o.event(obj, "NotALeasePod", f"{why}: deleted", self.clock(), "Warning")
+                self.kube.create(EVENTS, meta["namespace"], event)
+        return out
 
     def _create(
         self, obj: Any, service_class: Any, want: Mapping[str, int], pod_name: str
@@ -92,7 +116,10 @@ class LeasePods:
             ), None
         except Conflict:  # a pod of that name: a terminating one of ours, or someone else's
             pod = self.kube.find(PODS, ns, pod_name)
-            if pod is not None and o.owner_uid(pod) != obj["metadata"]["uid"]:
+            meta = obj["metadata"]
+            if pod is not None and not isinstance(
+                proof(pod, meta["uid"], meta["name"], self.installation), Lease
+            ):
                 return None, f"pod {pod_name!r}, not made by the operator, is in the way"
             return pod, None
 

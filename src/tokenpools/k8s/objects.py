@@ -1,7 +1,8 @@
 """The Kubernetes objects the operator owns, as manifests (pure builders, no I/O).
 
 A lease pod does no work: one `pause` container whose requests (= limits) are the
-entitlement's integer baseline (control/placement.py), the service class's PriorityClass,
+entitlement's integer baseline (control/placement.py) and a token amount of cpu and memory,
+the annotation naming the installation that made it, the service class's PriorityClass,
 the toleration and node selector of its pool's virtual node, tolerations of an unreachable or
 not-ready node without a time limit (a heartbeat gap must never evict a lease), an owner
 reference to the entitlement (so the garbage collector removes it with the entitlement), the
@@ -35,13 +36,24 @@ DEFAULT_INSTALLATION = "tokenpools-system"
 # The label the platform sets on a Secret that holds a backend key: the gateway lists and
 # watches Secrets by it, so a TokenPool's apiKeySecretRef can name no other Secret.
 BACKEND_KEY_LABEL = "tokenpools.io/backend-key"
-TAINT = {"key": "virtual-kubelet.io/provider", "value": "tokenpools", "effect": "NoSchedule"}
+# Who made a lease pod: this installation's id. Like the lease label, a tokenpools-* PriorityClass
+# and a TokenEntitlement owner, only the operator may put it on a pod (the tokenpools-lease-pods
+# admission policy), so together they prove a pod is one the operator created.
+MADE_BY_ANNOTATION = "tokenpools.io/made-by"
+# NoExecute: nothing but a lease pod is scheduled onto a virtual node, and a pod that gets there
+# without the scheduler (spec.nodeName) is evicted by the taint manager. Lease pods tolerate it.
+TAINT = {"key": "virtual-kubelet.io/provider", "value": "tokenpools", "effect": "NoExecute"}
 FINALIZER = "tokenpools.io/cleanup"
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 NODE_LEASE_NAMESPACE = "kube-node-lease"
 NODE_LEASE_S = 40
-# Generous, so a LimitRange's default cpu/memory requests still fit on the virtual node.
-NODE_CPU, NODE_MEMORY, NODE_PODS = "1000", "4Ti", 1000
+# What a lease pod requests of cpu and memory (requests = limits): small, but given, so a
+# namespace ResourceQuota that requires cpu/memory requests or limits accepts lease pods, and a
+# LimitRange's defaults are not injected. The virtual node advertises exactly what its pods can
+# request: NODE_PODS lease pods' worth, not a fictitious 1,000 CPUs.
+LEASE_CPU_MILLI, LEASE_MEMORY_MI, NODE_PODS = 1, 4, 500
+LEASE_CPU, LEASE_MEMORY = f"{LEASE_CPU_MILLI}m", f"{LEASE_MEMORY_MI}Mi"
+NODE_CPU, NODE_MEMORY = f"{LEASE_CPU_MILLI * NODE_PODS}m", f"{LEASE_MEMORY_MI * NODE_PODS}Mi"
 
 
 def iso(now: float) -> str:
@@ -74,6 +86,9 @@ def node(pool: str, installation: str = DEFAULT_INSTALLATION) -> dict[str, Any]:
                 "type": "virtual-kubelet",
                 "kubernetes.io/role": "agent",
                 "kubernetes.io/hostname": label_value(name),
+                # what the kubelet sets on every node; DaemonSets and pods select on it
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
             },
         },
         "spec": {"taints": [TAINT]},
@@ -163,7 +178,11 @@ def lease_pod(
 ) -> dict[str, Any]:
     meta = ent["metadata"]
     ns, name, pool = meta["namespace"], meta["name"], ent["spec"]["pool"]
-    quantities = {k: str(v) for k, v in requests.items()}
+    quantities = {
+        **{k: str(v) for k, v in requests.items()},
+        "cpu": LEASE_CPU,
+        "memory": LEASE_MEMORY,
+    }
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -175,6 +194,7 @@ def lease_pod(
                 ENTITLEMENT_LABEL: label_value(name),
                 POOL_LABEL: label_value(pool),
             },
+            "annotations": {MADE_BY_ANNOTATION: installation},
             "ownerReferences": [
                 {
                     "apiVersion": API_VERSION,
@@ -192,7 +212,9 @@ def lease_pod(
             # label that another installation, or anyone, made
             "nodeSelector": {POOL_LABEL: label_value(pool), INSTALLATION_LABEL: installation},
             "tolerations": [
-                {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"},
+                # every effect, for as long as it lasts: a node made before the taint became
+                # NoExecute still has it as NoSchedule
+                {"key": TAINT["key"], "operator": "Exists"},
                 *_UNTIL_BACK,
             ],
             "securityContext": _RESTRICTED_POD,
@@ -200,7 +222,7 @@ def lease_pod(
                 {
                     "name": "lease",
                     "image": PAUSE_IMAGE,
-                    "resources": {"requests": quantities, "limits": quantities},
+                    "resources": {"requests": quantities, "limits": dict(quantities)},
                     "securityContext": _RESTRICTED_CONTAINER,
                 }
             ],

@@ -79,7 +79,8 @@ class Reconciler:
         budgets = self.kube.list(BUDGETS)
         cluster = config_data(pools, ents, labels, budgets=budgets)
         config = parse_config(cluster.data)  # each object's problems are already set aside
-        live = {e["metadata"]["uid"] for e in ents if not e["metadata"].get("deletionTimestamp")}
+        live = {e["metadata"]["uid"]: e["metadata"]["name"] for e in ents
+                if not e["metadata"].get("deletionTimestamp")}  # fmt: skip
         self.objectives.begin()
         for obj in pools:
             self._guarded("TokenPool", obj, partial(self._pool, obj, cluster, config, live))
@@ -140,7 +141,7 @@ class Reconciler:
 
     # -- pools: the virtual node, its kubelet duties, autoscaling ---------------------
 
-    def _pool(self, obj: Any, cluster: ClusterConfig, config: Config, live: set[str]) -> None:
+    def _pool(self, obj: Any, cluster: ClusterConfig, config: Config, live: dict[str, str]) -> None:
         name = obj["metadata"]["name"]
         if obj["metadata"].get("deletionTimestamp"):
             self.nodes.remove(name)

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tokenpools.control.placement import Placed, survivors
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import LEASES, NODES, PODS, Kube
 from tokenpools.k8s.errors import describe
+from tokenpools.k8s.lease_proof import Lease, proof
 from tokenpools.k8s.names import node_name
 from tokenpools.k8s.operator_metrics import OperatorMetrics
 
@@ -127,10 +128,10 @@ class VirtualNodes:
                 raise
             self.kube.create(LEASES, o.NODE_LEASE_NAMESPACE, lease)
 
-    def kubelet(self, node: str, alloc: Mapping[str, int], ours: Collection[str]) -> None:
+    def kubelet(self, node: str, alloc: Mapping[str, int], ours: Mapping[str, str]) -> None:
         """As the node's kubelet: finalize terminating pods at once (so preemption frees their
-        resources), fail pods that are not lease pods of a live entitlement (`ours`: owner
-        uids), run the others, and evict what no longer fits a shrunk node."""
+        resources), fail pods that are not lease pods the operator made for a live entitlement
+        (`ours`: uid → name), run the others, and evict what no longer fits a shrunk node."""
         now = self.clock()
         live = []
         for pod in self.kube.list(PODS, fields={"spec.nodeName": node}):
@@ -138,7 +139,7 @@ class VirtualNodes:
             phase = (pod.get("status") or {}).get("phase")
             if pod["metadata"].get("deletionTimestamp"):
                 self.kube.delete(PODS, ns, name, grace_s=0)
-            elif not _is_lease(pod, ours):
+            elif not self._is_lease(pod, ours):
                 if phase != "Failed":
                     log.warning("node %s: pod %s/%s is not a lease pod: Failed", node, ns, name)
                     patch = o.failed_status("NotALeasePod", NOT_OURS)
@@ -158,6 +159,12 @@ class VirtualNodes:
             elif (pod.get("status") or {}).get("phase") != "Running":
                 self.kube.patch(PODS, ns, name, o.running_status(now), sub="status")
 
+    def _is_lease(self, pod: Mapping[str, Any], ours: Mapping[str, str]) -> bool:
+        uid = o.owner_uid(pod)
+        if uid is None or uid not in ours:
+            return False
+        return isinstance(proof(pod, uid, ours[uid], self.installation), Lease)
+
 
 def retried(step: Callable[[], Any], tries: int = 3) -> Any:
     """A heartbeat write retried at once, as the kubelet retries its node status: one lost
@@ -169,11 +176,6 @@ def retried(step: Callable[[], Any], tries: int = 3) -> Any:
             if attempt == tries - 1:
                 raise
     return None
-
-
-def _is_lease(pod: Mapping[str, Any], ours: Collection[str]) -> bool:
-    labels = pod["metadata"].get("labels") or {}
-    return labels.get(o.LEASE_LABEL) == "true" and o.owner_uid(pod) in ours
 
 
 def requests(pod: Mapping[str, Any]) -> dict[str, int]:
