@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tokenpools.sim.family_report import families_report, run_families
 from tokenpools.sim.metrics import summarize
 from tokenpools.sim.report import scenario_report
 from tokenpools.sim.scenario import Scenario, load_scenario
@@ -18,6 +19,7 @@ from tokenpools.sim.simulator import RunResult, simulate
 Progress = Callable[[str, float], None]  # (policy, simulated time)
 log = logging.getLogger("tokenpools.sim")
 STATIC_PEAK = "tokenpools-static-peak"  # tokenpools on maxReplicas throughout
+FAMILY_MEMBERS = 12  # of each generated family, in the experiments report
 
 
 def run_scenario(
@@ -70,8 +72,10 @@ def run_experiments(
     policies: Sequence[str],
     seed: int | None = None,
     progress: Callable[[str, str, float], None] | None = None,
+    family_members: int = FAMILY_MEMBERS,
 ) -> Path:
-    """Every scenario in `folder` under every policy; one REPORT.md linking them all."""
+    """Every scenario in `folder` under every policy, then a slice of each generated family
+    (`family_members` members, 0 for none); one REPORT.md linking them all."""
     sections = []
     for path in sorted(folder.glob("*.yaml")):
         scenario = load_scenario(path)
@@ -80,10 +84,14 @@ def run_experiments(
         report = write_outputs(scenario, summary, results, out / scenario.name)
         # Figures live next to each scenario's report; point the combined report at them.
         sections.append(re.sub(r"!\[([^\]]*)\]\(", rf"![\1]({scenario.name}/", report))
+    if family_members > 0:
+        families = run_families(policies, family_members)
+        (out / "families.json").write_text(json.dumps(families, indent=2) + "\n")
+        sections.append(families_report(families, family_members, (1,)))
     index = out / "REPORT.md"
     index.write_text(
         "# Experiments\n\nEvery scenario of `experiments/` under every policy, written by "
-        "`tokenpools experiments`. Each scenario's folder holds its summary.json.\n\n"
-        + "\n".join(sections)
+        "`tokenpools experiments`. Each scenario's folder holds its summary.json; the "
+        "generated families' aggregates are in families.json.\n\n" + "\n".join(sections)
     )
     return index

@@ -5,16 +5,19 @@ pool did useful work, and whether the protected tenants met their TTFT SLO in ea
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.family import family_scenario, protected_phases
 from tokenpools.sim.metrics import summarize
+from tokenpools.sim.scenario import Scenario
 from tokenpools.sim.simulator import simulate
 
 # completed / admitted is judged where at least this many admitted requests ended.
 MIN_ADMITTED = 20
+SURPLUS = (ServiceClass.SPOT, ServiceClass.PREEMPTIBLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,10 @@ class MemberRun:
     utilization: float  # mean over phases
     useful_utilization: float
     phases: tuple[PhaseCheck, ...]
+    surplus_goodput: float = 0.0  # output tokens/s of spot and preemptible requests completed
+    jain_index: float | None = None  # the summary's fairness measures (sim/fairness.py)
+    service_difference: float | None = None  # VTC's, worst class, worst window
+    slo_attainment: tuple[tuple[str, float | None], ...] = ()  # per class
 
     @property
     def completed_per_admitted(self) -> float | None:
@@ -53,10 +60,26 @@ class MemberRun:
         return self.ended >= MIN_ADMITTED
 
 
-def run_member(index: int, seed: int, policy: str) -> MemberRun:
-    scenario = family_scenario(index)
-    block = summarize(simulate(scenario, policy, seed))
-    batch = block["tenants"]["batch"]["totals"]
+def run_member(
+    index: int, seed: int, policy: str, family: Callable[[int], Scenario] = family_scenario
+) -> MemberRun:
+    scenario = family(index)
+    result = simulate(scenario, policy, seed)
+    block = summarize(result)
+    shed = [t for t in block["tenants"].values() if t["class"] == "preemptible"]
+    batch = {
+        k: sum(t["totals"][k] for t in shed)
+        for k in ("admitted", "in_flight_at_end", "completed", "wasted_output_tokens")
+    }
+    batch["wasted_slot_s"] = sum(t["totals"]["wasted_slot_s"] for t in shed)
+    surplus = sum(
+        a.output_tokens
+        for a in result.attempts
+        if a.outcome == "completed"
+        and result.config.entitlements[a.req.entitlement].service_class in SURPLUS
+    )
+    fairness = block["fairness"]
+    diff = fairness["vtc_service_difference"]
     checks = []
     for pp in protected_phases(scenario):
         m = block["tenants"][pp.tenant]["phases"][pp.phase]
@@ -81,13 +104,20 @@ def run_member(index: int, seed: int, policy: str) -> MemberRun:
         statistics.fmean(block["utilization"].values()),
         statistics.fmean(block["useful_utilization"].values()),
         tuple(checks),
+        surplus / scenario.duration_s,
+        fairness["jain_index"],
+        None if diff is None else diff["max"],
+        tuple(fairness["slo_attainment"].items()),
     )
 
 
 def run_family(
-    indices: Iterable[int], seeds: Sequence[int], policies: Sequence[str]
+    indices: Iterable[int],
+    seeds: Sequence[int],
+    policies: Sequence[str],
+    family: Callable[[int], Scenario] = family_scenario,
 ) -> list[MemberRun]:
-    return [run_member(i, s, p) for i in indices for s in seeds for p in policies]
+    return [run_member(i, s, p, family) for i in indices for s in seeds for p in policies]
 
 
 def aggregate(runs: Sequence[MemberRun]) -> dict[str, Any]:
@@ -120,4 +150,17 @@ def aggregate(runs: Sequence[MemberRun]) -> dict[str, Any]:
         "promised_p99_ttft_mean_s": round(statistics.fmean(p99s), 4) if p99s else None,
         "promised_p99_ttft_worst_s": round(max(p99s), 4) if p99s else None,
         "promised_rejected": sum(c.rejected for c in promised),
+        "surplus_goodput_tok_s": round(statistics.fmean(r.surplus_goodput for r in runs), 2),
+        "jain_index_mean": _mean([r.jain_index for r in runs]),
+        "service_difference_mean": _mean([r.service_difference for r in runs]),
+        "slo_attainment": {
+            cls: _mean([dict(r.slo_attainment).get(cls) for r in runs])
+            for cls in sorted({c for r in runs for c, _ in r.slo_attainment})
+        },
     }
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the runs where the measure applies."""
+    present = [v for v in values if v is not None]
+    return round(statistics.fmean(present), 4) if present else None
