@@ -177,9 +177,9 @@ def test_a_restart_on_a_shared_store_goes_unnoticed_and_on_an_empty_one_it_does_
 
 def test_same_seed_gives_byte_identical_summaries_and_another_seed_does_not() -> None:
     scenario = load_scenario(EXPERIMENTS / "paper-exp1.yaml")
-    first, _ = run_scenario(scenario, ["tokenpools", "vtc"], seed=7)
-    again, _ = run_scenario(scenario, ["tokenpools", "vtc"], seed=7)
-    other, _ = run_scenario(scenario, ["tokenpools", "vtc"], seed=8)
+    first, _ = run_scenario(scenario, ["tokenpools", "vtc", "llm-d"], seed=7)
+    again, _ = run_scenario(scenario, ["tokenpools", "vtc", "llm-d"], seed=7)
+    other, _ = run_scenario(scenario, ["tokenpools", "vtc", "llm-d"], seed=8)
     assert json.dumps(first) == json.dumps(again)
     assert json.dumps(first) != json.dumps(other)
 
