@@ -157,7 +157,7 @@ def test_a_name_a_tenant_writes_never_walks_an_api_path_elsewhere() -> None:
     import pytest
 
     from tokenpools.k8s.api import POOLS, Kube
-    from tokenpools.k8s.webhook import KubeLookup
+    from tokenpools.k8s.webhook_cache import CachedLookup
 
     assert POOLS.path(None, "qwen") == "/apis/tokenpools.io/v1alpha1/tokenpools/qwen"
     sneaky = ("../../../api/v1/namespaces/team-b/secrets/keys", "..", "a/b", "a%2Fb", "a?x=1")
@@ -169,7 +169,7 @@ def test_a_name_a_tenant_writes_never_walks_an_api_path_elsewhere() -> None:
         def request(self, *_: Any, **__: Any) -> Any:  # no request may leave
             raise AssertionError("a request was made")
 
-    lookup = KubeLookup(NoCalls(None))  # type: ignore[arg-type]
+    lookup = CachedLookup(NoCalls(None))  # type: ignore[arg-type]
     assert all(lookup.pool(name) is None for name in sneaky)
 
 

@@ -24,10 +24,19 @@ POOL = {"metadata": {"name": "qwen"}, "spec": OPEN_TO_TENANTS}
 
 
 class FakeLookup:
-    """The cluster as the webhook sees it (the real one is KubeLookup over the API)."""
+    """The cluster as the webhook sees it (the real one is CachedLookup, the API's watches)."""
+
+    def ready(self) -> bool:
+        return True
 
     def pool(self, name: str) -> Mapping[str, Any] | None:
         return POOL if name == "qwen" else None
+
+    def pools(self) -> list[Mapping[str, Any]]:
+        return [POOL]
+
+    def key_holders(self, key: str) -> list[tuple[str, str]]:
+        return [("team-b", "old")] if key == KEY else []
 
     def namespace_labels(self, name: str) -> Mapping[str, str]:
         return {"tokenpools.io/tenant": "true"} if name.startswith("team-") else {}

@@ -107,6 +107,13 @@ def operator(
             "nodes (default: $TOKENPOOLS_INSTALLATION, else the namespace)"
         ),
     ] = None,
+    binding_grace: Annotated[
+        float | None,
+        typer.Option(
+            help="seconds a Bound entitlement keeps its binding once its pool no longer admits "
+            "its namespace (default: $TOKENPOOLS_BINDING_GRACE_S, else 3600)"
+        ),
+    ] = None,
 ) -> None:
     """Run the Kubernetes operator (kopf): virtual nodes, lease pods, autoscaling."""
     import os
@@ -114,6 +121,8 @@ def operator(
     os.environ.setdefault("TOKENPOOLS_NAMESPACE", namespace)
     if installation is not None:
         os.environ["TOKENPOOLS_INSTALLATION"] = installation
+    if binding_grace is not None:
+        os.environ["TOKENPOOLS_BINDING_GRACE_S"] = str(binding_grace)
     import kopf
 
     import tokenpools.k8s.kopf_operator  # noqa: F401  (registers the handlers)

@@ -5,7 +5,7 @@ what the cluster says about each object (`ClusterConfig`). Shared by every kind'
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,9 @@ class ClusterConfig:
     problems: dict[Where, str] = field(default_factory=dict)  # why a spec is not (fully) used
     applied: dict[Where, dict[str, Any]] = field(default_factory=dict)  # the CR spec in force
     pool_extras: dict[str, PoolExtras] = field(default_factory=dict)
+    # Bound entitlements their pool no longer admits, kept for the grace period (k8s/grace.py):
+    # why, and when the binding goes
+    at_risk: dict[Where, tuple[str, float]] = field(default_factory=dict)
 
     def in_force(self, where: Where) -> bool:
         return where in self.applied
@@ -39,6 +42,22 @@ def meta_of(obj: Mapping[str, Any]) -> tuple[str, str]:
     return meta.get("namespace") or "", meta["name"]
 
 
+def held(
+    objects: list[Mapping[str, Any]], names: Callable[[Mapping[str, Any], Mapping[str, Any]], Any]
+) -> dict[str, str]:
+    """Who holds each name (a served model, a key hash) in force: the object whose applied
+    spec has it (`names(obj, applied spec)`), the older one first should two have it. A later
+    claimant is refused and never displaces it, so an edit elsewhere cannot take it away."""
+    out: dict[str, str] = {}
+    for obj in sorted(live(objects), key=age):
+        last = (obj.get("status") or {}).get("appliedSpec")
+        if isinstance(last, Mapping):
+            for name in names(obj, last):
+                if isinstance(name, str):
+                    out.setdefault(name, "/".join(filter(None, meta_of(obj))))
+    return out
+
+
 def age(obj: Mapping[str, Any]) -> tuple[bool, str, str, str]:
     """Who keeps a name or key two objects claim: the one already in force, then the older
     (creationTimestamp has one-second resolution), then by name."""
@@ -48,10 +67,16 @@ def age(obj: Mapping[str, Any]) -> tuple[bool, str, str, str]:
 
 
 def in_force(
-    obj: Mapping[str, Any], where: Where, check: Any, applied_only: bool, out: ClusterConfig
+    obj: Mapping[str, Any],
+    where: Where,
+    check: Any,
+    applied_only: bool,
+    out: ClusterConfig,
+    refuse: Callable[[Any], str | None] | None = None,
 ) -> tuple[dict[str, Any], Any] | None:
-    """(file-schema spec, cluster extras) of the spec in force: the current spec when valid,
-    else the last applied one; None (with the problem recorded) when there is neither."""
+    """(file-schema spec, cluster extras) of the spec in force: the current spec when valid
+    and not refused against the others (`refuse`: a name another object holds), else the last
+    applied one; None (with the problem recorded) when there is neither."""
     last = (obj.get("status") or {}).get("appliedSpec")
     candidates = [last] if applied_only else [obj.get("spec"), last]
     for i, spec in enumerate(candidates):
@@ -62,6 +87,10 @@ def in_force(
         except ValidationError as exc:
             if i == 0:
                 out.problems[where] = format_errors(exc)
+            continue
+        why = None if refuse is None else refuse(got)
+        if why is not None:
+            out.problems.setdefault(where, why)  # the current spec's problem comes first
             continue
         out.applied[where] = dict(spec)
         return got  # type: ignore[no-any-return]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import re
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -26,12 +27,15 @@ from tokenpools.k8s.applied import (
     ClusterConfig,
     Where,
     age,
+    held,
     in_force,
     live,
     meta_of,
     no_replaced,
 )
 from tokenpools.k8s.budget_objects import add_budgets, budget_objects, check_budget
+from tokenpools.k8s.claims import Claims, kept_in_grace, model_taken, refused, served_models
+from tokenpools.k8s.grace import Grace
 from tokenpools.k8s.inference_objectives import LLM_D, inference_objectives
 from tokenpools.k8s.names import entitlement_key
 from tokenpools.k8s.schema import (
@@ -55,69 +59,44 @@ def config_data(
     base: Mapping[str, Any] | None = None,
     applied_only: bool = False,
     budgets: Sequence[Mapping[str, Any]] = (),
+    grace: Grace | None = None,
 ) -> ClusterConfig:
     """`namespaces` (name → labels) checks each pool's namespaceSelector (the operator); the
     gateway passes None and `applied_only`, taking each object as the operator applied it.
+    `grace` keeps Bound entitlements their pool no longer admits for a while (k8s/grace.py).
     TokenBudgets join the base config's budgets."""
     out = ClusterConfig({**(base or {}), "pools": [], "entitlements": []})
+    models = held(pools, lambda obj, spec: served_models(spec, obj["metadata"]["name"]))
     served: dict[str, str] = {}
     for obj in sorted(live(pools), key=age):
-        where = ("TokenPool", "", obj["metadata"]["name"])
-        got = in_force(obj, where, _pool, applied_only, out)
+        name = obj["metadata"]["name"]
+        where = ("TokenPool", "", name)
+        refuse = partial(model_taken, name, served, models)
+        got = in_force(obj, where, _pool, applied_only, out, refuse)
         if got is None:
             continue
         spec, extras = got
-        taken = [m for m in spec.get("servedModels") or [spec["name"]] if m in served]
-        if taken:
-            out.problems[where] = (
-                f"servedModels: model {taken[0]!r} is already served by TokenPool "
-                f"{served[taken[0]]!r}; a model name maps to one pool"
-            )
-            del out.applied[where]
-            continue
-        served.update((m, spec["name"]) for m in spec.get("servedModels") or [spec["name"]])
-        out.pool_extras[spec["name"]] = extras
+        served.update((m, name) for m in served_models(spec, name))
+        out.pool_extras[name] = extras
         out.data["pools"].append(spec)
+    holders = held(entitlements, lambda _, spec: spec.get("apiKeyHashes") or [])
     keys: dict[str, str] = {}
     for obj in sorted(live(entitlements), key=age):
         ns, name = meta_of(obj)
         where = ("TokenEntitlement", ns, name)
-        got = in_force(obj, where, _entitlement, applied_only, out)
+        claims = Claims(f"{ns}/{name}", ns, keys, holders)
+        refuse = partial(refused, ns=ns, pools=out.pool_extras, namespaces=namespaces,
+                         claims=claims)  # fmt: skip
+        got = in_force(obj, where, _entitlement, applied_only, out, refuse)
+        if got is None and grace is not None:
+            got = kept_in_grace(obj, where, out, grace, _entitlement, refuse)
         if got is None:
             continue
         spec, _ = got
-        why = _refused(spec, ns, out.pool_extras, namespaces, keys)
-        if why is not None:
-            out.problems[where] = why
-            del out.applied[where]
-            continue
-        keys.update((k, spec["name"]) for k in spec["apiKeys"])
+        keys.update((k, f"{ns}/{name}") for k in spec["apiKeys"])
         out.data["entitlements"].append(spec)
     add_budgets(out, budgets, applied_only)
     return out
-
-
-def _refused(
-    spec: Mapping[str, Any],
-    ns: str,
-    pools: Mapping[str, PoolExtras],
-    namespaces: Mapping[str, Mapping[str, str]] | None,
-    keys: Mapping[str, str],
-) -> str | None:
-    pool = pools.get(spec["pool"])
-    if pool is None:
-        return f"pool: no valid TokenPool {spec['pool']!r}"
-    if namespaces is not None:
-        selector = pool.namespaceSelector
-        if selector is None or not selector.matches(namespaces.get(ns, {})):
-            return f"pool: TokenPool {spec['pool']!r} is not open to namespace {ns!r}"
-    for key in spec["apiKeys"]:
-        if key in keys:
-            return (
-                f"apiKeyHashes: {key[:15]}... is already used by entitlement {keys[key]!r}; "
-                "a key maps to one entitlement"
-            )
-    return None
 
 
 def _pool(spec: Mapping[str, Any], where: Where) -> tuple[dict[str, Any], PoolExtras]:

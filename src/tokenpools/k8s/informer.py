@@ -57,6 +57,11 @@ class Informer:
         with self._lock:
             return list(self._objects.values())
 
+    def get(self, namespace: str, name: str) -> Any:
+        """The cached object, or None ("" for a cluster-scoped object's namespace)."""
+        with self._lock:
+            return self._objects.get((namespace, name))
+
     def start(self) -> Informer:
         self._thread.start()
         return self

@@ -21,6 +21,7 @@ from typing import Any
 import kopf
 
 from tokenpools.k8s.api import Kube, load_client
+from tokenpools.k8s.grace import DEFAULT_GRACE_S
 from tokenpools.k8s.leader import LeaderElection
 from tokenpools.k8s.objects import LEASE_LABEL
 from tokenpools.k8s.operator_http import serve_http
@@ -67,7 +68,8 @@ async def _start(settings: kopf.OperatorSettings, **_: Any) -> None:
     namespace = os.environ.get("TOKENPOOLS_NAMESPACE", "tokenpools-system")
     identity = os.environ.get("POD_NAME", socket.gethostname())
     installation = os.environ.get("TOKENPOOLS_INSTALLATION")  # default: the namespace
-    rec = Reconciler(kube, time.time, namespace, installation=installation)
+    grace = float(os.environ.get("TOKENPOOLS_BINDING_GRACE_S", DEFAULT_GRACE_S))
+    rec = Reconciler(kube, time.time, namespace, installation=installation, binding_grace_s=grace)
     loop = OperatorLoop(rec, LeaderElection(kube, namespace, identity, time.time), time.time)
     _state.wake = asyncio.Event()
     _state.tasks = [

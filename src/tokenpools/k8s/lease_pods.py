@@ -20,6 +20,7 @@ from tokenpools.control.placement import lease_requests
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, PODS, Conflict, Kube
 from tokenpools.k8s.applied import ClusterConfig
+from tokenpools.k8s.grace import REVOKING, revoking_message
 from tokenpools.k8s.lease_proof import Lease, other_installation, proof
 from tokenpools.k8s.names import entitlement_key, node_name
 from tokenpools.k8s.status import conditions, write_status
@@ -148,6 +149,12 @@ class LeasePods:
         conds = [(k, state == k, state, why) for k in (BOUND, DEGRADED, PENDING, EXPIRED)]
         accepted = state != INVALID and not stale
         conds.append(("SpecAccepted", accepted, "Accepted" if accepted else "Invalid", spec_why))
+        risk = None if cluster is None else cluster.at_risk.get(where)
+        if risk is not None:
+            revoking = revoking_message(*risk)
+            conds.append((REVOKING, True, "PoolClosed", revoking))
+        else:
+            conds.append((REVOKING, False, "InForce", "nothing takes the binding away"))
         status = {
             "state": state,
             "message": why,
@@ -162,6 +169,10 @@ class LeasePods:
         was = [
             c.get("status") for c in old.get("conditions") or [] if c.get("type") == "SpecAccepted"
         ]
+        before = {c.get("type"): c.get("status") for c in old.get("conditions") or []}
+        if risk is not None and before.get(REVOKING) != "True":
+            event = o.event(obj, REVOKING, revoking, now, "Warning")
+            self.kube.create(EVENTS, meta["namespace"], event)
         if old.get("state") != state or (stale and was != ["False"]):
             kind = "Warning" if state in (DEGRADED, INVALID) or stale else "Normal"
             reason = "InvalidSpec" if stale and old.get("state") == state else state

@@ -15,7 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenpools.k8s.api import Kube
 from tokenpools.k8s.operator_loop import OperatorLoop
-from tokenpools.k8s.webhook import KubeLookup, Lookup, review
+from tokenpools.k8s.webhook import Lookup, review
+from tokenpools.k8s.webhook_cache import CachedLookup
 
 MAX_REVIEW_BYTES = 3 << 20  # an AdmissionReview carries the object and its old version
 
@@ -73,7 +74,9 @@ async def serve_http(loop: OperatorLoop, kube: Kube, env: Mapping[str, str]) -> 
     runners.append(probes)
     cert_dir = env.get("TOKENPOOLS_WEBHOOK_CERT_DIR")
     if cert_dir and (Path(cert_dir) / "tls.crt").exists():
-        hook = web.AppRunner(webhook_app(KubeLookup(kube)))
+        lookup = CachedLookup(kube).start()  # watches, so an admission lists nothing
+        runners.append(lookup)
+        hook = web.AppRunner(webhook_app(lookup))
         await hook.setup()
         port = int(env.get("TOKENPOOLS_WEBHOOK_PORT", "9443"))
         await web.TCPSite(hook, "0.0.0.0", port, ssl_context=tls_context(Path(cert_dir))).start()
@@ -82,4 +85,7 @@ async def serve_http(loop: OperatorLoop, kube: Kube, env: Mapping[str, str]) -> 
         await asyncio.Event().wait()
     finally:
         for runner in runners:
-            await runner.cleanup()
+            if isinstance(runner, CachedLookup):
+                runner.stop()
+            else:
+                await runner.cleanup()

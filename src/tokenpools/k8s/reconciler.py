@@ -36,6 +36,7 @@ from tokenpools.k8s.api import (
 from tokenpools.k8s.applied import ClusterConfig
 from tokenpools.k8s.custom_resources import config_data
 from tokenpools.k8s.errors import describe
+from tokenpools.k8s.grace import DEFAULT_GRACE_S, REVOKING, Grace
 from tokenpools.k8s.lease_pods import LeasePods
 from tokenpools.k8s.names import label_value
 from tokenpools.k8s.objective_sync import ObjectiveSync
@@ -56,8 +57,10 @@ class Reconciler:
         namespace: str = "tokenpools-system",
         metrics: OperatorMetrics | None = None,
         installation: str | None = None,
+        binding_grace_s: float = DEFAULT_GRACE_S,
     ) -> None:
         self.kube, self.clock, self.namespace = kube, clock, namespace  # the platform's
+        self.binding_grace_s = binding_grace_s  # how long a closed pool leaves a binding
         self.installation = o.installation_id(installation, namespace)  # whose nodes are ours
         self.metrics = metrics or OperatorMetrics(clock)
         self.nodes = VirtualNodes(kube, clock, self.metrics, self.installation)
@@ -77,7 +80,8 @@ class Reconciler:
         for pod in self.kube.list(PODS, labels={o.LEASE_LABEL: "true"}):
             owned[o.owner_uid(pod) or ""].append(pod)
         budgets = self.kube.list(BUDGETS)
-        cluster = config_data(pools, ents, labels, budgets=budgets)
+        grace = Grace(self.clock(), self.binding_grace_s)
+        cluster = config_data(pools, ents, labels, budgets=budgets, grace=grace)
         config = parse_config(cluster.data)  # each object's problems are already set aside
         live = {e["metadata"]["uid"]: e["metadata"]["name"] for e in ents
                 if not e["metadata"].get("deletionTimestamp")}  # fmt: skip
@@ -198,7 +202,7 @@ class Reconciler:
         writes = extras.autoscaling.mode == "write" and extras.scaleTargetRef is not None
         if writes and desired != asked:
             status |= self._scale(obj, extras, asked, desired)
-        conds = [("Ready", True, "NodeReady", message), spec]
+        conds = [("Ready", True, "NodeReady", message), spec, _revoking(cluster, name)]
         status["conditions"] = conditions(old.get("conditions"), conds, self.clock(), gen)
         write_status(self.kube, POOLS, obj, status)
         # last: the node and status above stand even when the objectives' API fails
@@ -319,3 +323,23 @@ class Reconciler:
         self.kube.patch(
             kind, meta.get("namespace"), meta["name"], {"metadata": {"finalizers": rest}}
         )
+
+
+def _revoking(cluster: ClusterConfig, pool: str) -> tuple[str, bool, str, str]:
+    """The pool's Revoking condition: its Bound entitlements it no longer admits, kept for the
+    grace period (k8s/grace.py), and when the first of them loses its binding."""
+    risks = sorted(
+        (deadline, f"{where[1]}/{where[2]}")
+        for where, (_, deadline) in cluster.at_risk.items()
+        if cluster.applied[where].get("pool") == pool
+    )
+    if not risks:
+        return (REVOKING, False, "InForce", "every Bound entitlement is admitted")
+    names = ", ".join(name for _, name in risks)
+    return (
+        REVOKING,
+        True,
+        "PoolClosed",
+        f"{len(risks)} Bound entitlements are no longer admitted ({names}); the first loses "
+        f"its binding at {o.iso(risks[0][0])} unless the pool is opened to them again",
+    )

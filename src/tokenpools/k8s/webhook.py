@@ -4,54 +4,46 @@ server accepts it, with the checks the operator and the config loader apply.
 - a TokenPool, TokenEntitlement or TokenBudget spec the config schema refuses (the same
   pydantic models);
 - an entitlement whose pool does not exist, or is not open to its namespace;
-- an entitlement with a key hash another entitlement already has.
+- an entitlement with a key hash another entitlement already has;
+- a TokenPool edit that would unbind Bound entitlements (its namespaceSelector no longer
+  matching their namespaces), named in the answer, unless the pool acknowledges them; a pool
+  serving a model name another pool serves (k8s/revocations.py).
 
 `review` is pure over an AdmissionReview and a `Lookup`; the operator serves it over HTTPS
-(k8s/operator_http.py) and looks objects up through the API server."""
+(k8s/operator_http.py) and looks objects up in list-then-watch caches (k8s/webhook_cache.py),
+so an admission reads memory and never lists the cluster."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from pydantic import ValidationError
-
-from tokenpools.k8s.api import ENTITLEMENTS, NAMESPACES, POOLS, Kube
 from tokenpools.k8s.custom_resources import check_spec
-from tokenpools.k8s.schema import PoolExtras
+from tokenpools.k8s.revocations import (
+    acknowledged,
+    model_served_elsewhere,
+    selector_of,
+    unbinding_refusal,
+    unbound_by,
+)
 
 
 class Lookup(Protocol):
+    def ready(self) -> bool: ...
     def pool(self, name: str) -> Mapping[str, Any] | None: ...
+    def pools(self) -> list[Mapping[str, Any]]: ...
     def namespace_labels(self, name: str) -> Mapping[str, str]: ...
     def entitlements(self) -> list[Mapping[str, Any]]: ...
-
-
-class KubeLookup:
-    def __init__(self, kube: Kube) -> None:
-        self.kube = kube
-
-    def pool(self, name: str) -> Mapping[str, Any] | None:
-        try:
-            found: Mapping[str, Any] | None = self.kube.find(POOLS, None, name)
-        except ValueError:  # not an object name: no pool has it
-            return None
-        return found
-
-    def namespace_labels(self, name: str) -> Mapping[str, str]:
-        ns = self.kube.find(NAMESPACES, None, name) or {}
-        labels: Mapping[str, str] = ns.get("metadata", {}).get("labels") or {}
-        return labels
-
-    def entitlements(self) -> list[Mapping[str, Any]]:
-        return self.kube.list(ENTITLEMENTS)
+    def key_holders(self, key: str) -> list[tuple[str, str]]: ...
 
 
 def review(body: Mapping[str, Any], lookup: Lookup) -> dict[str, Any]:
     request = body.get("request") or {}
     problem = None
     if request.get("operation") in ("CREATE", "UPDATE"):
-        problem = _problem(request, lookup)
+        # a cache that has not listed yet would miss a conflict: refuse until it has
+        ready = lookup.ready()
+        problem = _problem(request, lookup) if ready else "the webhook is starting; try again"
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": problem is None}
     if problem is not None:
         response["status"] = {"code": 422, "reason": "Invalid", "message": problem}
@@ -69,28 +61,34 @@ def _problem(request: Mapping[str, Any], lookup: Lookup) -> str | None:
     if not isinstance(spec, Mapping):
         return "spec: a mapping is required"
     why = check_spec(kind, spec, ns, name)
-    if why is not None or kind != "TokenEntitlement":
+    if why is not None:
         return why
+    if kind == "TokenPool":
+        return _pool_problem(name, spec, meta.get("annotations"), lookup)
+    if kind != "TokenEntitlement":
+        return None
     pool = lookup.pool(str(spec.get("pool")))
     if pool is None:
         return f"pool: no TokenPool {spec.get('pool')!r}"
-    try:
-        selector = PoolExtras.model_validate(
-            {"namespaceSelector": (pool.get("spec") or {}).get("namespaceSelector")}
-        ).namespaceSelector
-    except ValidationError:  # a pool whose selector is malformed is open to no namespace
-        selector = None
+    selector = selector_of(pool.get("spec") or {})  # malformed: open to no namespace
     if selector is None or not selector.matches(lookup.namespace_labels(ns)):
         return f"pool: TokenPool {spec.get('pool')!r} is not open to namespace {ns!r}"
-    mine = set(spec.get("apiKeyHashes") or [])
-    for other in lookup.entitlements():
-        om = other["metadata"]
-        if (om.get("namespace"), om["name"]) == (ns, name):
-            continue
-        shared = mine & set((other.get("spec") or {}).get("apiKeyHashes") or [])
-        if shared:
+    for key in sorted(set(spec.get("apiKeyHashes") or [])):
+        if any(holder != (ns, name) for holder in lookup.key_holders(key)):
             return (
-                f"apiKeyHashes: {sorted(shared)[0][:15]}... is already used by another "
+                f"apiKeyHashes: {key[:15]}... is already used by another "
                 "entitlement; a key maps to one entitlement"
             )
+    return None
+
+
+def _pool_problem(
+    name: str, spec: Mapping[str, Any], annotations: Mapping[str, str] | None, lookup: Lookup
+) -> str | None:
+    taken = model_served_elsewhere(name, spec, lookup.pools())
+    if taken is not None:
+        return taken
+    affected = unbound_by(name, spec, lookup.entitlements(), lookup.namespace_labels)
+    if affected and not acknowledged(annotations, affected):
+        return unbinding_refusal(affected)
     return None
