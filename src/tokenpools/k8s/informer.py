@@ -6,7 +6,11 @@ asked for those alone, and an event for one without them removes it from the cac
 thread; `on_change` is called after each change.
 
 `failing_since` is when the informer last stopped getting answers (None while it gets them),
-so a host can report a cache that has gone stale instead of acting on it silently."""
+so a host can report a cache that has gone stale instead of acting on it silently.
+
+Attempts without progress back off (k8s/backoff.py): a failed list or watch, a 410 after the
+first relist in a row, a watch that ends at once with nothing in it. `step` is one attempt and
+its wait (injected), so the tests drive it without threads or sleeps."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from tokenpools.k8s.api import Kind, Kube, has_labels
+from tokenpools.k8s.backoff import Backoff
 
 log = logging.getLogger("tokenpools.k8s")
 Key = tuple[str, str]  # namespace ("" when cluster-scoped), name
@@ -39,6 +44,9 @@ class Informer:
         watch_timeout_s: int = 60,
         clock: Callable[[], float] = time.monotonic,
         labels: Mapping[str, str] | None = None,
+        backoff: Backoff | None = None,
+        wait: Callable[[float], object] | None = None,
+        timer: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube, self.kind, self.namespace = kube, kind, namespace
         self.labels = dict(labels or {})  # only objects with these: asked of the server too
@@ -50,6 +58,11 @@ class Informer:
         self._objects: dict[Key, Any] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self.backoff = backoff or Backoff()
+        self._wait = wait or self._stopped.wait  # returns early when stopped
+        self._timer = timer  # how long a watch lasted (the wall clock's business, not `clock`)
+        self._version: str | None = None  # where the watch resumes; None: list first
+        self._progress = 0  # events seen
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"watch-{kind.plural}")
         self.synced = threading.Event()  # the first list is in
 
@@ -71,15 +84,43 @@ class Informer:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            try:
-                version: str | None = self._list()
-                while not self._stopped.is_set() and version is not None:
-                    version = self._watch(version)
-            except ApiException as exc:
-                if exc.status != 410:  # 410: list again at once
-                    self._failed()
-            except Exception:  # the API server is away: try again shortly, keep the cache
+            self.step()
+
+    def step(self) -> None:
+        """One list, or one watch stream, then the wait the backoff asks for, if any."""
+        try:
+            if self._version is None:
+                self._version = self._list()
+                return
+            started, seen = self._timer(), self._progress
+            self._version = self._watch(self._version)
+            if self._version is None:  # 410 Gone as an ERROR event: list again
+                self._gone()
+            elif self._progress == seen and self._timer() - started < self._short_s():
+                self._pause()  # ended at once with nothing in it: no tight loop
+            else:
+                self.backoff.reset()
+        except ApiException as exc:
+            self._version = None
+            if exc.status == 410:
+                self._gone()
+            else:
                 self._failed()
+        except Exception:  # the API server is away: try again later, keep the cache
+            self._version = None
+            self._failed()
+
+    def _short_s(self) -> float:
+        return min(1.0, self.watch_timeout_s / 2)
+
+    def _gone(self) -> None:
+        """The first relist after a 410 goes at once; another in a row waits its turn."""
+        delay = self.backoff.next()
+        if self.backoff.failures > 1:
+            self._wait(delay)
+
+    def _pause(self) -> None:
+        self._wait(self.backoff.next())
 
     def _failed(self) -> None:
         if self._stopped.is_set():  # stopped mid-watch: the broken stream is ours to drop
@@ -87,7 +128,7 @@ class Informer:
         log.warning("watching %s failed; retrying", self.kind.plural, exc_info=True)
         if self.failing_since is None:
             self.failing_since = self.clock()
-        self._stopped.wait(1.0)
+        self._pause()
 
     def _list(self) -> str:
         items, version = self.kube.list_with_version(self.kind, self.namespace, self.labels)
@@ -109,6 +150,8 @@ class Informer:
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":  # 410 Gone: the version is too old
                 return None
+            self._progress += 1
+            self.backoff.reset()
             version = str(obj.get("metadata", {}).get("resourceVersion") or version)
             if kind == "BOOKMARK":
                 continue
