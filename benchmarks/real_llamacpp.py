@@ -136,7 +136,8 @@ async def calibration(
             ),
             file=sys.stderr,
         )
-    print(f"MAPE at 50% and 90% load: {result['mape']:.1%}", file=sys.stderr)
+    mape = "nothing finished to compare" if result["mape"] is None else f"{result['mape']:.1%}"
+    print(f"MAPE at 50% and 90% load: {mape}", file=sys.stderr)
     return {
         "first_fit": {
             "t0_s": fitted.t0_s,
