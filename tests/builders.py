@@ -6,6 +6,13 @@ from typing import Any
 
 from tokenpools.model.config import Config, parse_config
 
+# The simulator's one pool of one engine (the paper's DGX Spark profile), as scenarios name it.
+SIM_POOL: dict[str, Any] = {
+    "name": "p",
+    "model": "Qwen3-8B",
+    "perReplica": {"tokensPerSecond": 480, "kvTokens": 65536, "concurrency": 16},
+}
+
 
 def make_config(
     entitlements: list[dict[str, Any]],

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.builders import SIM_POOL
 from tokenpools.model.objectives import PRIORITY
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.family import family_scenario
@@ -174,17 +175,7 @@ def _two_tenants(llmd: dict[str, Any], clients: int = 24) -> Scenario:
             "engine": {"profile": "paper-dgx-spark-qwen3-8b"},
             "llmd": llmd,
             "tokenpools": {
-                "pools": [
-                    {
-                        "name": "p",
-                        "model": "Qwen3-8B",
-                        "perReplica": {
-                            "tokensPerSecond": 480,
-                            "kvTokens": 65536,
-                            "concurrency": 16,
-                        },
-                    }
-                ],
+                "pools": [SIM_POOL],
                 "entitlements": [
                     {
                         "name": "g",

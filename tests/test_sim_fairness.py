@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.builders import SIM_POOL
 from tokenpools.sim.fairness import (
     entitled_jain_index,
     fairness_block,
@@ -32,17 +33,7 @@ def _scenario(duration: float, extra_tenants: tuple[str, ...] = ()) -> Scenario:
             "duration_s": duration,
             "engine": {"profile": "paper-dgx-spark-qwen3-8b"},
             "tokenpools": {
-                "pools": [
-                    {
-                        "name": "p",
-                        "model": "Qwen3-8B",
-                        "perReplica": {
-                            "tokensPerSecond": 480,
-                            "kvTokens": 65536,
-                            "concurrency": 16,
-                        },
-                    }
-                ],
+                "pools": [SIM_POOL],
                 "entitlements": [
                     {
                         "name": n,

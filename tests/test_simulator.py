@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from tests.builders import SIM_POOL
 from tokenpools.cli import app
 from tokenpools.shipped import SCENARIOS
 from tokenpools.sim.experiments import STATIC_PEAK, run_scenario
@@ -211,17 +212,7 @@ def tiny(tenants: list[dict[str, Any]], ents: list[dict[str, Any]], **extra: Any
             "duration_s": extra.pop("duration_s", 60),
             "engine": {"profile": "paper-dgx-spark-qwen3-8b"},
             "tokenpools": {
-                "pools": [
-                    {
-                        "name": "p",
-                        "model": "Qwen3-8B",
-                        "perReplica": {
-                            "tokensPerSecond": 480,
-                            "kvTokens": 65536,
-                            "concurrency": 16,
-                        },
-                    }
-                ],
+                "pools": [SIM_POOL],
                 "entitlements": [{"tenantId": e["name"], "pool": "p", **e} for e in ents],
             },
             "phases": [{"name": "all", "start_s": 0, "end_s": extra.pop("duration_s", 60)}],
