@@ -181,7 +181,9 @@ class Lab:
     ) -> subprocess.Popen[bytes]:
         if cpus is not None:  # taskset execs: the pid is the server's, its threads inherit
             command = ["taskset", "-c", cpus, *command]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])}
+        # the repository root for the tests' picker; tokenpools itself is this interpreter's
+        # install (compiled in .venv), never the source tree, which would be pure Python
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         log = self.dir / f"{name}.log"
         with open(os.devnull, "wb") if quiet else log.open("wb") as out:
             proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
