@@ -11,6 +11,7 @@ from tests.builders import SIM_POOL
 from tokenpools.sim.fairness import (
     entitled_jain_index,
     fairness_block,
+    jobs_within_slo,
     service_difference,
     slo_attainment_by_class,
     window_difference,
@@ -101,6 +102,28 @@ def test_the_measures_on_a_trace_checked_by_hand() -> None:
     # 5 jobs, 3 completed within 5 s (a's took exactly 5 s: within)
     assert slo_attainment_by_class(result) == {"elastic": pytest.approx(0.6)}
     assert set(fairness_block(result)) == {"vtc_service_difference", "jain_index", "slo_attainment"}
+
+
+def test_a_jobs_ttft_runs_from_its_first_attempt_not_its_last_retry() -> None:
+    # One job of a, refused with Retry-After three times (sent at 0, 2, 4), then sent at 6 and
+    # served: first token at 6.5, half a second after its last retry but 6.5 s after it was
+    # first sent. The SLO is 5 s: a miss. b's job is served on its one attempt in 1 s: a hit.
+    job = Job("a", 10, 10, 10)
+    trace = []
+    for n, sent in enumerate((0.0, 2.0, 4.0), start=1):
+        refused = Attempt(job.request(f"a-{n}", "a", sent), job, n)
+        refused.outcome, refused.reason, refused.finished_at = "rejected", "low_priority", sent
+        trace.append(refused)
+    served = Attempt(job.request("a-4", "a", 6.0), job, 4)
+    served.outcome, served.first_token_at, served.finished_at = "completed", 6.5, 7.0
+    served.output_tokens, served.started_at = 10, 6.0
+    trace += [served, _attempt("b", 10, 10, 0.0, 1.0, 2.0)]
+    result = _result(_scenario(60), trace)
+    assert jobs_within_slo(result) == {"a": (1, 0), "b": (1, 1)}
+    assert slo_attainment_by_class(result) == {"elastic": pytest.approx(0.5)}
+    # the same job, first sent at 2 instead: 4.5 s from its first attempt, within the SLO
+    trace[0].req.sent_at = 2.0
+    assert jobs_within_slo(result)["a"] == (1, 1)
 
 
 def test_service_is_spread_over_each_requests_decode_across_windows() -> None:
