@@ -137,6 +137,40 @@ def test_service_is_spread_over_each_requests_decode_across_windows() -> None:
     assert diff["max"] == 0.0
 
 
+def test_a_tenant_still_waiting_on_an_earlier_burst_stays_backlogged() -> None:
+    # Windows [0, 60) and [60, 120). a sends one job (0 in / 300 out: cost 600) at 10; it is
+    # refused and retried until a last refusal at 100, never served. b sends one job of the same
+    # cost at 65, decoded 70-100: 600/60 = 10 tokens/s of service in the second window.
+    job = Job("a", 0, 300, 300)
+    trace = []
+    for n, sent in enumerate((10.0, 40.0, 70.0, 100.0), start=1):
+        refused = Attempt(job.request(f"a-{n}", "a", sent), job, n)
+        refused.outcome, refused.reason, refused.finished_at = "rejected", "low_priority", sent
+        trace.append(refused)
+    trace.append(_attempt("b", 0, 300, 65.0, 70.0, 100.0))
+    result = _result(_scenario(120), trace)
+    diff = service_difference(result, window_s=60, step_s=60)
+    assert diff is not None
+    # window 1: nobody served (0); window 2: a sent nothing new but still wants its 600 (10/s),
+    # got 0, and b got 10/s: a is behind by min(10 − 0, 10 − 0) = 10
+    assert diff["max"] == pytest.approx(10.0)
+    assert diff["mean"] == pytest.approx(5.0)
+
+
+def test_unserved_demand_carries_forward_less_what_was_served() -> None:
+    # a's one job (cost 600) is sent at 0 and decoded 30-90: 300 in each window; in the second
+    # window it still wants the 300 not yet served and gets it (5/s): not behind b, who is
+    # served 900/60 = 15/s there. A job finished before a window starts asks nothing of it.
+    trace = [
+        _attempt("a", 0, 300, 0.0, 30.0, 90.0),
+        _attempt("a", 0, 300, 1.0, 2.0, 32.0),  # done at 32: no demand in the second window
+        _attempt("b", 0, 450, 60.0, 60.0, 120.0),
+    ]
+    result = _result(_scenario(120), trace)
+    diff = service_difference(result, window_s=60, step_s=60)
+    assert diff is not None and diff["max"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_a_tenant_that_asks_for_less_than_it_gets_is_not_counted_as_behind() -> None:
     assert window_difference({"a": 2.0, "b": 10.0}, {"a": 2.0, "b": 30.0}) == 0.0
     assert window_difference({"a": 2.0, "b": 10.0}, {"a": 5.0, "b": 30.0}) == 3.0

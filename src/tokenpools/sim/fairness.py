@@ -3,7 +3,10 @@
 - VTC's service difference (Sheng et al., OSDI 2024; their artifact's measure): in 60 s windows,
   each tenant's service rate (input + 2 × output tokens of its completed requests, spread evenly
   over each request's decode, first token to last) and its demand rate (the same cost of the
-  requests it first sent in the window); the window's difference is the largest, over tenants,
+  requests it had pending in the window, sent before the window's end and not finished before
+  its start, less what of each was served before the window: unserved demand carries forward,
+  so a tenant still waiting on an earlier burst is backlogged); the window's difference is the
+  largest, over tenants,
   of min(most served tenant's rate − its own, its demand − its own): how far a tenant that still
   wanted more fell behind the best served. Within each service class, where tenants are meant to
   be treated alike; 0 when nobody who wanted more was behind.
@@ -80,17 +83,43 @@ def service_difference(
         hi = min(count - 1, math.ceil(last / step_s))
         return range(lo, hi + 1)
 
+    jobs: dict[int, list[Attempt]] = defaultdict(list)
     for a in result.attempts:
         if a.req.tenant not in tenants:
             continue
-        if a.number == 1:
-            cost = _cost(a.job.prompt_tokens, a.job.output_tokens) / window
-            for i in centres(a.req.sent_at, a.req.sent_at):
-                if i * step_s <= a.req.sent_at < i * step_s + window:
-                    demand[i][a.req.tenant] += cost
+        jobs[id(a.job)].append(a)
         if a.outcome == "completed" and a.first_token_at is not None and a.finished_at is not None:
             for i in centres(a.first_token_at, a.finished_at):
                 service[i][a.req.tenant] += _served(a, i * step_s, i * step_s + window) / window
+    for attempts in jobs.values():
+        # A job is pending from its first attempt until its last attempt ends (completed, or
+        # refused or evicted for good; never, if the run ended first); in every window it is
+        # pending in, its tenant demands what of it was not yet served at the window's start.
+        tenant = attempts[0].req.tenant
+        sent = min(a.req.sent_at for a in attempts)
+        ends = [a.finished_at for a in attempts]
+        done = math.inf if any(e is None for e in ends) else max(e for e in ends if e is not None)
+        done_attempt = next(
+            (
+                a
+                for a in attempts
+                if a.outcome == "completed"
+                and a.first_token_at is not None
+                and a.finished_at is not None
+            ),
+            None,
+        )
+        job = attempts[0].job
+        if done_attempt is not None:
+            cost = _cost(done_attempt.req.prompt_tokens, done_attempt.output_tokens)
+        else:
+            cost = _cost(job.prompt_tokens, job.output_tokens)
+        for i in centres(sent, min(done, duration)):
+            start, end = i * step_s, i * step_s + window
+            if not (sent < end and done >= start):
+                continue
+            before = 0.0 if done_attempt is None else _served(done_attempt, -math.inf, start)
+            demand[i][tenant] += max(0.0, cost - before) / window
     by_class: dict[str, dict[str, float]] = {}
     for cls, names in grouped.items():
         diffs = [
