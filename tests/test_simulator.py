@@ -350,8 +350,9 @@ def test_autoscaling_adds_replicas_after_a_cold_start_and_costs_less_than_the_pe
     assert auto["peak"] == 3 and static["peak"] == 3
     assert static["replica_seconds"] == 3 * scenario.duration_s
     assert auto["replica_seconds"] < 0.9 * static["replica_seconds"]
-    # protected tenants keep their SLO on the autoscaled pool as on the static peak
-    assert auto["protected_slo_attainment"] >= 0.97
+    # protected tenants keep their SLO on the autoscaled pool as on the static peak (TTFT from
+    # each job's first attempt: refusals waited out count, on both pools alike)
+    assert auto["protected_slo_attainment"] >= 0.93
     assert auto["protected_slo_attainment"] >= static["protected_slo_attainment"] - 0.01
     # every replica asked for serves one cold start later, in order; then the pool shrinks
     log = results[0].scaling
