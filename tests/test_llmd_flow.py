@@ -49,21 +49,47 @@ def test_holdback_gives_the_lowest_band_min_ceiling_by_rank_or_by_value() -> Non
     assert holdback_ceilings([0], 0.4) == [1.0]  # one band: never held back
 
 
-@given(st.floats(0.0, 1.5), st.integers(2, 5))
-def test_soft_ceiling_opens_gated_bands_on_one_cycle_in_a_period(sat: float, bands: int) -> None:
+@pytest.mark.parametrize(
+    ("sat", "bands", "lowest"),
+    [
+        # below every reflective ceiling (s < 1 − s): all open, every cycle
+        (0.4, 2, "1111111111"),
+        # s = 0.5: round(0.5 / 0.5) = 1, open on every cycle
+        (0.5, 3, "1111111111"),
+        # s = 0.7: round(0.7 / 0.3) = round(2.33) = 2, open on cycles 0, 2, 4, ...
+        (0.7, 2, "1010101010"),
+        # s = 0.75: round(3) = 3, open on cycles 0, 3, 6, 9
+        (0.75, 2, "1001001001"),
+        (0.75, 4, "1001001001"),
+        # s = 0.8: round(4) = 4, open on cycles 0, 4, 8
+        (0.8, 3, "1000100010"),
+        # saturated: closed
+        (1.0, 2, "0000000000"),
+        (1.3, 5, "0000000000"),
+    ],
+)
+def test_soft_ceiling_opens_gated_bands_on_one_cycle_in_a_period(
+    sat: float, bands: int, lowest: str
+) -> None:
     policy = SoftReflectiveCeiling()
-    runs = [policy.ceilings(sat, bands) for _ in range(40)]
+    runs = [policy.ceilings(sat, bands, k * 0.001) for k in range(10)]  # cycles 0-9, 1 ms apart
     assert all(r[0] == 1.0 for r in runs)  # band 0 is never gated by the policy
-    lowest = [r[-1] for r in runs]
-    if sat < 1 - sat:  # below every reflective ceiling: all open
-        assert lowest == [1.0] * 40
-    elif sat >= 1.0:
-        assert lowest == [0.0] * 40
-    else:
-        period = max(1, round(sat / (1 - sat + 1e-9)))
-        assert sum(lowest) == pytest.approx(40 // period, abs=1)
-        # monotone in rank: a band is never closed while a lower one is open
-        assert all(r == sorted(r, reverse=True) for r in runs)
+    assert "".join(str(int(r[-1])) for r in runs) == lowest
+    # monotone in rank: a band is never closed while a lower one is open
+    assert all(r == sorted(r, reverse=True) for r in runs)
+
+
+def test_soft_ceiling_follows_the_clock_not_the_number_of_calls() -> None:
+    # s = 0.75: open on cycles 0, 3, 6, ... Asked any number of times within one cycle, the
+    # answer is the same; within cycle 1 (1.0-1.999 ms) it stays closed.
+    policy = SoftReflectiveCeiling()
+    for now in (0.0010, 0.0010, 0.0010, 0.0013, 0.0019, 0.0019):
+        assert policy.ceilings(0.75, 2, now) == [1.0, 0.0]
+    assert policy.ceilings(0.75, 2, 0.003) == [1.0, 1.0]
+    assert policy.ceilings(0.75, 2, 0.0035) == [1.0, 1.0]
+    assert policy.ceilings(0.75, 2, 0.004) == [1.0, 0.0]
+    # float sums that land a hair under a cycle boundary count as that cycle
+    assert policy.ceilings(0.75, 2, 0.001 + 0.001 + 0.001) == [1.0, 1.0]
 
 
 @given(

@@ -21,9 +21,11 @@ from tokenpools.model.config import Config, ConfigError
 from tokenpools.model.objectives import PRIORITY
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.llmd_parts import (
+    CYCLE_S,
     LeastAttainedService,
     SoftReflectiveCeiling,
     concurrency_saturation,
+    cycle,
     holdback_ceilings,
     revocations,
     static_ceilings,
@@ -42,7 +44,6 @@ from tokenpools.sim.scenario import LlmdSpec
 
 BYTES_PER_PROMPT_TOKEN = 4  # a request body's size, for the bands' byte capacity (modelled)
 SWEEP_S = 1.0  # expiryCleanupInterval: queued requests are checked for their TTL this often
-CYCLE_S = 0.001  # the dispatch ticker: a cycle every millisecond while work waits
 
 
 @dataclass(slots=True)
@@ -143,12 +144,12 @@ class LlmdFlowControl(AdmissionPolicy):
             endpoints, self.spec.queue_depth_threshold, self.spec.kv_cache_util_threshold
         )
 
-    def ceilings(self, saturation: float, priorities: list[int]) -> list[float]:
+    def ceilings(self, saturation: float, priorities: list[int], now: float) -> list[float]:
         spec = self.spec
         if spec.usage_limit == "priority-holdback":
             return holdback_ceilings(priorities, spec.min_ceiling, spec.max_ceiling, spec.domain)
         if spec.usage_limit == "soft-reflective-ceiling":
-            return self.soft.ceilings(saturation, len(priorities))
+            return self.soft.ceilings(saturation, len(priorities), now)
         return static_ceilings(len(priorities), spec.threshold)
 
     def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
@@ -159,7 +160,7 @@ class LlmdFlowControl(AdmissionPolicy):
         # Every band seen so far is active (llm-d collects an idle band after 10 minutes).
         priorities = sorted(self.bands, reverse=True)
         saturation = self.saturation()
-        ceilings = self.ceilings(saturation, priorities)
+        ceilings = self.ceilings(saturation, priorities, now)
         for i, priority in enumerate(priorities):
             if saturation >= ceilings[i]:
                 self._blocked(saturation, priorities, ceilings, i, now)
@@ -196,7 +197,7 @@ class LlmdFlowControl(AdmissionPolicy):
         queued work above the next victim's priority (reclamation.go's trigger and sizing)."""
         waiting = any(self.bands[p][f] for p in priorities[at:] for f in self.bands[p])
         if self.spec.usage_limit == "soft-reflective-ceiling" and waiting and saturation < 1.0:
-            self.pending.wake_at = now + CYCLE_S
+            self.pending.wake_at = (cycle(now) + 1) * CYCLE_S  # the next cycle's start
         if not self.spec.eviction or not waiting:
             return
         if now < self.gate_opens_at:  # the last revocations have not shown in the gauge yet

@@ -44,6 +44,13 @@ def concurrency_saturation(endpoints: Sequence[EndpointLoad], max_concurrency: i
 
 # -- usage-limit policies: one ceiling per band, highest band first ---------------------------
 
+CYCLE_S = 0.001  # the dispatch ticker: a cycle every millisecond while work waits
+
+
+def cycle(now: float) -> int:
+    """The dispatch cycle simulated time `now` falls in (a hair of slack for float sums)."""
+    return math.floor(now / CYCLE_S + 1e-6)
+
 
 def static_ceilings(bands: int, threshold: float = 1.0) -> list[float]:
     """static-usage-limit-policy, llm-d's default (threshold 1.0: no gating)."""
@@ -70,19 +77,19 @@ def holdback_ceilings(
 class SoftReflectiveCeiling:
     """soft-reflective-ceiling-policy: band i's reflective ceiling is 1 − i·s/(N − 1); a band
     at or past it is open on one dispatch cycle in round(s / (1 − s)), all such bands on the
-    same cycles (one shared tick); at s ≥ 1 they are closed. Band 0 is always 1.0."""
+    same cycles (one shared tick); at s ≥ 1 they are closed. Band 0 is always 1.0.
 
-    def __init__(self) -> None:
-        self.tick = 0
+    The tick is llm-d's 1 ms dispatch ticker, so the cycle is read from simulated time,
+    floor(now / CYCLE_S), not counted per call: asked again at the same instant, the answer
+    is the same."""
 
-    def ceilings(self, saturation: float, bands: int) -> list[float]:
+    def ceilings(self, saturation: float, bands: int, now: float) -> list[float]:
         if bands <= 1:
             return [1.0] * bands
         open_now = False
-        if 1.0 - saturation <= saturation < 1.0:  # some band alternates: the tick advances
+        if 1.0 - saturation <= saturation < 1.0:  # some band alternates on the ticker
             period = max(1, round(saturation / (1.0 - saturation + 1e-9)))
-            self.tick += 1
-            open_now = self.tick % period == 0
+            open_now = cycle(now) % period == 0
         out = [1.0]
         for i in range(1, bands):
             reflective = 1.0 - i * saturation / (bands - 1)
