@@ -1,6 +1,7 @@
 """A generated family for fairness between tenants of one class: does each tenant get its
-share — and the protected ones their SLO — when several tenants share every class and some of
-them burst? Member `index` is drawn from its own seeded source, like the preemptible family
+share — and the protected ones their SLO — when several tenants share the elastic, spot and
+preemptible classes (dedicated and guaranteed have one tenant each) and some of them burst?
+Member `index` is drawn from its own seeded source, like the preemptible family
 (sim/family.py), whose pool, phases and backlog shapes it reuses: 1–3 paper-profile replicas;
 two protected tenants (one dedicated, one guaranteed) within their baselines; three or four
 elastic tenants with different baselines, one or two of them bursting 2–3× above it for a phase;
