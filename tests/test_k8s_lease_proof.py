@@ -247,3 +247,47 @@ def test_a_lease_pod_of_an_earlier_version_stays_bound(bench: Bench) -> None:
     assert bench.states() == {"gold": "Bound"}
     assert [p["metadata"]["uid"] for p in bench.leases("gold")] == [old["metadata"]["uid"]]
     assert [e for e in kube.list(EVENTS, NS) if e["reason"] == "NotALeasePod"] == []
+
+
+def test_a_lease_pod_read_back_in_canonical_form_stays_bound(bench: Bench) -> None:
+    """The API server stores quantities in canonical form: a 40000-token KV baseline reads back
+    as "40k". The operator compares numbers, so its own lease pod stays Bound, undeleted."""
+    kube = bench.kube
+    per = {"tokensPerSecond": 240, "kvTokens": 160_000, "concurrency": 8}
+    kube.create(POOLS, None, pool(perReplica=per))
+    bench.settle()
+    kube.create(ENTITLEMENTS, NS, ent("gold", "guaranteed", 2))
+    bench.settle()
+    assert bench.states() == {"gold": "Bound"}
+    [lease] = bench.leases("gold")
+    stored = lease["spec"]["containers"][0]["resources"]
+    kv = [v for k, v in stored["requests"].items() if "kv" in k]
+    assert kv and set(kv) == {"40k"}, stored  # as the server writes it back
+    for _ in range(3):
+        bench.clock.now += 30
+        bench.settle()
+    assert bench.states() == {"gold": "Bound"}
+    assert [p["metadata"]["uid"] for p in bench.leases("gold")] == [lease["metadata"]["uid"]]
+    assert [e for e in kube.list(EVENTS, NS) if e["reason"] == "NotALeasePod"] == []
+    status = kube.get(ENTITLEMENTS, NS, "gold")["status"]
+    assert [v for k, v in status["requests"].items() if "kv" in k] == [40_000] * len(kv)
+
+
+def test_proof_compares_quantities_as_numbers() -> None:
+    canonical = {"tokenpools.io/concurrency": "2", "tokenpools.io/shared-concurrency": "2e0",
+                 "cpu": "0.001", "memory": "4096Ki"}  # fmt: skip
+    pod = _with(
+        _lease(),
+        lambda p: p["spec"]["containers"][0].update(
+            resources={"requests": canonical, "limits": {**canonical, "cpu": "1m"}}
+        ),
+    )
+    assert proof(pod, "u-1", "gold", PLATFORM) == Lease(ServiceClass.GUARANTEED, WANT)
+    fraction = _with(
+        pod,
+        lambda p: [
+            p["spec"]["containers"][0]["resources"][k].update({"tokenpools.io/concurrency": "1.5"})
+            for k in ("requests", "limits")
+        ],
+    )
+    assert isinstance(proof(fraction, "u-1", "gold", PLATFORM), str)

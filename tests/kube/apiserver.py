@@ -12,7 +12,9 @@ To make the operator's failure handling testable it also injects faults (`Fault`
 code and latency by verb, resource and namespace, at a rate, from a seeded generator) and
 answers a watch from a compacted resourceVersion with 410 Gone (`compact()`).
 
-No admission, defaulting or garbage collection: the tests do those steps explicitly.
+No admission, defaulting or garbage collection: the tests do those steps explicitly. Like the
+real server, it stores a pod's `tokenpools.io/*` quantities in canonical form ("40000" reads
+back as "40k").
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import kmock
 from kmock._internal import parsing, rendering  # pinned kmock==0.8: private modules
 
 from tests.kube.api_faults import REASONS, VERBS, Fault
+from tokenpools.k8s.quantity import canonical, whole
 
 _parse_path = parsing.parse_path
 
@@ -86,6 +89,24 @@ def merge(target: Any, patch: Any) -> Any:
         else:
             out[k] = merge(out.get(k), v)
     return out
+
+
+def _canonical_pod(pod: dict[str, Any]) -> None:
+    """A pod's tokenpools.io/* quantities in the canonical form the API server stores: a
+    whole number given in decimal form takes the largest decimal suffix that keeps it whole."""
+    spec = pod.get("spec") or {}
+    for kind in ("containers", "initContainers", "ephemeralContainers"):
+        for c in spec.get(kind) or []:
+            for key in ("requests", "limits"):
+                amounts = (c.get("resources") or {}).get(key) or {}
+                for name, text in amounts.items():
+                    value = whole(text)
+                    if (
+                        name.startswith("tokenpools.io/")
+                        and value is not None
+                        and "i" not in str(text)
+                    ):
+                        amounts[name] = canonical(value)
 
 
 def _error(status: int, reason: str, message: str) -> aiohttp.web.Response:
@@ -284,6 +305,8 @@ class KubeAPI(kmock.KubernetesScaffold):
                 merged.setdefault("metadata", {})[field] = current["metadata"][field]
         if "status" in RESOURCES[key][2]:  # the main endpoint does not write the status
             merged["status"] = current.get("status", {})
+        if key == ("v1", "pods"):
+            _canonical_pod(merged)
         if merged.get("spec") != current.get("spec"):
             merged["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
         return merged
@@ -320,6 +343,8 @@ class KubeAPI(kmock.KubernetesScaffold):
         body.setdefault("kind", RESOURCES[key][0])
         if key == ("scheduling.k8s.io/v1", "priorityclasses"):
             body.setdefault("preemptionPolicy", "PreemptLowerPriority")
+        if key == ("v1", "pods"):
+            _canonical_pod(body)
         await self._store(key, body, "ADDED")
         self.sequence[(meta.get("namespace"), meta["name"])] = next(self.rv)
         return aiohttp.web.json_response(body, status=201)

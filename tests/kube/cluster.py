@@ -10,21 +10,13 @@ from typing import Any
 from tests.kube.apiserver import ServerThread
 from tests.kube.scheduler import Bind, Preempt, SNode, SPod, queue_order, schedule_one
 from tokenpools.k8s.api import NODES, PODS, PRIORITY_CLASSES, Kube
-
-_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}  # fmt: skip
+from tokenpools.k8s.quantity import parse
 
 
 def quantity(resource: str, text: str) -> int:
     """A resource.Quantity as the scheduler compares it: cpu in millicores, anything else in
     whole units (memory in bytes), so "1" cpu and "1000m" are equal."""
-    scale = 1000 if resource == "cpu" else 1
-    if text.endswith("m"):
-        return int(text[:-1]) * scale // 1000
-    for suffix, factor in _SUFFIXES.items():
-        if text.endswith(suffix):
-            return int(text[: -len(suffix)]) * factor * scale
-    return int(text) * scale
+    return int(parse(text) * (1000 if resource == "cpu" else 1))
 
 
 def _node(obj: dict[str, Any]) -> SNode:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from tokenpools.control.placement import PRIORITY_CLASSES
 from tokenpools.k8s import objects as o
+from tokenpools.k8s import quantity as q
 from tokenpools.model.service_class import ServiceClass
 
 _BY_PRIORITY_CLASS = {pc.name: (cls, pc.value) for cls, pc in PRIORITY_CLASSES.items()}
@@ -79,17 +81,29 @@ def proof(
 
 def _requests(resources: Mapping[str, Any]) -> dict[str, int] | None:
     """The tokenpools.io/* requests when requests equal limits and nothing else is asked for
-    but the lease pod's small cpu and memory (absent on an earlier version's pods)."""
+    but the lease pod's small cpu and memory (absent on an earlier version's pods). Quantities
+    are compared as numbers: the API server stores them in canonical form ("40000" as "40k")."""
     asked, limits = resources.get("requests") or {}, resources.get("limits") or {}
-    if asked != limits:
+    if _numbers(asked) != _numbers(limits):
         return None
     out: dict[str, int] = {}
     for name, quantity in asked.items():
         if name in _SMALL:
-            if quantity != _SMALL[name]:
+            if _number(quantity) != q.parse(_SMALL[name]):
                 return None
-        elif name.startswith("tokenpools.io/") and str(quantity).isdigit():
-            out[name] = int(quantity)
+        elif name.startswith("tokenpools.io/") and (amount := q.whole(quantity)) is not None:
+            out[name] = amount
         else:
             return None
     return out
+
+
+def _number(quantity: Any) -> Fraction | None:
+    try:
+        return q.parse(quantity)
+    except ValueError:
+        return None
+
+
+def _numbers(quantities: Mapping[str, Any]) -> dict[str, Fraction | None]:
+    return {name: _number(quantity) for name, quantity in quantities.items()}

@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenpools.control.placement import Placed, survivors
 from tokenpools.k8s import objects as o
+from tokenpools.k8s import quantity
 from tokenpools.k8s.api import LEASES, NODES, PODS, Kube
 from tokenpools.k8s.errors import describe
 from tokenpools.k8s.lease_proof import Lease, proof
@@ -182,8 +183,8 @@ def requests(pod: Mapping[str, Any]) -> dict[str, int]:
     out: dict[str, int] = {}
     for c in pod["spec"].get("containers", []):
         for k, v in ((c.get("resources") or {}).get("requests") or {}).items():
-            if k.startswith("tokenpools.io/"):
-                out[k] = out.get(k, 0) + int(v)
+            if k.startswith("tokenpools.io/"):  # canonical form on the server: "40k"
+                out[k] = out.get(k, 0) + (quantity.whole(v) or 0)
     return out
 
 
