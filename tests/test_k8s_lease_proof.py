@@ -291,3 +291,37 @@ def test_proof_compares_quantities_as_numbers() -> None:
         ],
     )
     assert isinstance(proof(fraction, "u-1", "gold", PLATFORM), str)
+
+
+def _inject_storage(pod: dict[str, Any]) -> None:
+    """What a LimitRange default or a mutating webhook (Kyverno) does to a pod: an
+    ephemeral-storage request and limit, and the memory limit raised."""
+    resources = pod["spec"]["containers"][0]["resources"]
+    resources["requests"].update({"ephemeral-storage": "1Gi"})
+    resources["limits"].update({"ephemeral-storage": "2Gi", "memory": "8Mi"})
+
+
+def test_resources_admission_adds_leave_a_lease_pod_bound(bench: Bench) -> None:
+    """A pod the operator made, with resources added by admission, is still its lease pod: the
+    proof looks only at the tokenpools.io/* requests, which admission leaves to the operator."""
+    lease = _with(_lease(), _inject_storage)
+    assert proof(lease, "u-1", "gold", PLATFORM) == Lease(ServiceClass.GUARANTEED, WANT)
+    pod_level = _with(lease, lambda p: p["spec"].update(resources=ASK))
+    got = proof(pod_level, "u-1", "gold", PLATFORM)
+    assert isinstance(got, str) and "pod level" in got
+
+    kube = bench.kube
+    kube.create(POOLS, None, pool())
+    bench.settle()
+    gold = kube.create(ENTITLEMENTS, NS, ent("gold", "guaranteed", 2))
+    made = _with(
+        o.lease_pod(gold, ServiceClass.GUARANTEED, _gold_requests(bench), PLATFORM),
+        _inject_storage,
+    )
+    made = kube.create(PODS, NS, made)  # as the operator would create it, admission applied
+    for _ in range(3):
+        bench.clock.now += 30
+        bench.settle()
+    assert bench.states() == {"gold": "Bound"}
+    assert [p["metadata"]["uid"] for p in bench.leases("gold")] == [made["metadata"]["uid"]]
+    assert [e for e in kube.list(EVENTS, NS) if e["reason"] == "NotALeasePod"] == []

@@ -9,7 +9,8 @@ TokenEntitlement owner on a pod, or give one a `tokenpools-*` PriorityClass or a
 `tokenpools.io/*` resource in any container kind. And this check, so that the operator takes
 none of that on trust: a pod counts only when it is what `objects.lease_pod` builds for the
 entitlement — its label and owner, made by this installation, one pause container and nothing
-else (no init, sidecar or ephemeral container), requests equal to limits, the class's
+else (no init, sidecar or ephemeral container), tokenpools.io/* requests equal to limits (other
+resources, which a LimitRange or a mutating webhook may set, are not looked at), the class's
 PriorityClass (and priority, once admission has set it), and a name whose digest matches the
 class and requests it carries. Whether it is bound, and to which node, is the caller's.
 
@@ -31,7 +32,7 @@ from tokenpools.model.service_class import ServiceClass
 
 _BY_PRIORITY_CLASS = {pc.name: (cls, pc.value) for cls, pc in PRIORITY_CLASSES.items()}
 _PAUSE = o.PAUSE_IMAGE.rsplit(":", 1)[0] + ":"  # any pause tag an earlier version used
-_SMALL = {"cpu": o.LEASE_CPU, "memory": o.LEASE_MEMORY}  # what a lease pod asks of the rest
+_PREFIX = "tokenpools.io/"  # the resources the proof looks at
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,10 @@ def proof(
     containers = spec.get("containers") or []
     if len(containers) != 1 or not str(containers[0].get("image", "")).startswith(_PAUSE):
         return "it is not one pause container"
+    if _ours((spec.get("resources") or {}).get("requests") or {}) or _ours(
+        (spec.get("resources") or {}).get("limits") or {}
+    ):
+        return "it asks for tokenpools resources at the pod level"
     requests = _requests(containers[0].get("resources") or {})
     if requests is None:
         return "its requests are not what the operator asks for"
@@ -80,22 +85,23 @@ def proof(
 
 
 def _requests(resources: Mapping[str, Any]) -> dict[str, int] | None:
-    """The tokenpools.io/* requests when requests equal limits and nothing else is asked for
-    but the lease pod's small cpu and memory (absent on an earlier version's pods). Quantities
-    are compared as numbers: the API server stores them in canonical form ("40000" as "40k")."""
-    asked, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    """The tokenpools.io/* requests when they equal the limits, each a whole number. Quantities
+    are compared as numbers: the API server stores them in canonical form ("40000" as "40k").
+    Other resources are not the proof's business: a LimitRange default or a mutating admission
+    webhook (GKE Autopilot, Kyverno) may add or change cpu, memory or ephemeral-storage."""
+    asked, limits = (_ours(resources.get(key) or {}) for key in ("requests", "limits"))
     if _numbers(asked) != _numbers(limits):
         return None
     out: dict[str, int] = {}
     for name, quantity in asked.items():
-        if name in _SMALL:
-            if _number(quantity) != q.parse(_SMALL[name]):
-                return None
-        elif name.startswith("tokenpools.io/") and (amount := q.whole(quantity)) is not None:
-            out[name] = amount
-        else:
+        if (amount := q.whole(quantity)) is None:
             return None
+        out[name] = amount
     return out
+
+
+def _ours(quantities: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in quantities.items() if k.startswith(_PREFIX)}
 
 
 def _number(quantity: Any) -> Fraction | None:

@@ -54,6 +54,9 @@ NODE_LEASE_S = 40
 LEASE_CPU_MILLI, LEASE_MEMORY_MI, NODE_PODS = 1, 4, 500
 LEASE_CPU, LEASE_MEMORY = f"{LEASE_CPU_MILLI}m", f"{LEASE_MEMORY_MI}Mi"
 NODE_CPU, NODE_MEMORY = f"{LEASE_CPU_MILLI * NODE_PODS}m", f"{LEASE_MEMORY_MI * NODE_PODS}Mi"
+# room for the ephemeral-storage a LimitRange default or a webhook may add to each lease pod
+# (a pause container writes nothing): without it the scheduler would place none of them
+NODE_EPHEMERAL_STORAGE = f"{10 * NODE_PODS}Gi"
 
 
 def iso(now: float) -> str:
@@ -100,6 +103,7 @@ def node_status(allocatable: Mapping[str, int], now: float, message: str) -> dic
         **{k: str(v) for k, v in allocatable.items()},
         "cpu": NODE_CPU,
         "memory": NODE_MEMORY,
+        "ephemeral-storage": NODE_EPHEMERAL_STORAGE,
         "pods": str(NODE_PODS),
     }
     beat = iso(now)
