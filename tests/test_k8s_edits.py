@@ -261,3 +261,98 @@ def test_the_webhook_names_what_a_pool_edit_would_unbind(bench: Bench) -> None:
         assert [r.url for r in since if r.params.get("watch") != "true"] == []
     finally:
         lookup.stop()
+
+
+# -- the webhook judges the edit (oldObject against object), not the cluster's state -----------
+
+TEAM_B = "team-b"
+
+
+def _edit(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    body = _review("TokenPool", new)
+    body["request"]["oldObject"] = old
+    return body
+
+
+def _annotated(obj: dict[str, Any], **annotations: str) -> dict[str, Any]:
+    return {**obj, "metadata": {**obj["metadata"], "annotations": annotations}}
+
+
+@pytest.fixture
+def two_tenants(bench: Bench) -> Any:
+    """qwen open to every namespace, gold Bound in the tenants namespace and blue in team-b;
+    llama serving "chat"; the webhook's caches."""
+    kube = bench.kube
+    bench.namespace(TEAM_B, {"team": "b"})
+    kube.create(POOLS, None, pool(namespaceSelector={}))
+    kube.create(POOLS, None, pool("llama", servedModels=["chat"]))
+    kube.create(ENTITLEMENTS, NS, ent("gold", "guaranteed", 2))
+    kube.create(ENTITLEMENTS, TEAM_B, ent("blue", "guaranteed", 2))
+    bench.settle()
+    assert bench.states() == {"gold": "Bound"} and bench.states(TEAM_B) == {"blue": "Bound"}
+    lookup = CachedLookup(kube).start()
+    try:
+        wait_until(
+            lambda: (
+                len(lookup.entitlements()) == 2
+                and all(
+                    (e.get("status") or {}).get("state") == "Bound" for e in lookup.entitlements()
+                )
+                and len(lookup.pools()) == 2
+            )
+        )
+        yield lookup
+    finally:
+        lookup.stop()
+
+
+def test_an_update_names_only_what_the_old_spec_admitted(two_tenants: CachedLookup) -> None:
+    """blue is still Bound (its grace), but the pool already missed team-b before this edit:
+    closing the pool is this edit's doing for gold only."""
+    old = pool(namespaceSelector={"matchLabels": TENANT_LABEL}, servedModels=["qwen", "chat"])
+    new = pool(namespaceSelector=CLOSED, servedModels=["qwen", "chat"])
+    why = _answer(two_tenants, _edit(old, new))
+    assert why is not None and "would unbind 1 Bound entitlements" in why
+    assert "tenants/gold" in why and TEAM_B not in why
+    # widening it takes no one's binding
+    assert _answer(two_tenants, _edit(old, pool(namespaceSelector={}))) is None
+
+
+def test_an_update_that_leaves_selector_and_models_alone_is_allowed(
+    two_tenants: CachedLookup,
+) -> None:
+    """The state it finds (blue Bound outside the selector, "chat" served by llama and by this
+    pool, as before an upgrade or with the webhook away) is no reason to refuse an annotation
+    change or a finalizer patch."""
+    old = pool(namespaceSelector={"matchLabels": TENANT_LABEL}, servedModels=["qwen", "chat"])
+    for new in (
+        _annotated(old, note="hello"),
+        {**old, "metadata": {**old["metadata"], "finalizers": ["tokenpools.io/cleanup"]}},
+        {**old, "spec": {**old["spec"], "replicas": 3}},
+    ):
+        assert _answer(two_tenants, _edit(old, new)) is None
+    # a model name the edit adds is still checked
+    narrow = pool(namespaceSelector={"matchLabels": TENANT_LABEL}, servedModels=["qwen"])
+    why = _answer(two_tenants, _edit(narrow, old))
+    assert why is not None and "'chat' is already served by TokenPool 'llama'" in why
+    # and a create is judged whole
+    assert "'chat'" in (_answer(two_tenants, _review("TokenPool", old, "CREATE")) or "")
+
+
+def test_only_an_acknowledgement_made_in_the_same_edit_counts(two_tenants: CachedLookup) -> None:
+    old = pool(namespaceSelector={}, servedModels=["qwen", "chat"])
+    closed = pool(namespaceSelector=CLOSED, servedModels=["qwen", "chat"])
+    both = "tenants/gold, team-b/blue"
+    # a "*" left on the pool by an earlier edit approves nothing later
+    stale = _answer(two_tenants, _edit(_annotated(old, **{ACKNOWLEDGE: "*"}),
+                                       _annotated(closed, **{ACKNOWLEDGE: "*"})))  # fmt: skip
+    assert stale is not None and "team-b/blue, tenants/gold" in stale
+    # added, or changed, in this request: it counts
+    assert _answer(two_tenants, _edit(old, _annotated(closed, **{ACKNOWLEDGE: "*"}))) is None
+    changed = _edit(_annotated(old, **{ACKNOWLEDGE: "tenants/gold"}),
+                    _annotated(closed, **{ACKNOWLEDGE: both}))  # fmt: skip
+    assert _answer(two_tenants, changed) is None
+    # changed, but not naming everyone it unbinds
+    partly = _edit(_annotated(old, **{ACKNOWLEDGE: "*"}),
+                   _annotated(closed, **{ACKNOWLEDGE: "tenants/gold"}))  # fmt: skip
+    assert "team-b/blue" in (_answer(two_tenants, partly) or "")

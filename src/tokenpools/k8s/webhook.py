@@ -6,8 +6,9 @@ server accepts it, with the checks the operator and the config loader apply.
 - an entitlement whose pool does not exist, or is not open to its namespace;
 - an entitlement with a key hash another entitlement already has;
 - a TokenPool edit that would unbind Bound entitlements (its namespaceSelector no longer
-  matching their namespaces), named in the answer, unless the pool acknowledges them; a pool
-  serving a model name another pool serves (k8s/revocations.py).
+  matching their namespaces), named in the answer, unless the same edit acknowledges them; a
+  pool that starts serving a model name another pool serves (k8s/revocations.py). An update is
+  judged by what it changes, against the request's oldObject.
 
 `review` is pure over an AdmissionReview and a `Lookup`; the operator serves it over HTTPS
 (k8s/operator_http.py) and looks objects up in list-then-watch caches (k8s/webhook_cache.py),
@@ -64,7 +65,8 @@ def _problem(request: Mapping[str, Any], lookup: Lookup) -> str | None:
     if why is not None:
         return why
     if kind == "TokenPool":
-        return _pool_problem(name, spec, meta.get("annotations"), lookup)
+        old = request.get("oldObject") if request.get("operation") == "UPDATE" else None
+        return _pool_problem(name, obj, old if isinstance(old, Mapping) else None, lookup)
     if kind != "TokenEntitlement":
         return None
     pool = lookup.pool(str(spec.get("pool")))
@@ -83,12 +85,19 @@ def _problem(request: Mapping[str, Any], lookup: Lookup) -> str | None:
 
 
 def _pool_problem(
-    name: str, spec: Mapping[str, Any], annotations: Mapping[str, str] | None, lookup: Lookup
+    name: str, obj: Mapping[str, Any], old: Mapping[str, Any] | None, lookup: Lookup
 ) -> str | None:
-    taken = model_served_elsewhere(name, spec, lookup.pools())
+    """A pool's create, or its update from `old` (judged by what the update changes)."""
+    spec = obj["spec"]
+    old_spec = (old.get("spec") or {}) if old is not None else None
+    if old_spec is not None and not isinstance(old_spec, Mapping):
+        old_spec = {}
+    taken = model_served_elsewhere(name, spec, lookup.pools(), old_spec)
     if taken is not None:
         return taken
-    affected = unbound_by(name, spec, lookup.entitlements(), lookup.namespace_labels)
-    if affected and not acknowledged(annotations, affected):
+    affected = unbound_by(name, spec, lookup.entitlements(), lookup.namespace_labels, old_spec)
+    annotations = (obj.get("metadata") or {}).get("annotations")
+    old_annotations = ((old or {}).get("metadata") or {}).get("annotations")
+    if affected and not acknowledged(annotations, affected, old_annotations):
         return unbinding_refusal(affected)
     return None
