@@ -21,7 +21,7 @@ import pytest
 from tests.kube.harness import NS, PLATFORM, TENANT_LABEL, Bench, bench, ent, pool
 from tests.servers import wait_until
 from tokenpools.k8s import objects as o
-from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, NAMESPACES, POOLS
+from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, NAMESPACES, PODS, POOLS
 from tokenpools.k8s.grace import DEFAULT_GRACE_S, REVOKING
 from tokenpools.k8s.reconciler import Reconciler
 from tokenpools.k8s.revocations import ACKNOWLEDGE
@@ -127,6 +127,36 @@ def test_a_closed_pool_keeps_bound_tenants_bound_for_the_grace_period(
     assert bench.states() == {"gold": "Invalid", "late": "Invalid"}
     assert bench.leases("gold") == []
     assert "tenants/gold" not in _gateway(bench).entitlements
+
+
+def test_a_lease_pod_lost_during_the_grace_period_does_not_end_it(bench: Bench) -> None:
+    """Evicted during the grace (its node shrunk, a drain): the entitlement is not Bound for a
+    while, and keeps its deadline rather than losing its binding at once."""
+    kube = bench.kube
+    kube.create(POOLS, None, pool())
+    kube.create(ENTITLEMENTS, NS, ent("gold", "guaranteed", 4))
+    bench.settle()
+    _close(bench, "selector edited")
+    bench.settle()
+    message = _conditions(kube.get(ENTITLEMENTS, NS, "gold"))[REVOKING]["message"]
+    bench.clock.now += DEFAULT_GRACE_S / 2
+    [lease] = bench.leases("gold")
+    kube.delete(PODS, NS, lease["metadata"]["name"], grace_s=0)  # evicted
+    for _ in range(3):  # the operator alone: the replacement waits for the scheduler
+        bench.rec.reconcile()
+        assert bench.states()["gold"] != "Invalid"
+    assert bench.states()["gold"] in ("Pending", "Degraded")  # not Bound, yet not revoked
+    gold = kube.get(ENTITLEMENTS, NS, "gold")
+    assert _conditions(gold)[REVOKING]["status"] == "True"
+    assert _conditions(gold)[REVOKING]["message"] == message  # the same deadline
+    bench.settle()
+    assert bench.states() == {"gold": "Bound"}
+    bench.clock.now += DEFAULT_GRACE_S / 2 - 1
+    bench.settle()
+    assert bench.states() == {"gold": "Bound"}
+    bench.clock.now += 2  # and it still ends when it was to end
+    bench.settle()
+    assert bench.states() == {"gold": "Invalid"} and bench.leases("gold") == []
 
 
 def test_the_grace_period_is_the_operators_setting(bench: Bench) -> None:

@@ -8,7 +8,8 @@ their binding — lease pod, state Bound, the gateway admitting them — for the
 period (`--binding-grace`, TOKENPOOLS_BINDING_GRACE_S), with the condition `Revoking` saying why
 and until when. An edit undone within it changes nothing; past it the entitlement is Invalid
 and its lease pod goes. The grace starts when `Revoking` turned True (its lastTransitionTime),
-so an operator restart neither restarts nor shortens it."""
+so an operator restart neither restarts nor shortens it, and it lasts whatever the binding's
+state meanwhile: a lease pod evicted or preempted during it (Degraded, Pending) does not end it."""
 
 from __future__ import annotations
 
@@ -28,14 +29,16 @@ class Grace:
     seconds: float = DEFAULT_GRACE_S
 
     def deadline(self, obj: Mapping[str, Any]) -> float | None:
-        """When `obj` loses its binding, if it is Bound now; None when it is not."""
+        """When `obj` loses its binding: counted from when `Revoking` turned True, whatever its
+        state since (a lease pod evicted during the grace leaves it Degraded or Pending, not
+        revoked), or from now if it is Bound; None when it is neither."""
         status = obj.get("status") or {}
-        if status.get("state") != "Bound":
-            return None
         for cond in status.get("conditions") or []:
             if cond.get("type") == REVOKING and cond.get("status") == "True":
                 since = cond.get("lastTransitionTime")
                 return (parse_time(since) if since else self.now) + self.seconds
+        if status.get("state") != "Bound":
+            return None
         return self.now + self.seconds
 
     def keeps(self, obj: Mapping[str, Any]) -> float | None:
