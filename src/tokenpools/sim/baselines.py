@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from typing import TYPE_CHECKING
 
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.resources import Resources
@@ -20,6 +21,10 @@ from tokenpools.sim.policy import (
     TenantLimits,
     Verdict,
 )
+
+if TYPE_CHECKING:
+    from tokenpools.model.config import Config
+    from tokenpools.sim.scenario import Scenario
 
 
 class NoAdmissionControl(AdmissionPolicy):
@@ -197,3 +202,24 @@ def derive_limits(
         concurrency=max(1, round(concurrency)),
         sheddable=sheddable,
     )
+
+
+def tenant_limits(scenario: Scenario, config: Config) -> dict[str, TenantLimits]:
+    """Each tenant's limits for the baselines: what the scenario sets, else derived from its
+    entitlement on the scenario's one pool (`derive_limits`)."""
+    pool = next(iter(config.pools.values()))
+    limits: dict[str, TenantLimits] = {}
+    for t in scenario.tenants:
+        ent = config.entitlements[t.entitlement or t.name]
+        w = t.workload
+        mean_cost = w.prompt.mean_value() + w.output.mean_value()
+        derived = derive_limits(ent, pool.capacity, mean_cost, t.sheddable)
+        limits[t.name] = TenantLimits(
+            rpm=t.limits.rpm or derived.rpm,
+            tpm=t.limits.tpm or derived.tpm,
+            concurrency=(
+                derived.concurrency if t.limits.concurrency is None else t.limits.concurrency
+            ),
+            sheddable=derived.sheddable,
+        )
+    return limits

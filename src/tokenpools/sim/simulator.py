@@ -18,9 +18,11 @@ from tokenpools.engine.model import Engine, StepResult
 from tokenpools.engine.profile import EngineProfile, load_profile
 from tokenpools.model.config import ConfigError
 from tokenpools.sim.autoscaler import Autoscaler, ReplicaMeter
+from tokenpools.sim.baselines import tenant_limits
 from tokenpools.sim.clients import Clients
-from tokenpools.sim.policies import derive_limits, make_policy
-from tokenpools.sim.policy import AdmissionPolicy, EndpointLoad, SimRequest, TenantLimits
+from tokenpools.sim.dispatch import Dispatcher
+from tokenpools.sim.policies import make_policy
+from tokenpools.sim.policy import AdmissionPolicy, EndpointLoad, SimRequest
 from tokenpools.sim.records import Attempt, RunResult, Sample
 from tokenpools.sim.scenario import Scenario
 
@@ -53,21 +55,6 @@ class Simulation:
         self.fraction = 1.0  # of each replica's slots and KV (capacity events)
         self.tenants = {t.name: t for t in scenario.tenants}
         self.rng = {t.name: random.Random(f"{self.seed}/{t.name}") for t in scenario.tenants}
-        limits: dict[str, TenantLimits] = {}
-        for t in scenario.tenants:
-            ent = self.config.entitlements[t.entitlement or t.name]
-            w = t.workload
-            derived = derive_limits(
-                ent, pool.capacity, w.prompt.mean_value() + w.output.mean_value(), t.sheddable
-            )
-            limits[t.name] = TenantLimits(
-                rpm=t.limits.rpm or derived.rpm,
-                tpm=t.limits.tpm or derived.tpm,
-                concurrency=derived.concurrency
-                if t.limits.concurrency is None
-                else t.limits.concurrency,
-                sheddable=derived.sheddable,
-            )
         self._joining = {
             t.name: t.entitlement or t.name for t in scenario.tenants if t.entitlement_while_active
         }
@@ -75,7 +62,7 @@ class Simulation:
         self.policy: AdmissionPolicy = make_policy(
             policy,
             self.config,
-            limits,
+            tenant_limits(scenario, self.config),
             self,
             0.0,
             frozenset(self._joining.values()),
@@ -91,9 +78,9 @@ class Simulation:
         self.active: dict[str, Attempt] = {}  # by request id, admitted and not yet ended
         self.where: dict[str, int] = {}  # request id → the replica serving it
         self.samples: list[Sample] = []
-        self._wakes: set[float] = set()  # dispatch cycles the policy asked for
         self.output_tokens: Counter[tuple[str, str]] = Counter()
         self.clients = Clients(self)
+        self.dispatcher = Dispatcher(self)
 
     # -- the cluster, as policies see it ----------------------------------------------------
 
@@ -113,6 +100,14 @@ class Simulation:
     def kv_usage(self) -> float:
         serving = self.serving
         return sum(self.engines[i].kv_usage for i in serving) / max(1, len(serving))
+
+    @property
+    def free_slots(self) -> int:
+        """Slots of the serving replicas that no running or waiting request holds."""
+        return sum(
+            max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting)
+            for e in (self.engines[i] for i in self.serving)
+        )
 
     @property
     def endpoints(self) -> list[EndpointLoad]:
@@ -244,35 +239,7 @@ class Simulation:
         self.clients.retry_or_give_up(attempt.job, None)
 
     def dispatch_queued(self) -> None:
-        """Ask the policy for queued attempts until it releases none (it may release one at a
-        time and read the engines again), then act on what it decided besides."""
-        while True:
-            free = sum(
-                max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting)
-                for e in (self.engines[i] for i in self.serving)
-            )
-            released = self.policy.dispatch(self.now, free)
-            if not released:
-                break
-            for req in released:
-                self.to_engine(req)
-        self._aftermath()
-
-    def _aftermath(self) -> None:
-        after = self.policy.aftermath(self.now)
-        for req_id, reason in after.refuse:
-            self.clients.refused_in_queue(req_id, reason)
-        for req_id in after.evict:
-            self.evict(req_id)
-        if after.evict or after.refuse:  # room was made: the policy may release more
-            self.dispatch_queued()
-        elif after.wake_at is not None and after.wake_at not in self._wakes:
-            self._wakes.add(after.wake_at)  # one wake-up per instant, however often asked
-            self.at(after.wake_at, partial(self._wake, after.wake_at))
-
-    def _wake(self, at: float) -> None:
-        self._wakes.discard(at)
-        self.dispatch_queued()
+        self.dispatcher.cycle()
 
     # -- timeline -----------------------------------------------------------------------------
 
@@ -322,8 +289,7 @@ class Simulation:
         for req_id in self.policy.tick(self.now):
             self.evict(req_id)
         if self.policy.holds_requests:
-            self._aftermath()
-
+            self.dispatcher.aftermath()
         self.at(self.now + 0.5, self._tick)
 
     def _sample(self) -> None:
