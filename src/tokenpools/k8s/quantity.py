@@ -2,7 +2,10 @@
 
 The API server stores a quantity in its canonical form, not as it was written: a lease pod
 created asking for "40000" of a resource reads back as "40k", and "1024Ki" as "1Mi". So a
-quantity is compared as a number, never as a string."""
+quantity is compared as a number, never as a string.
+
+Not `kubernetes.utils.parse_quantity`: it accepts what the API server refuses ("inf",
+"40 k"), and an infinite Decimal cannot be a Fraction."""
 
 from __future__ import annotations
 
