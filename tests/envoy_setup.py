@@ -129,12 +129,20 @@ async def start_grpc(servicer: ep_grpc.ExternalProcessorServicer) -> tuple[grpc.
     return server, port
 
 
-def _mode(answer_mode: str) -> dict[str, str]:
-    """The processor's filter mode, its answers sent as `answer_mode` (Envoy wants the
-    trailers of an answer sent full duplex)."""
-    duplex = answer_mode == "FULL_DUPLEX_STREAMED"
-    trailers = "SEND" if duplex else PROCESSING_MODE["response_trailer_mode"]
-    return {**PROCESSING_MODE, "response_body_mode": answer_mode, "response_trailer_mode": trailers}
+def _mode(request_mode: str, answer_mode: str) -> dict[str, str]:
+    """The processor's filter mode, requests' bodies sent as `request_mode` and answers' as
+    `answer_mode` (Envoy wants the trailers of a body sent full duplex)."""
+
+    def trailers(mode: str, default: str) -> str:
+        return "SEND" if mode == "FULL_DUPLEX_STREAMED" else default
+
+    return {
+        **PROCESSING_MODE,
+        "request_body_mode": request_mode,
+        "request_trailer_mode": trailers(request_mode, PROCESSING_MODE["request_trailer_mode"]),
+        "response_body_mode": answer_mode,
+        "response_trailer_mode": trailers(answer_mode, PROCESSING_MODE["response_trailer_mode"]),
+    }
 
 
 def _loopback(port: int) -> dict[str, Any]:
@@ -171,10 +179,13 @@ def envoy_config(
     route_timeout_s: float = 60.0,
     message_timeout_s: float = 5.0,
     answer_mode: str = "STREAMED",
+    request_mode: str = "BUFFERED",
 ) -> dict[str, Any]:
     """Envoy's static config; `tokenpools_port` None: Envoy with the picker alone (the
     baseline). The tokenpools filter is the one docs/envoy.md shows; `answer_mode`
-    FULL_DUPLEX_STREAMED: as a gateway without STREAMED (agentgateway) would send answers."""
+    FULL_DUPLEX_STREAMED: as a gateway without STREAMED (agentgateway) would send answers;
+    `request_mode` FULL_DUPLEX_STREAMED: a request's body sent without waiting for the answer
+    to its headers (one round trip to the processor fewer before the picker)."""
     filters: list[dict[str, Any]] = []
     if tokenpools_port is not None:
         filters.append(
@@ -186,7 +197,7 @@ def envoy_config(
                     "failure_mode_allow": False,
                     "message_timeout": f"{message_timeout_s}s",
                     "request_attributes": ["source.address"],
-                    "processing_mode": _mode(answer_mode),
+                    "processing_mode": _mode(request_mode, answer_mode),
                 },
             }
         )

@@ -65,9 +65,11 @@ def stack_of(config: dict[str, Any], backends: int = 2, **envoy: Any) -> Iterato
             s.stop()
 
 
-@pytest.fixture
-def stack() -> Iterator[Stack]:
-    yield from stack_of(config_data("http://127.0.0.1:9"))
+@pytest.fixture(params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """Requests' bodies buffered by Envoy, or sent full duplex (the processor buffers them
+    and answers their headers once admission has decided)."""
+    yield from stack_of(config_data("http://127.0.0.1:9"), request_mode=request.param)
 
 
 def test_admitted_request_reaches_a_picked_backend_with_its_class(stack: Stack) -> None:
@@ -132,12 +134,15 @@ def test_a_stream_settles_on_the_engines_usage_kept_from_a_client_that_did_not_a
     assert done[0].prompt_tokens == with_usage[-1].usage.prompt_tokens
 
 
-def test_a_request_without_max_tokens_gets_the_reserved_ceiling_written_into_its_body() -> None:
+@pytest.mark.parametrize("request_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_a_request_without_max_tokens_gets_the_reserved_ceiling_written_into_its_body(
+    request_mode: str,
+) -> None:
     """The body is rewritten through Envoy (its length too): the engine generates exactly the
     ceiling admission reserved, not its own default."""
     config = config_data("http://127.0.0.1:9")
     config["entitlements"][0]["defaultMaxTokens"] = 7
-    for stack in stack_of(config):
+    for stack in stack_of(config, request_mode=request_mode):
         reply = stack.client().chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}]
         )

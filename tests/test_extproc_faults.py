@@ -5,6 +5,7 @@ still ends), and Envoy's own body limit answered before the processor reads anyt
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -68,3 +69,38 @@ def test_a_body_over_envoys_buffer_is_refused_by_envoy() -> None:
         r = httpx.post(f"{stack.envoy.url}/v1/chat/completions", json=big, headers=GOLD)
         assert r.status_code == 413
         assert stack.picker.seen == [] and stack.in_flight() == {}
+
+
+def test_a_body_sent_full_duplex_over_the_processors_limit_is_refused_by_it() -> None:
+    """Sent full duplex, a body is not held by Envoy: the processor counts its chunks and
+    answers 413 once they pass its limit, before the picker hears of the request."""
+    config = config_data("http://127.0.0.1:9")
+    config["gateway"]["maxBodyBytes"] = 100_000
+    for stack in stack_of(config, request_mode="FULL_DUPLEX_STREAMED"):
+        big = {**BODY, "messages": [{"role": "user", "content": "x" * 300_000}]}
+        chunks = (json.dumps(big).encode()[i : i + 16_384] for i in range(0, 400_000, 16_384))
+        r = httpx.post(f"{stack.envoy.url}/v1/chat/completions", content=chunks, headers=GOLD)
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "body_too_large"
+        assert stack.picker.seen == [] and stack.in_flight() == {}
+        small = httpx.post(f"{stack.envoy.url}/v1/chat/completions", json=BODY, headers=GOLD)
+        assert small.status_code == 200, small.text
+
+
+@pytest.mark.parametrize("request_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_a_body_slower_than_the_message_timeout_is_still_admitted(request_mode: str) -> None:
+    """A client that takes longer to send its body than Envoy's message timeout is not
+    failed: the timeout runs from each message Envoy sends the processor, and in full duplex
+    the answer to the headers (held until the body is whole) is not timed either."""
+
+    def slow() -> Iterator[bytes]:
+        raw = json.dumps(BODY).encode()
+        yield raw[:10]
+        time.sleep(1.0)  # the client's pause, twice the message timeout below
+        yield raw[10:]
+
+    config = config_data("http://127.0.0.1:9")
+    for stack in stack_of(config, request_mode=request_mode, message_timeout_s=0.5):
+        r = httpx.post(f"{stack.envoy.url}/v1/chat/completions", content=slow(), headers=GOLD)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2

@@ -1,6 +1,7 @@
-"""The processor's flow fed Envoy's messages directly, without Envoy: how it answers an
-answer's chunks depends on the mode the data plane sends them in — announced in the stream's
-protocol configuration (Envoy does), or set for data planes that do not announce it."""
+"""The processor's flow fed Envoy's messages directly, without Envoy: how it answers a
+request's body and an answer's chunks depends on the mode the data plane sends them in —
+announced in the stream's protocol configuration (Envoy does), or set for data planes that do
+not announce it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tokenpools.admission.access_log import RequestRecord
 from tokenpools.extproc import Processor
 from tokenpools.extproc.service import ExternalProcessor
 from tokenpools.model.config import parse_config
+from tokenpools.model.objectives import FAIRNESS_HEADER, OBJECTIVE_HEADER
 
 ANSWER = json.dumps(
     {
@@ -100,4 +102,45 @@ def test_an_answers_chunks_are_answered_as_its_mode_wants(
     else:  # passed on as it came
         assert chunk.WhichOneof("mutation") is None
     (record,) = records  # settled on the answer's usage
+    assert (record.status, record.prompt_tokens, record.completion_tokens) == (200, 3, 2)
+
+
+def duplex_exchange(trailers: bool) -> list[ep.ProcessingRequest]:
+    """One admitted request whose body comes full duplex in three chunks (its end marked by
+    the last chunk, or by trailers), and its whole answer."""
+    first, whole, *answer = exchange(None)
+    first.protocol_config.request_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED  # type: ignore[assignment]
+    raw = whole.request_body.body
+    cut = [raw[:5], raw[5:20], raw[20:]]
+    chunks = [
+        ep.ProcessingRequest(
+            request_body=ep.HttpBody(body=c, end_of_stream=not trailers and i == len(cut) - 1)
+        )
+        for i, c in enumerate(cut)
+    ]
+    end = [ep.ProcessingRequest(request_trailers=ep.HttpTrailers())] if trailers else []
+    return [first, *chunks, *end, *answer]
+
+
+@pytest.mark.parametrize("trailers", [False, True])
+def test_a_body_sent_full_duplex_is_admitted_whole_before_its_headers_are_answered(
+    trailers: bool,
+) -> None:
+    processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
+    records: list[RequestRecord] = []
+    processor.observe.listeners.append(records.append)
+    sent = duplex_exchange(trailers)
+    answers = asyncio.run(run(processor, sent))
+    kinds = [a.WhichOneof("response") for a in answers]
+    ended = ["request_trailers"] if trailers else []
+    # the headers' answer and the body's, both once the body is whole, in order
+    assert kinds == ["request_headers", "request_body", *ended, "response_headers", "response_body"]
+    mutation = answers[0].request_headers.response.header_mutation
+    assert {h.header.key for h in mutation.set_headers} >= {OBJECTIVE_HEADER, FAIRNESS_HEADER}
+    assert "authorization" in mutation.remove_headers
+    streamed = answers[1].request_body.response.body_mutation.streamed_response
+    whole = b"".join(m.request_body.body for m in sent if m.HasField("request_body"))
+    assert json.loads(streamed.body) == json.loads(whole)  # the body the client sent, all of it
+    assert streamed.end_of_stream is not trailers  # trailers, when sent, end the request
+    (record,) = records
     assert (record.status, record.prompt_tokens, record.completion_tokens) == (200, 3, 2)

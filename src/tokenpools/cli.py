@@ -161,6 +161,12 @@ def extproc(
             help="answers come FULL_DUPLEX_STREAMED though the data plane does not say so"
         ),
     ] = False,
+    full_duplex_requests: Annotated[
+        bool,
+        typer.Option(
+            help="requests' bodies come FULL_DUPLEX_STREAMED though the data plane does not say so"
+        ),
+    ] = False,
 ) -> None:
     """Run admission as an Envoy external processor (ext_proc), before the endpoint picker."""
     try:
@@ -168,7 +174,16 @@ def extproc(
     except ImportError as exc:
         fail(f"{exc}: install the extproc extra (pip install 'tokenpools[extproc]')")
     try:
-        run(config, host, port, metrics_port, log_format.value, access_log, full_duplex_answers)
+        run(
+            config,
+            host,
+            port,
+            metrics_port,
+            log_format.value,
+            access_log,
+            full_duplex_answers,
+            full_duplex_requests,
+        )
     except ConfigError as exc:
         fail(str(exc))
 

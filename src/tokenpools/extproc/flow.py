@@ -64,13 +64,20 @@ class Flow:
         self.tap: AnswerTap | None = None
         self.status: int | None = None  # the answer's, once its headers passed
         self.done = False  # answered at once, or passed on unadmitted: nothing more to do
-        self.duplex = False  # the answer comes FULL_DUPLEX_STREAMED: every chunk is sent back
+        # the request's body (the answer's) comes FULL_DUPLEX_STREAMED: every chunk is the
+        # processor's to send on; a request's headers are answered once its body is whole
+        self.request_duplex = False
+        self.answer_duplex = False
+        self._chunks: list[bytes] = []  # the request's body so far, sent full duplex
+        self._size = 0
 
     # -- the request ---------------------------------------------------------------------
 
     async def request_headers(
         self, message: ep.HttpHeaders, remote: str | None
-    ) -> ep.ProcessingResponse:
+    ) -> ep.ProcessingResponse | None:
+        """The answer to the request's headers; None: it waits for the body (full duplex:
+        the picker must not see the request before admission names its band)."""
         headers = messages.headers_of(message)
         method = headers.get(":method", "")
         self.path = headers.get(":path", "").partition("?")[0]
@@ -98,7 +105,7 @@ class Flow:
         self.record.identified(caller)
         if models:
             return self._models(caller)
-        return self.processor.identified
+        return None if self.request_duplex else self.processor.identified
 
     def _models(self, caller: Caller) -> ep.ProcessingResponse:
         """GET /v1/models (or one of them): what this caller may use, as the gateway lists it."""
@@ -113,15 +120,37 @@ class Flow:
             return self._refuse(no_route(name).refusal)
         return messages.reply(200, json.dumps(model_card(name)).encode(), headers)
 
-    async def request_body(self, message: ep.HttpBody) -> ep.ProcessingResponse:
-        assert self.caller is not None
+    async def request_body(self, message: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        """Buffered: the whole body in one message. Full duplex: chunk by chunk, the request
+        admitted once the last has come (nothing is answered before)."""
         limit = self.processor.config.gateway.max_body_bytes
-        if len(message.body) > limit:
-            return self._refuse(too_large(limit))
+        if not self.request_duplex:
+            if len(message.body) > limit:
+                return [self._refuse(too_large(limit))]
+            return await self._admit(message.body, trailers=False)
+        self._chunks.append(message.body)
+        self._size += len(message.body)
+        if self._size > limit:
+            return [self._refuse(too_large(limit))]
+        if not message.end_of_stream:
+            return []
+        return await self._admit(b"".join(self._chunks), trailers=False)
+
+    async def request_trailers(self) -> list[ep.ProcessingResponse]:
+        """A request with trailers: sent full duplex, its body ends with them."""
+        if not self.request_duplex or self.cleared is not None:
+            return [messages.trailers(response=False)]
+        admitted = await self._admit(b"".join(self._chunks), trailers=True)
+        return [*admitted, messages.trailers(response=False)] if not self.done else admitted
+
+    async def _admit(self, raw: bytes, trailers: bool) -> list[ep.ProcessingResponse]:
+        """The front door's decision on the whole body: the request goes on upstream with
+        the data plane's headers (and its body where rewritten), or is answered now."""
+        assert self.caller is not None
         try:
-            body = parse_body(message.body, self.path)
+            body = parse_body(raw, self.path)
         except BadRequest as exc:
-            return self._refuse(bad_request(str(exc), exc.param))
+            return [self._refuse(bad_request(str(exc), exc.param))]
         self.record.model, self.record.stream = body["model"], bool(body.get("stream"))
         result = await self.processor.admission.clear(
             AdmissionRequest(self.caller, self.path, body)
@@ -130,17 +159,21 @@ class Flow:
         if isinstance(result, Stopped):
             if result.decision is not None and result.entitlement is not None:
                 self.record.decided(result.decision, result.entitlement)
-            return self._refuse(result.refusal)
+            return [self._refuse(result.refusal)]
         self.cleared = result
         self.record.decided(result.decision, result.decision.lease.entitlement)
         self.admitted = self.processor.admission.track(result.decision, asyncio.current_task())
         self.tap = result.tap(self.path)
         upstream = {**self._data_plane_headers(result), "x-request-id": self.record.request_id}
-        if not result.rewritten:
-            return messages.request_body(upstream)
-        raw = json.dumps(body, separators=(",", ":")).encode()
-        upstream["content-length"] = str(len(raw))
-        return messages.request_body(upstream, raw)
+        if result.rewritten:
+            raw = json.dumps(body, separators=(",", ":")).encode()
+            upstream["content-length"] = str(len(raw))
+        if not self.request_duplex:
+            return [messages.request_body(upstream, raw if result.rewritten else None)]
+        return [  # the headers' answer was held for this: the picker sees the admitted request
+            messages.request_headers(upstream, self.processor.removed),
+            messages.request_body_streamed(raw, end=not trailers),
+        ]
 
     def _data_plane_headers(self, result: Cleared) -> dict[str, str]:
         """Who the request is and how important, for the picker and the engine."""
@@ -170,7 +203,7 @@ class Flow:
         if self.tap is None or self.admitted is None:
             return (
                 messages.response_body_streamed(message.body, end)
-                if self.duplex
+                if self.answer_duplex
                 else (messages.response_body())
             )
         if self.admitted.evicted:
@@ -178,7 +211,7 @@ class Flow:
         sent = self.tap.feed(message.body, end)
         if end and self.status == 200:
             self.admitted.end(self.tap.so_far(self._prompt_tokens()))
-        if self.duplex:
+        if self.answer_duplex:
             return messages.response_body_streamed(sent, end)
         return messages.response_body(None if sent == message.body else sent)
 

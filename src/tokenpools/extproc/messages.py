@@ -110,22 +110,33 @@ def response_body(body: bytes | None = None) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(response_body=ep.BodyResponse(response=_common(body=body)))
 
 
-def response_body_streamed(body: bytes, end: bool) -> ep.ProcessingResponse:
-    """In FULL_DUPLEX_STREAMED mode every chunk is the processor's to send on: `body` goes
-    downstream as the answer's next bytes (`end`: its last)."""
+def _streamed(body: bytes, end: bool) -> ep.BodyResponse:
     common = ep.CommonResponse()
     common.body_mutation.streamed_response.body = body
     common.body_mutation.streamed_response.end_of_stream = end
-    return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
+    return ep.BodyResponse(response=common)
 
 
-def answer_is_duplex(request: ep.ProcessingRequest) -> bool | None:
-    """Whether the answer's body comes FULL_DUPLEX_STREAMED (every chunk must be sent back),
-    from the protocol configuration Envoy sends with a stream's first message; None: not
-    this message."""
+def response_body_streamed(body: bytes, end: bool) -> ep.ProcessingResponse:
+    """In FULL_DUPLEX_STREAMED mode every chunk is the processor's to send on: `body` goes
+    downstream as the answer's next bytes (`end`: its last)."""
+    return ep.ProcessingResponse(response_body=_streamed(body, end))
+
+
+def request_body_streamed(body: bytes, end: bool) -> ep.ProcessingResponse:
+    """The request's body, sent on upstream whole by the processor (FULL_DUPLEX_STREAMED)."""
+    return ep.ProcessingResponse(request_body=_streamed(body, end))
+
+
+def duplex_of(request: ep.ProcessingRequest) -> tuple[bool, bool] | None:
+    """Whether the request's body and the answer's come FULL_DUPLEX_STREAMED (every chunk
+    must be sent back; Envoy sends a request's body without waiting for the answer to its
+    headers), from the protocol configuration Envoy sends with a stream's first message;
+    None: not this message."""
     if not request.HasField("protocol_config"):
         return None
-    return bool(request.protocol_config.response_body_mode == _FULL_DUPLEX)
+    config = request.protocol_config
+    return config.request_body_mode == _FULL_DUPLEX, config.response_body_mode == _FULL_DUPLEX
 
 
 def status_of(message: ep.HttpHeaders) -> int:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingResponse
-
 from tokenpools.admission import AdmissionRuntime
 from tokenpools.admission.access_log import RequestObserver, RequestRecord
 from tokenpools.admission.metrics import AdmissionMetrics
@@ -28,21 +26,24 @@ class Processor:
         clock: Callable[[], float] = time.time,
         access_log: bool = True,
         duplex_answers: bool = False,
+        duplex_requests: bool = False,
     ) -> None:
         self.config = config
-        # answers come FULL_DUPLEX_STREAMED even where the data plane does not say so in its
-        # protocol configuration (Envoy does; another ext_proc client may not)
+        # requests' and answers' bodies come FULL_DUPLEX_STREAMED even where the data plane
+        # does not say so in its protocol configuration (Envoy does; another client may not)
         self.duplex_answers = duplex_answers
+        self.duplex_requests = duplex_requests
         self.admission = AdmissionRuntime(config, clock)
         self.auth = Authenticator(config.gateway, clock)
         self.metrics = AdmissionMetrics(self.admission)
         self.admission.listeners.append(self.metrics.decided)
         self.observe = RequestObserver(self.metrics, access_log=access_log)
-        self.identified = _identified(config)
+        self.removed = _removed(config)
+        self.identified = messages.request_headers(remove=self.removed)
 
     def flow(self) -> Flow:
         flow = Flow(self)
-        flow.duplex = self.duplex_answers
+        flow.request_duplex, flow.answer_duplex = self.duplex_requests, self.duplex_answers
         return flow
 
     async def caller_of(self, shown: Credentials) -> Caller | Refused:
@@ -58,7 +59,8 @@ class Processor:
         """Adopt a validated config (the file followed, or SIGHUP), as `tokenpools serve` does."""
         self.config = await self.admission.reload(config)
         self.auth = self.auth.adopt(self.config.gateway)
-        self.identified = _identified(self.config)
+        self.removed = _removed(self.config)
+        self.identified = messages.request_headers(remove=self.removed)
         return self.config
 
     async def start(self, tick_interval_s: float) -> None:
@@ -72,9 +74,9 @@ class Processor:
         return self.admission.running and await self.admission.store_answers()
 
 
-def _identified(config: Config) -> ProcessingResponse:
-    """The answer to an identified request's headers, built once per config: the data plane's
-    own headers and the tenant's credential removed (it is tokenpools', not the engine's)."""
+def _removed(config: Config) -> tuple[str, ...]:
+    """What an identified request loses before anyone past the processor sees it: the data
+    plane's own headers and the tenant's credential (it is tokenpools', not the engine's)."""
     trusted = config.gateway.trusted_header
     secret = () if trusted is None or trusted.secret_header is None else (trusted.secret_header,)
-    return messages.request_headers(remove=(*SET_BY_PROCESSOR, "authorization", *secret))
+    return (*SET_BY_PROCESSOR, "authorization", *secret)

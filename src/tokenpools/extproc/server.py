@@ -91,9 +91,19 @@ async def start(
 
 
 async def _serve(
-    path: Path, host: str, port: int, http_port: int, access_log: bool, duplex: bool
+    path: Path,
+    host: str,
+    port: int,
+    http_port: int,
+    access_log: bool,
+    duplex: tuple[bool, bool],
 ) -> None:
-    processor = Processor(load_config(path), access_log=access_log, duplex_answers=duplex)
+    processor = Processor(
+        load_config(path),
+        access_log=access_log,
+        duplex_answers=duplex[1],
+        duplex_requests=duplex[0],
+    )
     running = await start(processor, host, port, http_port)
     log.info("ext_proc on %s:%d (gRPC), metrics on :%d", host, running.grpc_port, running.http_port)
     loop = asyncio.get_running_loop()
@@ -117,7 +127,9 @@ def serve(
     log_format: LogFormat = "text",
     access_log: bool = True,
     duplex_answers: bool = False,
+    duplex_requests: bool = False,
 ) -> None:
     setup_logging(log_format)
+    duplex = (duplex_requests, duplex_answers)
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(_serve(path, host, port, http_port, access_log, duplex_answers))
+        runner.run(_serve(path, host, port, http_port, access_log, duplex))

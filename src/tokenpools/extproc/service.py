@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -45,28 +45,35 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         raise
                     yield flow.preempted()
                     return
-                response = await self._answer(flow, request)
-                yield response
+                for response in await self._answer(flow, request):
+                    yield response
                 if flow.done:  # answered at once, or passed on unadmitted
                     return
         finally:
             self.processor.finished(flow.finish())
 
-    async def _answer(self, flow: Flow, request: ep.ProcessingRequest) -> ep.ProcessingResponse:
-        duplex = messages.answer_is_duplex(request)
+    async def _answer(
+        self, flow: Flow, request: ep.ProcessingRequest
+    ) -> Sequence[ep.ProcessingResponse]:
+        """What to send back for one message: mostly one answer; none while a request's body
+        comes full duplex, two (its headers' and its body's) once it is whole."""
+        duplex = messages.duplex_of(request)
         if duplex is not None:
-            flow.duplex = duplex
+            flow.request_duplex, flow.answer_duplex = duplex
         kind = messages.kind_of(request)
         if kind == "request_headers":
             remote = messages.client_address(request)
-            return await flow.request_headers(request.request_headers, remote)
+            answer = await flow.request_headers(request.request_headers, remote)
+            return () if answer is None else (answer,)
         if kind == "request_body":
             return await flow.request_body(request.request_body)
         if kind == "response_headers":
-            return flow.response_headers(request.response_headers)
+            return (flow.response_headers(request.response_headers),)
         if kind == "response_body":
-            return flow.response_body(request.response_body)
-        return messages.trailers(response=kind == "response_trailers")
+            return (flow.response_body(request.response_body),)
+        if kind == "request_trailers":
+            return await flow.request_trailers()
+        return (messages.trailers(response=True),)
 
 
 class Health:
