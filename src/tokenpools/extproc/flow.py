@@ -1,6 +1,7 @@
 """One HTTP request's passage through Envoy, as the ext_proc stream shows it, phase by phase:
-the request's headers (who calls: the gateway's identity rules), its buffered body (the front
-door: admitted, or answered at once with the gateway's refusal), the answer's headers (its
+the request's headers (who calls: the gateway's identity rules), its body, buffered by Envoy or
+gathered here from full-duplex chunks (the front door: admitted, or answered at once with the
+gateway's refusal; sent full duplex, the headers are answered only then), the answer's headers (its
 status decides how a failure ends the lease) and its body chunk by chunk (read for the
 engine's usage, passed on), until the answer ends and the lease is settled on that usage.
 
