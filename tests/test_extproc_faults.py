@@ -104,3 +104,19 @@ def test_a_body_slower_than_the_message_timeout_is_still_admitted(request_mode: 
         r = httpx.post(f"{stack.envoy.url}/v1/chat/completions", content=slow(), headers=GOLD)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("request_mode", ["NONE", "STREAMED", "BUFFERED_PARTIAL"])
+def test_a_filter_that_would_pass_requests_before_their_body_is_read_fails_closed(
+    request_mode: str,
+) -> None:
+    """A filter set to send the request's body NONE (never), STREAMED or BUFFERED_PARTIAL
+    (the request goes on before the processor has read all of it) would let requests reach
+    the picker unadmitted: the processor refuses every one, naming the setting."""
+    for stack in stack_of(config_data("http://127.0.0.1:9"), request_mode=request_mode):
+        r = httpx.post(f"{stack.envoy.url}/v1/chat/completions", json=BODY, headers=GOLD)
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "extproc_misconfigured"
+        assert f"request_body_mode {request_mode}" in error["message"]
+        assert stack.picker.seen == [] and stack.in_flight() == {}

@@ -48,7 +48,8 @@ def exchange(announced: int | None) -> list[ep.ProcessingRequest]:
             }
         )
     )
-    if announced is not None:
+    if announced is not None:  # as Envoy announces them: both bodies' modes
+        first.protocol_config.request_body_mode = pm.ProcessingMode.BUFFERED  # type: ignore[assignment]
         first.protocol_config.response_body_mode = announced  # type: ignore[assignment]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     return [
@@ -61,16 +62,24 @@ def exchange(announced: int | None) -> list[ep.ProcessingRequest]:
     ]
 
 
-async def run(
+async def run_streams(
     processor: Processor, messages: list[ep.ProcessingRequest]
 ) -> list[ep.ProcessingResponse]:
+    """One gRPC stream of `messages` through a started processor; its answers."""
+
     async def stream() -> AsyncIterator[ep.ProcessingRequest]:
         for m in messages:
             yield m
 
+    return [r async for r in ExternalProcessor(processor).Process(stream(), None)]  # type: ignore[arg-type]
+
+
+async def run(
+    processor: Processor, messages: list[ep.ProcessingRequest]
+) -> list[ep.ProcessingResponse]:
     await processor.start(3600)
     try:
-        return [r async for r in ExternalProcessor(processor).Process(stream(), None)]  # type: ignore[arg-type]
+        return await run_streams(processor, messages)
     finally:
         await processor.stop()
 
@@ -144,3 +153,24 @@ def test_a_body_sent_full_duplex_is_admitted_whole_before_its_headers_are_answer
     assert streamed.end_of_stream is not trailers  # trailers, when sent, end the request
     (record,) = records
     assert (record.status, record.prompt_tokens, record.completion_tokens) == (200, 3, 2)
+
+
+def test_modes_it_cannot_admit_under_are_refused_and_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
+    first, *_ = exchange(None)
+    first.protocol_config.request_body_mode = pm.ProcessingMode.STREAMED  # type: ignore[assignment]
+
+    async def twice() -> list[list[ep.ProcessingResponse]]:
+        return [await run_streams(processor, [first]) for _ in range(2)]
+
+    with caplog.at_level("ERROR", logger="tokenpools.extproc"):
+        answers = asyncio.run(twice())
+    for (answer,) in answers:  # each refused at its headers, before anything passed
+        assert answer.immediate_response.status.code == 500
+        assert json.loads(answer.immediate_response.body)["error"]["code"] == (
+            "extproc_misconfigured"
+        )
+    said = [r for r in caplog.records if "request_body_mode STREAMED" in r.getMessage()]
+    assert len(said) == 1

@@ -71,6 +71,12 @@ class Flow:
         self.answer_duplex = False
         self._chunks: list[bytes] = []  # the request's body so far, sent full duplex
         self._size = 0
+        self.unfit: str | None = None  # why the data plane's modes cannot be admitted under
+
+    def adopt(self, modes: messages.BodyModes) -> None:
+        """The modes the data plane announced win over the processor's flags."""
+        self.request_duplex, self.answer_duplex = modes.request_duplex, modes.answer_duplex
+        self.unfit = modes.unfit()
 
     # -- the request ---------------------------------------------------------------------
 
@@ -79,6 +85,12 @@ class Flow:
     ) -> ep.ProcessingResponse | None:
         """The answer to the request's headers; None: it waits for the body (full duplex:
         the picker must not see the request before admission names its band)."""
+        if self.unfit is not None:  # fail closed: nothing passes that was not admitted
+            self.processor.misconfigured(self.unfit)
+            why = f"the gateway's ext_proc filter is misconfigured: {self.unfit}"
+            return self._refuse(
+                Refusal(500, why, "server_error", "extproc_misconfigured", None, {})
+            )
         headers = messages.headers_of(message)
         method = headers.get(":method", "")
         self.path = headers.get(":path", "").partition("?")[0]

@@ -6,6 +6,7 @@ at once). Only protobuf here; what to decide lives in flow.py."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
@@ -18,6 +19,7 @@ from tokenpools.openai_api import error_body
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_ADMITTABLE = (processing_mode_pb2.ProcessingMode.BUFFERED, _FULL_DUPLEX)
 ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"  # where Envoy puts the request attributes asked
 # What the processor needs of Envoy's ext_proc filter (docs/envoy.md, "The filter"): the one
 # declaration deploy/ and the tests' Envoy are checked against.
@@ -128,15 +130,38 @@ def request_body_streamed(body: bytes, end: bool) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(request_body=_streamed(body, end))
 
 
-def duplex_of(request: ep.ProcessingRequest) -> tuple[bool, bool] | None:
-    """Whether the request's body and the answer's come FULL_DUPLEX_STREAMED (every chunk
-    must be sent back; Envoy sends a request's body without waiting for the answer to its
-    headers), from the protocol configuration Envoy sends with a stream's first message;
-    None: not this message."""
+@dataclass(frozen=True)
+class BodyModes:
+    """How the data plane sends the request's body and the answer's, as it announces them in
+    a stream's first message (ProtocolConfiguration)."""
+
+    request: int
+    answer: int
+
+    @property
+    def request_duplex(self) -> bool:
+        return bool(self.request == _FULL_DUPLEX)
+
+    @property
+    def answer_duplex(self) -> bool:
+        return bool(self.answer == _FULL_DUPLEX)
+
+    def unfit(self) -> str | None:
+        """Why the processor cannot admit under these modes, if it cannot: it must read the
+        whole body before the request goes on (NONE would pass every request unadmitted;
+        STREAMED and BUFFERED_PARTIAL send the request on before its body is whole)."""
+        if self.request in _ADMITTABLE:
+            return None
+        name = str(processing_mode_pb2.ProcessingMode.BodySendMode.Name(self.request))
+        return f"request_body_mode {name}: the processor needs BUFFERED or FULL_DUPLEX_STREAMED"
+
+
+def body_modes(request: ep.ProcessingRequest) -> BodyModes | None:
+    """The modes announced with a stream's first message; None: not this message."""
     if not request.HasField("protocol_config"):
         return None
     config = request.protocol_config
-    return config.request_body_mode == _FULL_DUPLEX, config.response_body_mode == _FULL_DUPLEX
+    return BodyModes(config.request_body_mode, config.response_body_mode)
 
 
 def status_of(message: ep.HttpHeaders) -> int:

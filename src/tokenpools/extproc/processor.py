@@ -5,6 +5,7 @@ feeds it Envoy's messages, one `Flow` per HTTP request."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ from tokenpools.extproc.flow import Flow
 from tokenpools.identity import Authenticator, Credentials
 from tokenpools.model.config import Config
 from tokenpools.model.objectives import SET_BY_PROCESSOR
+
+log = logging.getLogger("tokenpools.extproc")
 
 
 class Processor:
@@ -40,11 +43,19 @@ class Processor:
         self.observe = RequestObserver(self.metrics, access_log=access_log)
         self.removed = _removed(config)
         self.identified = messages.request_headers(remove=self.removed)
+        self._told: set[str] = set()
 
     def flow(self) -> Flow:
         flow = Flow(self)
         flow.request_duplex, flow.answer_duplex = self.duplex_requests, self.duplex_answers
         return flow
+
+    def misconfigured(self, why: str) -> None:
+        """The data plane sends bodies in a mode the processor cannot admit under: said once
+        per mode (every request is refused until the filter is fixed)."""
+        if why not in self._told:
+            self._told.add(why)
+            log.error("every request is refused: the ext_proc filter's %s", why)
 
     async def caller_of(self, shown: Credentials) -> Caller | Refused:
         caller = await self.auth.caller(shown, self.admission.directory)

@@ -57,9 +57,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
     ) -> Sequence[ep.ProcessingResponse]:
         """What to send back for one message: mostly one answer; none while a request's body
         comes full duplex, two (its headers' and its body's) once it is whole."""
-        duplex = messages.duplex_of(request)
-        if duplex is not None:
-            flow.request_duplex, flow.answer_duplex = duplex
+        modes = messages.body_modes(request)
+        if modes is not None:
+            flow.adopt(modes)
         kind = messages.kind_of(request)
         if kind == "request_headers":
             remote = messages.client_address(request)
