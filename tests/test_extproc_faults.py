@@ -120,3 +120,16 @@ def test_a_filter_that_would_pass_requests_before_their_body_is_read_fails_close
         assert error["code"] == "extproc_misconfigured"
         assert f"request_body_mode {request_mode}" in error["message"]
         assert stack.picker.seen == [] and stack.in_flight() == {}
+
+
+@pytest.mark.parametrize("request_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_a_large_body_reaches_the_engine_whole(request_mode: str) -> None:
+    """300 kB of body (a long `user` field: bytes, not prompt tokens), sent on by Envoy, or
+    by the processor in 64 KiB pieces when full duplex: the engine parses all of it."""
+    config = config_data("http://127.0.0.1:9")
+    config["gateway"]["maxBodyBytes"] = 1 << 20
+    big = {**BODY, "user": "u" * 300_000}
+    for stack in stack_of(config, request_mode=request_mode, buffer_limit_bytes=1 << 20):
+        r = httpx.post(f"{stack.envoy.url}/v1/chat/completions", json=big, headers=GOLD)
+        assert r.status_code == 200, r.text  # a cut body would not parse
+        assert r.json()["usage"]["completion_tokens"] == 2

@@ -16,7 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from tests.gateway_setup import KEYS, MODEL, config_data
 from tokenpools.admission.access_log import RequestRecord
-from tokenpools.extproc import Processor
+from tokenpools.extproc import Processor, messages
 from tokenpools.extproc.service import ExternalProcessor
 from tokenpools.model.config import parse_config
 from tokenpools.model.objectives import FAIRNESS_HEADER, OBJECTIVE_HEADER
@@ -114,13 +114,14 @@ def test_an_answers_chunks_are_answered_as_its_mode_wants(
     assert (record.status, record.prompt_tokens, record.completion_tokens) == (200, 3, 2)
 
 
-def duplex_exchange(trailers: bool) -> list[ep.ProcessingRequest]:
-    """One admitted request whose body comes full duplex in three chunks (its end marked by
-    the last chunk, or by trailers), and its whole answer."""
-    first, whole, *answer = exchange(None)
+def duplex_exchange(trailers: bool, content: str) -> list[ep.ProcessingRequest]:
+    """One admitted request whose body comes full duplex in chunks (its end marked by the
+    last chunk, or by trailers), and its whole answer."""
+    first, _, *answer = exchange(None)
     first.protocol_config.request_body_mode = pm.ProcessingMode.FULL_DUPLEX_STREAMED  # type: ignore[assignment]
-    raw = whole.request_body.body
-    cut = [raw[:5], raw[5:20], raw[20:]]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    raw = json.dumps(body).encode()
+    cut = [raw[:5], raw[5:20], *(raw[i : i + 1000] for i in range(20, len(raw), 1000))]
     chunks = [
         ep.ProcessingRequest(
             request_body=ep.HttpBody(body=c, end_of_stream=not trailers and i == len(cut) - 1)
@@ -138,19 +139,23 @@ def test_a_body_sent_full_duplex_is_admitted_whole_before_its_headers_are_answer
     processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
     records: list[RequestRecord] = []
     processor.observe.listeners.append(records.append)
-    sent = duplex_exchange(trailers)
+    sent = duplex_exchange(trailers, "x" * 2000)
     answers = asyncio.run(run(processor, sent))
     kinds = [a.WhichOneof("response") for a in answers]
+    pieces = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
+    pieces = pieces[: kinds.count("request_body")]
     ended = ["request_trailers"] if trailers else []
     # the headers' answer and the body's, both once the body is whole, in order
-    assert kinds == ["request_headers", "request_body", *ended, "response_headers", "response_body"]
+    assert kinds == [
+        "request_headers", *["request_body"] * len(pieces), *ended,
+        "response_headers", "response_body",
+    ]  # fmt: skip
     mutation = answers[0].request_headers.response.header_mutation
     assert {h.header.key for h in mutation.set_headers} >= {OBJECTIVE_HEADER, FAIRNESS_HEADER}
     assert "authorization" in mutation.remove_headers
-    streamed = answers[1].request_body.response.body_mutation.streamed_response
     whole = b"".join(m.request_body.body for m in sent if m.HasField("request_body"))
-    assert json.loads(streamed.body) == json.loads(whole)  # the body the client sent, all of it
-    assert streamed.end_of_stream is not trailers  # trailers, when sent, end the request
+    assert b"".join(p.body for p in pieces) == whole  # the bytes the client sent, all of them
+    assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [not trailers]
     (record,) = records
     assert (record.status, record.prompt_tokens, record.completion_tokens) == (200, 3, 2)
 
@@ -174,3 +179,17 @@ def test_modes_it_cannot_admit_under_are_refused_and_said_once(
         )
     said = [r for r in caplog.records if "request_body_mode STREAMED" in r.getMessage()]
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 65_536, 65_537, 200_000])
+@pytest.mark.parametrize("end", [True, False])
+def test_a_body_sent_on_full_duplex_goes_in_pieces_envoy_takes(size: int, end: bool) -> None:
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    pieces = [
+        r.request_body.response.body_mutation.streamed_response
+        for r in messages.request_body_streamed(body, end)
+    ]
+    assert b"".join(p.body for p in pieces) == body
+    assert all(len(p.body) <= messages.STREAMED_CHUNK_BYTES for p in pieces)
+    assert len(pieces) == max(1, -(-size // messages.STREAMED_CHUNK_BYTES))
+    assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [end]

@@ -147,14 +147,21 @@ class Flow:
             return [self._refuse(too_large(limit))]
         if not message.end_of_stream:
             return []
-        return await self._admit(b"".join(self._chunks), trailers=False)
+        return await self._admit(self._whole_body(), trailers=False)
 
     async def request_trailers(self) -> list[ep.ProcessingResponse]:
         """A request with trailers: sent full duplex, its body ends with them."""
         if not self.request_duplex or self.cleared is not None:
             return [messages.trailers(response=False)]
-        admitted = await self._admit(b"".join(self._chunks), trailers=True)
+        admitted = await self._admit(self._whole_body(), trailers=True)
         return [*admitted, messages.trailers(response=False)] if not self.done else admitted
+
+    def _whole_body(self) -> bytes:
+        """The chunks gathered, joined; the flow keeps no copy (it lives as long as the
+        answer streams)."""
+        raw = b"".join(self._chunks)
+        self._chunks.clear()
+        return raw
 
     async def _admit(self, raw: bytes, trailers: bool) -> list[ep.ProcessingResponse]:
         """The front door's decision on the whole body: the request goes on upstream with
@@ -180,13 +187,14 @@ class Flow:
         upstream = {**self._data_plane_headers(result), "x-request-id": self.record.request_id}
         if result.rewritten:
             raw = json.dumps(body, separators=(",", ":")).encode()
-            upstream["content-length"] = str(len(raw))
         if not self.request_duplex:
+            if result.rewritten:
+                upstream["content-length"] = str(len(raw))
             return [messages.request_body(upstream, raw if result.rewritten else None)]
-        return [  # the headers' answer was held for this: the picker sees the admitted request
-            messages.request_headers(upstream, self.processor.removed),
-            messages.request_body_streamed(raw, end=not trailers),
-        ]
+        # the headers' answer was held for this: the picker sees the admitted request (Envoy
+        # drops content-length itself when the body is sent full duplex)
+        headers = messages.request_headers(upstream, self.processor.removed)
+        return [headers, *messages.request_body_streamed(raw, end=not trailers)]
 
     def _data_plane_headers(self, result: Cleared) -> dict[str, str]:
         """Who the request is and how important, for the picker and the engine."""

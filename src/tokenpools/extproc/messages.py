@@ -125,9 +125,22 @@ def response_body_streamed(body: bytes, end: bool) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(response_body=_streamed(body, end))
 
 
-def request_body_streamed(body: bytes, end: bool) -> ep.ProcessingResponse:
-    """The request's body, sent on upstream whole by the processor (FULL_DUPLEX_STREAMED)."""
-    return ep.ProcessingResponse(request_body=_streamed(body, end))
+STREAMED_CHUNK_BYTES = 64 * 1024  # at most this per streamed body message, as Envoy advises
+
+
+def request_body_streamed(body: bytes, end: bool) -> list[ep.ProcessingResponse]:
+    """The request's body, sent on upstream by the processor (FULL_DUPLEX_STREAMED) in
+    pieces of at most STREAMED_CHUNK_BYTES; `end` marks the last (False: trailers follow)."""
+    cuts = range(0, len(body), STREAMED_CHUNK_BYTES) if body else range(1)
+    return [
+        ep.ProcessingResponse(
+            request_body=_streamed(
+                body[i : i + STREAMED_CHUNK_BYTES],
+                end and i + STREAMED_CHUNK_BYTES >= len(body),
+            )
+        )
+        for i in cuts
+    ]
 
 
 @dataclass(frozen=True)
