@@ -28,6 +28,7 @@ from tokenpools.model.service_class import CLASS_SEMANTICS, ServiceClass
 
 DOMAIN = "tokenpools.io"
 DIMENSIONS = ("tokens-per-second", "kv-tokens", "concurrency")
+RESOURCE_PREFIX = f"{DOMAIN}/"  # every extended resource tokenpools declares starts so
 CAPACITY_RESOURCES = tuple(f"{DOMAIN}/{d}" for d in DIMENSIONS)
 SHARED_RESOURCES = tuple(f"{DOMAIN}/shared-{d}" for d in DIMENSIONS)
 

@@ -40,6 +40,7 @@ from tokenpools.openai_api.answer_tap import AnswerTap
 from tokenpools.openai_api.refusals import (
     Refusal,
     bad_request,
+    misconfigured,
     preempted,
     too_large,
     unauthorized,
@@ -87,10 +88,7 @@ class Flow:
         the picker must not see the request before admission names its band)."""
         if self.unfit is not None:  # fail closed: nothing passes that was not admitted
             self.processor.misconfigured(self.unfit)
-            why = f"the gateway's ext_proc filter is misconfigured: {self.unfit}"
-            return self._refuse(
-                Refusal(500, why, "server_error", "extproc_misconfigured", None, {})
-            )
+            return self._refuse(misconfigured(self.unfit))
         headers = messages.headers_of(message)
         method = headers.get(":method", "")
         self.path = headers.get(":path", "").partition("?")[0]

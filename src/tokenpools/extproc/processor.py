@@ -41,9 +41,14 @@ class Processor:
         self.metrics = AdmissionMetrics(self.admission)
         self.admission.listeners.append(self.metrics.decided)
         self.observe = RequestObserver(self.metrics, access_log=access_log)
+        self._identify(config)
+        self._told: set[str] = set()
+
+    def _identify(self, config: Config) -> None:
+        """What an identified request loses, and the answer to its headers built once from it
+        (both per config: the trusted proxy's secret header is the config's)."""
         self.removed = _removed(config)
         self.identified = messages.request_headers(remove=self.removed)
-        self._told: set[str] = set()
 
     def flow(self) -> Flow:
         flow = Flow(self)
@@ -70,8 +75,7 @@ class Processor:
         """Adopt a validated config (the file followed, or SIGHUP), as `tokenpools serve` does."""
         self.config = await self.admission.reload(config)
         self.auth = self.auth.adopt(self.config.gateway)
-        self.removed = _removed(self.config)
-        self.identified = messages.request_headers(remove=self.removed)
+        self._identify(self.config)
         return self.config
 
     async def start(self, tick_interval_s: float) -> None:

@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from tokenpools.control.placement import PRIORITY_CLASSES
+from tokenpools.control.placement import PRIORITY_CLASSES, RESOURCE_PREFIX
 from tokenpools.k8s import objects as o
 from tokenpools.k8s import quantity as q
 from tokenpools.model.service_class import ServiceClass
 
 _BY_PRIORITY_CLASS = {pc.name: (cls, pc.value) for cls, pc in PRIORITY_CLASSES.items()}
 _PAUSE = o.PAUSE_IMAGE.rsplit(":", 1)[0] + ":"  # any pause tag an earlier version used
-_PREFIX = "tokenpools.io/"  # the resources the proof looks at
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ def _requests(resources: Mapping[str, Any]) -> dict[str, int] | None:
 
 
 def _ours(quantities: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in quantities.items() if k.startswith(_PREFIX)}
+    return {k: v for k, v in quantities.items() if k.startswith(RESOURCE_PREFIX)}
 
 
 def _number(quantity: Any) -> Fraction | None:

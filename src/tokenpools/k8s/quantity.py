@@ -12,27 +12,19 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+_PREFIXES = "kMGTPE"  # powers of 1000; upper-cased and followed by "i", of 1024 ("Ki", ...)
+_DECIMAL = tuple((p, 1000 ** (n + 1)) for n, p in enumerate(_PREFIXES))  # k = 10**3, ... E
 _SUFFIXES: dict[str, Fraction] = {
     "": Fraction(1),
     "m": Fraction(1, 1000),
-    "k": Fraction(10**3),
-    "M": Fraction(10**6),
-    "G": Fraction(10**9),
-    "T": Fraction(10**12),
-    "P": Fraction(10**15),
-    "E": Fraction(10**18),
-    "Ki": Fraction(2**10),
-    "Mi": Fraction(2**20),
-    "Gi": Fraction(2**30),
-    "Ti": Fraction(2**40),
-    "Pi": Fraction(2**50),
-    "Ei": Fraction(2**60),
+    **{p: Fraction(factor) for p, factor in _DECIMAL},
+    **{f"{p.upper()}i": Fraction(1024 ** (n + 1)) for n, p in enumerate(_PREFIXES)},
 }
+_SUFFIX = "|".join(sorted(filter(None, _SUFFIXES), key=len, reverse=True))  # "Ki" before "k"
 _QUANTITY = re.compile(
     r"(?P<sign>[+-]?)(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-    r"(?:(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)|[eE](?P<exp>[+-]?[0-9]+))?"
+    rf"(?:(?P<suffix>{_SUFFIX})|[eE](?P<exp>[+-]?[0-9]+))?"
 )
-_DECIMAL = (("E", 10**18), ("P", 10**15), ("T", 10**12), ("G", 10**9), ("M", 10**6), ("k", 10**3))
 
 
 def parse(text: object) -> Fraction:
@@ -68,7 +60,7 @@ def whole(text: object) -> int | None:
 def canonical(value: int) -> str:
     """A whole number as the API server writes back a quantity given in decimal form: the
     largest decimal suffix that keeps it whole ("40000" → "40k", "2" → "2")."""
-    for suffix, factor in _DECIMAL:
+    for suffix, factor in reversed(_DECIMAL):  # the largest first
         if value and value % factor == 0:
             return f"{value // factor}{suffix}"
     return str(value)

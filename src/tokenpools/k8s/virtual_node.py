@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tokenpools.control.placement import Placed, survivors
+from tokenpools.control.placement import RESOURCE_PREFIX, Placed, survivors
 from tokenpools.k8s import objects as o
 from tokenpools.k8s import quantity
 from tokenpools.k8s.api import LEASES, NODES, PODS, Kube
@@ -183,7 +183,7 @@ def requests(pod: Mapping[str, Any]) -> dict[str, int]:
     out: dict[str, int] = {}
     for c in pod["spec"].get("containers", []):
         for k, v in ((c.get("resources") or {}).get("requests") or {}).items():
-            if k.startswith("tokenpools.io/"):  # canonical form on the server: "40k"
+            if k.startswith(RESOURCE_PREFIX):  # canonical form on the server: "40k"
                 out[k] = out.get(k, 0) + (quantity.whole(v) or 0)
     return out
 

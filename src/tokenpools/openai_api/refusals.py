@@ -86,6 +86,13 @@ def preempted() -> Refusal:
     return Refusal(503, message, "server_error", "preempted", None, retry_after(1.0))
 
 
+def misconfigured(why: str) -> Refusal:
+    """The data plane calls the ext_proc processor in a way it cannot admit under (a body
+    mode that lets requests on before their body is read): refused, failing closed."""
+    message = f"the gateway's ext_proc filter is misconfigured: {why}"
+    return Refusal(500, message, "server_error", "extproc_misconfigured", None, {})
+
+
 def retry_after(wait: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(wait))), "retry-after-ms": str(round(wait * 1000))}
 

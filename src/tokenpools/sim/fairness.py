@@ -43,6 +43,11 @@ def _classes(result: RunResult) -> dict[str, list[str]]:
     return dict(groups)
 
 
+def _decoded(a: Attempt) -> bool:
+    """Completed, with its decode known (first token to last): service to spread."""
+    return a.outcome == "completed" and a.first_token_at is not None and a.finished_at is not None
+
+
 def _served(a: Attempt, start: float, end: float) -> float:
     """The part of a completed attempt's cost that falls in [start, end)."""
     assert a.first_token_at is not None and a.finished_at is not None
@@ -88,7 +93,8 @@ def service_difference(
         if a.req.tenant not in tenants:
             continue
         jobs[id(a.job)].append(a)
-        if a.outcome == "completed" and a.first_token_at is not None and a.finished_at is not None:
+        if _decoded(a):
+            assert a.first_token_at is not None and a.finished_at is not None
             for i in centres(a.first_token_at, a.finished_at):
                 service[i][a.req.tenant] += _served(a, i * step_s, i * step_s + window) / window
     for attempts in jobs.values():
@@ -99,16 +105,7 @@ def service_difference(
         sent = min(a.req.sent_at for a in attempts)
         ends = [a.finished_at for a in attempts]
         done = math.inf if any(e is None for e in ends) else max(e for e in ends if e is not None)
-        done_attempt = next(
-            (
-                a
-                for a in attempts
-                if a.outcome == "completed"
-                and a.first_token_at is not None
-                and a.finished_at is not None
-            ),
-            None,
-        )
+        done_attempt = next((a for a in attempts if _decoded(a)), None)
         job = attempts[0].job
         if done_attempt is not None:
             cost = _cost(done_attempt.req.prompt_tokens, done_attempt.output_tokens)
