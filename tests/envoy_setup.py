@@ -180,6 +180,7 @@ def envoy_config(
     message_timeout_s: float = 5.0,
     answer_mode: str = "STREAMED",
     request_mode: str = "BUFFERED",
+    stream_idle_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Envoy's static config; `tokenpools_port` None: Envoy with the picker alone (the
     baseline). The tokenpools filter is the one docs/envoy.md shows; `answer_mode`
@@ -253,6 +254,8 @@ def envoy_config(
         },
         "http_filters": filters,
     }
+    if stream_idle_timeout_s is not None:  # Envoy's default is 5 min
+        manager["stream_idle_timeout"] = f"{stream_idle_timeout_s}s"
     clusters = [
         _grpc_cluster("picker", picker_port),
         {

@@ -37,17 +37,23 @@ def test_envoy_killed_with_streams_in_flight_ends_their_leases(stack: Stack) -> 
         s.close()
 
 
+def stall(stack: Stack, seconds: float) -> None:
+    """Block the processor's event loop for `seconds`, as a stuck call would; returns once the
+    block has begun."""
+    stalled = threading.Event()
+
+    def block() -> None:
+        stalled.set()
+        time.sleep(seconds)
+
+    stack.loop.loop.call_soon_threadsafe(block)
+    stalled.wait(5)
+
+
 def test_a_processor_stalled_past_the_message_timeout_fails_closed(stack: Stack) -> None:
     url = f"{stack.envoy.url}/v1/chat/completions"
     assert httpx.post(url, json=BODY, headers=GOLD).status_code == 200
-    stalled = threading.Event()
-
-    def stall() -> None:  # the processor's event loop blocked, as by a stuck call
-        stalled.set()
-        time.sleep(2.0)
-
-    stack.loop.loop.call_soon_threadsafe(stall)
-    stalled.wait(5)
+    stall(stack, 2.0)
     started = time.monotonic()
     refused = httpx.post(url, json=BODY, headers=GOLD, timeout=10)
     assert refused.status_code >= 500  # Envoy gave up on the processor: nothing passed
@@ -59,6 +65,29 @@ def test_a_processor_stalled_past_the_message_timeout_fails_closed(stack: Stack)
         what="admitting again once the stall is over",
     )
     stack.wait_all_ended()
+
+
+def test_a_processor_stalled_with_bodies_sent_full_duplex_fails_closed_at_the_idle_timeout() -> (
+    None
+):
+    """Sent full duplex, the wait for admission is not under the message timeout (docs/envoy.md,
+    "The filter"): the listener's stream idle timeout ends it, and nothing passes meanwhile."""
+    config = config_data("http://127.0.0.1:9")
+    options = {"request_mode": "FULL_DUPLEX_STREAMED", "stream_idle_timeout_s": 0.5}
+    for stack in stack_of(config, message_timeout_s=0.5, **options):  # type: ignore[arg-type]
+        url = f"{stack.envoy.url}/v1/chat/completions"
+        assert httpx.post(url, json=BODY, headers=GOLD).status_code == 200
+        stall(stack, 2.0)
+        started = time.monotonic()
+        refused = httpx.post(url, json=BODY, headers=GOLD, timeout=10)
+        assert refused.status_code == 504, refused.text  # Envoy's stream timeout
+        assert time.monotonic() - started < 1.9  # at the idle timeout, not after the stall
+        assert len(stack.picker.seen) == 1  # the stalled request never reached the picker
+        wait_for(
+            lambda u=url: httpx.post(u, json=BODY, headers=GOLD).status_code,
+            lambda status: status == 200,
+            what="admitting again once the stall is over",
+        )
 
 
 def test_a_body_over_envoys_buffer_is_refused_by_envoy() -> None:
