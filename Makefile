@@ -24,7 +24,12 @@ WORKERS ?= auto
 
 # $(call deps,VENV,LOCK[ LOCK...]): exactly what the locks name (uv pip sync installs them
 # without resolving again: the model's package comes without its declared dependencies), or,
-# with LOCKED=0, the newest versions of the same inputs.
+# with LOCKED=0, the newest versions of the same inputs. Compiled to bytecode as pip does: where
+# PYTHONDONTWRITEBYTECODE is set (CI), every process would otherwise compile what it imports.
+export UV_COMPILE_BYTECODE := 1
+# and the checkout's own modules cached as they are imported: the tests start hundreds of
+# processes, each of which would compile the same sources again
+unexport PYTHONDONTWRITEBYTECODE
 ifeq ($(LOCKED),1)
 deps = $(UV) pip sync --quiet --python $(1)/bin/python --require-hashes $(foreach l,$(2),locks/$(l).txt)
 else
@@ -74,13 +79,15 @@ lint: $(PVENV)/.built
 	$(PBIN)/ruff format --check src tests benchmarks scripts setup.py
 	$(PBIN)/mypy
 
-test-python: $(PVENV)/.built $(LVENV)/.built
+# Every test on the compiled build; on the plain-Python one, all but those that test only what
+# the two builds share (marked one_build: tests/conftest.py says which and why).
+test-python: $(PVENV)/.built
 	$(PBIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "pure Python"'
-	TOKENPOOLS_LITELLM=$(LVENV)/bin/litellm $(PBIN)/pytest -n $(WORKERS)
+	$(PBIN)/pytest -n $(WORKERS) -m 'not one_build'
 
-test-compiled: $(VENV)/.built
+test-compiled: $(VENV)/.built $(LVENV)/.built
 	$(BIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "compiled", tokenpools.core_build()'
-	$(BIN)/python -m pytest -p no:cacheprovider -n $(WORKERS) -m 'not real_engine and not litellm'
+	TOKENPOOLS_LITELLM=$(LVENV)/bin/litellm $(BIN)/python -m pytest -p no:cacheprovider -n $(WORKERS)
 
 test: lint test-python test-compiled
 

@@ -25,8 +25,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from tests.servers import free_port, wait_until
+from tests.servers import wait_until
 from tokenpools.extproc.messages import PROCESSING_MODE
+from tokenpools.processes import free_port
 
 T = TypeVar("T")
 DESTINATION = "x-gateway-destination-endpoint"

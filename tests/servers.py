@@ -127,12 +127,3 @@ def _source(fn: Callable[..., object]) -> str:
 def _shown(value: object, limit: int = 500) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now (for a server that takes its port as a number)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -16,11 +16,11 @@ from kopf.testing import KopfRunner
 from kubernetes import client
 
 from tests.kube.apiserver import ServerThread
-from tests.servers import free_port
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, LEASES, NAMESPACES, NODES, PODS, POOLS, Kube
 from tokenpools.k8s.leader import LeaderElection
 from tokenpools.k8s.names import node_name
+from tokenpools.processes import free_port
 
 NS = "tenants"
 POOL = {

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 from packaging.requirements import Requirement
-
 from scripts import locks
 
 PYPROJECT = locks.read_pyproject()

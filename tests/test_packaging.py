@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import yaml
-
 from scripts import locks
+
 from tokenpools.processes import free_port
 
 ROOT = Path(__file__).parent.parent

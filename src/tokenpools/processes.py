@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -15,11 +16,35 @@ from collections.abc import Callable, Iterator
 
 import aiohttp
 
+# Ports below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by default): a port
+# the kernel hands out for an outgoing connection or a listener bound to port 0 cannot be one of
+# these, so between the choice and the child's bind only another free_port() can take it, and
+# a random draw from thousands makes that rare even with several test workers drawing at once.
+_PORTS_FROM = 10000
+_EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open(_EPHEMERAL) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on now, for a server that is told its port."""
+    high = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(_PORTS_FROM, high) if high > _PORTS_FROM + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free loopback port")
 
 
 def spawn(args: list[str]) -> subprocess.Popen[bytes]:

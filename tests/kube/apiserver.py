@@ -164,6 +164,11 @@ class KubeAPI(kmock.KubernetesScaffold):
         self.writes: list[tuple[str, str, str | None, int]] = []  # verb, plural, ns, status
         # resources answered 404, as a cluster without their CRD answers (a test sets it)
         self.unserved: set[tuple[str, str]] = set()
+        self.closing = False  # shutting down: every open watch ends, as the API server's do
+
+    def close_watches(self) -> None:
+        self.closing = True
+        self.changed.set()
 
     def compact(self) -> None:
         """As etcd compaction: every resourceVersion seen so far is too old to watch from."""
@@ -420,7 +425,7 @@ class KubeAPI(kmock.KubernetesScaffold):
                         kind = "DELETED"
                     await resp.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
                 left = deadline - asyncio.get_running_loop().time()
-                if left <= 0:
+                if left <= 0 or self.closing:
                     break
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), timeout=min(left, 1.0))
@@ -470,6 +475,9 @@ class ServerThread:
             self.url = str(server.url).rstrip("/")
             self.ready.set()
             await self.stop_event.wait()
+            # a client that stopped watching may leave its stream open: the server's shutdown
+            # would wait for it (seconds on each test's teardown)
+            api.close_watches()
 
     def start(self) -> ServerThread:
         self.thread.start()
