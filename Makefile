@@ -89,7 +89,10 @@ test-compiled: $(VENV)/.built $(LVENV)/.built
 	$(BIN)/python -c 'import tokenpools; assert tokenpools.core_build() == "compiled", tokenpools.core_build()'
 	TOKENPOOLS_LITELLM=$(LVENV)/bin/litellm $(BIN)/python -m pytest -p no:cacheprovider -n $(WORKERS)
 
-test: lint test-python test-compiled
+# The compiled build (a minute and a half of mypyc) and the LiteLLM venv are made while lint runs.
+test:
+	$(MAKE) -j3 lint $(VENV)/.built $(LVENV)/.built
+	$(MAKE) test-python test-compiled
 
 # The suite on the newest versions pyproject.toml allows, in venvs of its own, re-resolved on
 # every run: how a maintainer sees the next release that would break main (not in CI).

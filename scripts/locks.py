@@ -1,7 +1,7 @@
 """The locks of the environments the Makefile builds: `compile` writes them with uv, `check`
 says whether they still match pyproject.toml.
 
-Each environment's inputs are declared once, here (LOCKS), from pyproject.toml's own ranges:
+Each environment's inputs are declared once, here (`locks()`), from pyproject.toml's own ranges:
 users of `pip install tokenpools` get the newest versions those ranges allow; `make demo` and
 `make test` install exactly what a lock names, with hashes, so a release of any dependency
 cannot change them. A lock records a digest of its inputs, so a range changed in
@@ -129,7 +129,7 @@ def locked(text: str) -> list[Requirement]:
 
 def problems(lock: Lock, pyproject: Pyproject, text: str) -> list[str]:
     """What is wrong with a lock file's text for these inputs; empty when it fits."""
-    wanted = inputs(lock, pyproject)
+    wanted = list({str(r): r for r in inputs(lock, pyproject)}.values())  # each once
     pins = locked(text)
     found: list[str] = []
     by_name: dict[str, list[Requirement]] = {}
