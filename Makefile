@@ -25,12 +25,14 @@ WORKERS ?= auto
 
 # $(call deps,VENV,LOCK[ LOCK...]): exactly what the locks name (uv pip sync installs them
 # without resolving again: the model's package comes without its declared dependencies), or,
-# with LOCKED=0, the newest versions of the same inputs. Compiled to bytecode as pip does: where
-# PYTHONDONTWRITEBYTECODE is set (CI), every process would otherwise compile what it imports.
-export UV_COMPILE_BYTECODE := 1
-# and the checkout's own modules cached as they are imported: the tests start hundreds of
-# processes, each of which would compile the same sources again
+# with LOCKED=0, the newest versions of the same inputs.
+#
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (CI sets it), every process would compile all
+# it imports again, and the tests start hundreds (a LiteLLM proxy: seconds each). make lets
+# Python cache what is imported, once; .venv, which a user runs outside make too, is compiled
+# whole at install, as pip does (the test-only venvs are not: LiteLLM's alone is 40 s of CPU).
 unexport PYTHONDONTWRITEBYTECODE
+$(VENV)/.built: export UV_COMPILE_BYTECODE := 1
 ifeq ($(LOCKED),1)
 deps = $(UV) pip sync --quiet --python $(1)/bin/python --require-hashes $(foreach l,$(2),locks/$(l).txt)
 else
