@@ -26,7 +26,7 @@ def test_the_core_install_serves_without_the_sim_extra(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     constraints = tmp_path / "constraints.txt"  # pip takes no hashes in a constraints file
-    pins = locks.locked((ROOT / "locks" / "dev.txt").read_text())
+    pins = locks.locked((locks.LOCK_DIR / "dev.txt").read_text())
     constraints.write_text("".join(f"{pin}\n" for pin in pins))
     # no mypyc build: this checks dependencies; the variable reaches the build's own pip too
     env = {**os.environ, "TOKENPOOLS_PURE": "1", "PIP_CONSTRAINT": str(constraints)}
