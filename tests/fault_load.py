@@ -82,6 +82,7 @@ class Answer:
     sent: float
     decided: float
     reason: str | None  # None: admitted
+    message: str = ""  # the refusal's, which says whether the local budget decided it
 
 
 @dataclass
@@ -106,8 +107,10 @@ async def one_request(gw: Gateway, ent: str, hold_s: float, run: Run) -> None:
     has ended in the store already)."""
     sent = time.monotonic()
     decision = await gw.admit(ent, RequestCost(20, 20))
-    reason = None if isinstance(decision, Admit) else decision.reason.value
-    run.answers.append(Answer(ent, sent, time.monotonic(), reason))
+    reason, message = (
+        (None, "") if isinstance(decision, Admit) else (decision.reason.value, decision.message)
+    )
+    run.answers.append(Answer(ent, sent, time.monotonic(), reason, message))
     if not isinstance(decision, Admit):
         await asyncio.sleep(min(decision.retry_after_s or 0.05, 0.5))  # as clients do
         return

@@ -161,7 +161,9 @@ def test_redis_paused_and_resumed_for_four_seconds_leaves_no_slot_booked(
     t0 = min(a.sent for a in run.answers)
     gold = [a for a in run.answers if a.entitlement == "gold"]
     assert gold and all(a.reason is None for a in gold), [
-        (round(a.sent - t0, 3), a.reason) for a in gold if a.reason
+        (round(a.sent - t0, 3), round(a.decided - t0, 3), a.reason, a.message)
+        for a in gold
+        if a.reason
     ]
     down = [a for a in run.answers if a.reason == Reason.STORE_UNAVAILABLE.value]
     # really unreachable: the call was made during a pause, or within the retry interval and
