@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from tests.servers import ServerThread, wait_for
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.emulator.server import EMULATOR
-from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from tests.gateway_setup import FAST
 from tests.servers import ServerThread, wait_until
 from tokenpools.cli import app as cli
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key

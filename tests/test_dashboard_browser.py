@@ -18,7 +18,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 
 from tests.gateway_setup import FAST, KEYS, config_data
 from tests.servers import ServerThread, wait_until
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 

@@ -18,7 +18,7 @@ from tests.gateway_setup import FAST, KEYS, MODEL, config_data
 from tests.servers import ServerThread, wait_for
 from tests.test_gateway_e2e import open_streams
 from tokenpools.admission.access_log import RequestRecord
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.extproc import Processor, Running, start
 from tokenpools.model.config import parse_config
 from tokenpools.model.objectives import FAIRNESS_HEADER, OBJECTIVE_HEADER

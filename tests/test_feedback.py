@@ -8,7 +8,7 @@ from tests.gateway_setup import FAST, KEYS, admin, config_data
 from tests.servers import ServerThread, wait_until
 from tests.test_gateway_e2e import open_streams
 from tokenpools.control.feedback import next_fraction
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.model.pool import CapacityFeedback

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.gateway_setup import FAST, KEYS, MODEL, admin, config_data, wait_all_ended
 from tests.servers import ServerThread
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 

@@ -27,7 +27,7 @@ from tests.gateway_setup import FAST
 from tests.servers import ServerThread
 from tests.test_jwt import AUDIENCE, ISSUER, Idp
 from tests.test_tenants import CHAT, tenants_config
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key

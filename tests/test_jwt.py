@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from tests.gateway_setup import FAST
 from tests.servers import ServerThread, wait_until
 from tests.test_tenants import CHAT, CODER, tenants_config
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import ConfigError, parse_config
 

@@ -76,7 +76,7 @@ def test_backend_keys_come_only_from_the_platform_namespace(bench: Bench) -> Non
 def test_serve_kubernetes_follows_the_cluster_over_http(bench: Bench) -> None:
     from tests.gateway_setup import FAST
     from tests.servers import ServerThread as HttpServer
-    from tokenpools.emulator.server import make_app as make_emulator
+    from tokenpools.emulator.app import make_app as make_emulator
     from tokenpools.gateway.server import build_kubernetes
 
     kube = bench.kube

@@ -32,8 +32,8 @@ from tests.servers import ServerThread, wait_until
 from tests.test_hostile_input import HEADER_BYTES, chat_request, send
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.store import Store
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.emulator.server import EMULATOR
-from tokenpools.emulator.server import make_app as make_emulator
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 from tokenpools.processes import free_port, wait_port

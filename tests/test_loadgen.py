@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from tests.gateway_setup import FAST
 from tests.servers import ServerThread
 from tokenpools.cli import app
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 
 
 def test_load_command_replays_a_scenario_and_writes_a_summary(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.gateway_setup import FAST, wait_all_ended
 from tests.servers import ServerThread, wait_until
-from tokenpools.emulator.server import make_app as make_emulator
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key

@@ -202,7 +202,7 @@ def emulate(
     """Run an OpenAI-compatible server driven by the engine model in real time."""
     from aiohttp import web
 
-    from tokenpools.emulator.server import make_app
+    from tokenpools.emulator.app import make_app
     from tokenpools.engine.profile import ProfileError, load_profile
 
     try:

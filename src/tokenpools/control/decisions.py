@@ -122,7 +122,7 @@ class Quota:
     remaining_tokens: float
     reset_tokens_s: float  # until the bucket is full again
 
-    # written out for mypyc (control/store.py says why, above Lease)
+    # written out for mypyc (control/store_terms.py says why, above Lease)
     def __init__(
         self,
         limit_requests: float,
@@ -141,7 +141,7 @@ class Quota:
 
 
 # Admit and Reject are built on every request: frozen, with their __init__ written out for
-# mypyc (control/store.py says why, above Lease).
+# mypyc (control/store_terms.py says why, above Lease).
 @dataclass(frozen=True, slots=True)
 class Admit:
     lease: Lease

@@ -51,7 +51,7 @@ class Pending(Reservation):
     max_tokens: int  # the request's max_tokens, the entitlement's default if it set none
     sequences: int = 1
 
-    # written out for mypyc (control/store.py says why, above Lease)
+    # written out for mypyc (control/store_terms.py says why, above Lease)
     def __init__(
         self,
         lease: Lease,

@@ -20,7 +20,7 @@ class Charge:
     tokens: float = 0.0  # the pool's weighted total, as the throughput buckets count it
     cost: float = 0.0  # micro-units
 
-    # written out for mypyc (control/store.py says why, above Lease)
+    # written out for mypyc (control/store_terms.py says why, above Lease)
     def __init__(
         self,
         input: float = 0.0,

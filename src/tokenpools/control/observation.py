@@ -17,7 +17,7 @@ class Observation:
     demand_tokens_per_s: float
     admitted_tokens_per_s: float = 0.0
 
-    # written out for mypyc (control/store.py says why, above Lease)
+    # written out for mypyc (control/store_terms.py says why, above Lease)
     def __init__(
         self, usage: Resources, demand_tokens_per_s: float, admitted_tokens_per_s: float = 0.0
     ) -> None:

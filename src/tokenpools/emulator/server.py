@@ -21,10 +21,6 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from tokenpools.engine.model import Engine
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.openai_api import (
-    CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    RESPONSES,
     BadRequest,
     error_body,
     max_tokens,
@@ -217,25 +213,3 @@ async def metrics(request: web.Request) -> web.Response:
     emu = request.app[EMULATOR]
     emu._publish()
     return web.Response(body=generate_latest(emu.registry), content_type="text/plain")
-
-
-def make_app(profile: EngineProfile, speed: float = 1.0) -> web.Application:
-    from tokenpools.emulator.more_apis import embeddings, responses  # they build on this module
-
-    app = web.Application()
-    app[EMULATOR] = EmulatedEngine(profile, speed)
-    app.router.add_post(CHAT, chat)
-    app.router.add_post(COMPLETIONS, completions)
-    app.router.add_post(RESPONSES, responses)
-    app.router.add_post(EMBEDDINGS, embeddings)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-
-    async def start_engine(app: web.Application) -> Any:
-        task = asyncio.create_task(app[EMULATOR].run())
-        yield
-        task.cancel()
-
-    app.cleanup_ctx.append(start_engine)
-    return app

@@ -23,7 +23,7 @@ from tokenpools.k8s.applied import ClusterConfig
 from tokenpools.k8s.grace import REVOKING, revoking_message
 from tokenpools.k8s.lease_proof import Lease, other_installation, proof
 from tokenpools.k8s.names import entitlement_key, node_name
-from tokenpools.k8s.status import conditions, write_status
+from tokenpools.k8s.status import SPEC_ACCEPTED, Condition, conditions, spec_accepted, write_status
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState
 
@@ -142,19 +142,16 @@ class LeasePods:
         meta, old = obj["metadata"], obj.get("status") or {}
         gen, now = meta.get("generation", 1), self.clock()
         where = ("TokenEntitlement", meta["namespace"], meta["name"])
+        conds = [Condition(k, state == k, state, why) for k in (BOUND, DEGRADED, PENDING, EXPIRED)]
         stale = cluster is not None and cluster.stale(where)
-        spec_why = cluster.problems[where] if cluster is not None and stale else "spec applied"
-        if state == INVALID:
-            spec_why = why
-        conds = [(k, state == k, state, why) for k in (BOUND, DEGRADED, PENDING, EXPIRED)]
-        accepted = state != INVALID and not stale
-        conds.append(("SpecAccepted", accepted, "Accepted" if accepted else "Invalid", spec_why))
+        spec = spec_accepted(cluster, where, why if state == INVALID else None)
+        conds.append(spec)
         risk = None if cluster is None else cluster.at_risk.get(where)
         if risk is not None:
             revoking = revoking_message(*risk)
-            conds.append((REVOKING, True, "PoolClosed", revoking))
+            conds.append(Condition(REVOKING, True, "PoolClosed", revoking))
         else:
-            conds.append((REVOKING, False, "InForce", "nothing takes the binding away"))
+            conds.append(Condition(REVOKING, False, "InForce", "nothing takes the binding away"))
         status = {
             "state": state,
             "message": why,
@@ -167,7 +164,7 @@ class LeasePods:
         }
         write_status(self.kube, ENTITLEMENTS, obj, status)
         was = [
-            c.get("status") for c in old.get("conditions") or [] if c.get("type") == "SpecAccepted"
+            c.get("status") for c in old.get("conditions") or [] if c.get("type") == SPEC_ACCEPTED
         ]
         before = {c.get("type"): c.get("status") for c in old.get("conditions") or []}
         if risk is not None and before.get(REVOKING) != "True":
@@ -176,7 +173,7 @@ class LeasePods:
         if old.get("state") != state or (stale and was != ["False"]):
             kind = "Warning" if state in (DEGRADED, INVALID) or stale else "Normal"
             reason = "InvalidSpec" if stale and old.get("state") == state else state
-            text = f"{why}; {spec_why}" if stale else why
+            text = f"{why}; {spec.message}" if stale else why
             self.kube.create(EVENTS, meta["namespace"], o.event(obj, reason, text, now, kind))
         return state
 

@@ -34,6 +34,7 @@ from tokenpools.k8s.api import (
     workload_kind,
 )
 from tokenpools.k8s.applied import ClusterConfig
+from tokenpools.k8s.backoff import Backoff
 from tokenpools.k8s.custom_resources import config_data
 from tokenpools.k8s.errors import describe
 from tokenpools.k8s.grace import DEFAULT_GRACE_S, REVOKING, Grace
@@ -41,12 +42,18 @@ from tokenpools.k8s.lease_pods import LeasePods
 from tokenpools.k8s.names import label_value
 from tokenpools.k8s.objective_sync import ObjectiveSync
 from tokenpools.k8s.operator_metrics import OperatorMetrics
-from tokenpools.k8s.status import conditions, write_status
+from tokenpools.k8s.status import Condition, conditions, spec_accepted, write_status
 from tokenpools.k8s.virtual_node import NodeConflict, VirtualNodes
 from tokenpools.model.config import Config, parse_config
 
 log = logging.getLogger("tokenpools.operator")
 BACKOFF_S, BACKOFF_MAX_S = 1.0, 300.0
+
+
+def _backoff() -> Backoff:
+    """An object's retries after failed reconciles: 1 s doubling to 5 min, without jitter (one
+    operator replica acts at a time, so nothing comes back in a herd)."""
+    return Backoff(BACKOFF_S, BACKOFF_MAX_S, jitter=lambda: 0.0)
 
 
 class Reconciler:
@@ -66,7 +73,8 @@ class Reconciler:
         self.nodes = VirtualNodes(kube, clock, self.metrics, self.installation)
         self.lease_pods = LeasePods(kube, clock, self.installation)
         self.objectives = ObjectiveSync(kube, namespace)
-        self._retry: dict[tuple[str, str, str], tuple[int, float]] = {}  # failures, not before
+        # per failing object: its backoff and when it is tried again
+        self._retry: dict[tuple[str, str, str], tuple[Backoff, float]] = {}
 
     def heartbeat(self) -> int:
         return self.nodes.heartbeat()
@@ -104,15 +112,15 @@ class Reconciler:
         """`step()`'s result, or None when it failed (recorded) or waits out its backoff."""
         meta = obj["metadata"]
         key = (kind, meta.get("namespace") or "", meta["name"])
-        failures, not_before = self._retry.get(key, (0, 0.0))
+        backoff, not_before = self._retry.get(key) or (_backoff(), 0.0)
         if self.clock() < not_before:
             return None
         try:
             result = step()
         except Exception as exc:
             reason, message = describe(exc)
-            delay = min(BACKOFF_MAX_S, BACKOFF_S * 2**failures)
-            self._retry[key] = (failures + 1, self.clock() + delay)
+            delay = backoff.next()
+            self._retry[key] = (backoff, self.clock() + delay)
             self.metrics.reconciles.labels(kind, "error").inc()
             self.metrics.errors.labels(kind, reason).inc()
             log.warning("%s %s: %s (again in %.0f s)", kind, "/".join(key[1:]), message, delay)
@@ -120,14 +128,14 @@ class Reconciler:
             return None
         self._retry.pop(key, None)
         self.metrics.reconciles.labels(kind, "ok").inc()
-        if failures:
+        if backoff.failures:
             self._report(kind, obj, None, "reconciled")
         return result
 
     def _report(self, kind: str, obj: Any, reason: str | None, message: str) -> None:
         """The Reconciled condition and, on a failure, an Event; itself best-effort."""
         which = {"TokenPool": POOLS, "TokenBudget": BUDGETS}.get(kind, ENTITLEMENTS)
-        cond = ("Reconciled", reason is None, reason or "Reconciled", message)
+        cond = Condition("Reconciled", reason is None, reason or "Reconciled", message)
         try:
             if reason is None:  # the step just wrote this object's status: start from that
                 meta = obj["metadata"]
@@ -157,7 +165,7 @@ class Reconciler:
         gen, old = obj["metadata"].get("generation", 1), obj.get("status") or {}
         if not cluster.in_force(where):
             why = cluster.problems[where]
-            conds = [("Ready", False, "Invalid", why), ("SpecAccepted", False, "Invalid", why)]
+            conds = [Condition("Ready", False, "Invalid", why), spec_accepted(cluster, where, why)]
             merged = conditions(old.get("conditions"), conds, self.clock(), gen)
             write_status(self.kube, POOLS, obj, {"observedGeneration": gen, "conditions": merged})
             return
@@ -186,9 +194,6 @@ class Reconciler:
         members = [e for e in config.entitlements.values() if e.pool == name]
         desired = desired_replicas(pool, baseline_need(members))
         self.metrics.desired.labels(name).set(desired)
-        stale = cluster.stale(where)
-        spec = ("SpecAccepted", not stale, "Invalid" if stale else "Accepted",
-                cluster.problems[where] if stale else "spec applied")  # fmt: skip
         status: dict[str, Any] = {
             "nodeName": node,
             "replicas": shown.replicas,
@@ -202,7 +207,11 @@ class Reconciler:
         writes = extras.autoscaling.mode == "write" and extras.scaleTargetRef is not None
         if writes and desired != asked:
             status |= self._scale(obj, extras, asked, desired)
-        conds = [("Ready", True, "NodeReady", message), spec, _revoking(cluster, name)]
+        conds = [
+            Condition("Ready", True, "NodeReady", message),
+            spec_accepted(cluster, where),
+            _revoking(cluster, name),
+        ]
         status["conditions"] = conditions(old.get("conditions"), conds, self.clock(), gen)
         write_status(self.kube, POOLS, obj, status)
         # last: the node and status above stand even when the objectives' API fails
@@ -215,10 +224,7 @@ class Reconciler:
         gen, old = obj["metadata"].get("generation", 1), obj.get("status") or {}
         was = {c.get("type"): c.get("reason") for c in old.get("conditions") or []}
         why = str(conflict)
-        stale = cluster.stale(where)
-        spec = ("SpecAccepted", not stale, "Invalid" if stale else "Accepted",
-                cluster.problems[where] if stale else "spec applied")  # fmt: skip
-        conds = [("Ready", False, "NodeConflict", why), spec]
+        conds = [Condition("Ready", False, "NodeConflict", why), spec_accepted(cluster, where)]
         status = {
             "nodeName": None,
             "observedGeneration": gen,
@@ -285,14 +291,14 @@ class Reconciler:
         gen, old = obj["metadata"].get("generation", 1), obj.get("status") or {}
         status: dict[str, Any] = {"observedGeneration": gen}
         if cluster.in_force(where):
-            stale = cluster.stale(where)
-            why = cluster.problems[where] if stale else "spec applied"
-            accepted = ("SpecAccepted", not stale, "Invalid" if stale else "Accepted", why)
-            conds = [("Ready", True, "Applied", "in force at the gateways"), accepted]
+            conds = [
+                Condition("Ready", True, "Applied", "in force at the gateways"),
+                spec_accepted(cluster, where),
+            ]
             status["appliedSpec"] = cluster.applied[where]
         else:
             why = cluster.problems.get(where, "not applied")
-            conds = [("Ready", False, "Invalid", why), ("SpecAccepted", False, "Invalid", why)]
+            conds = [Condition("Ready", False, "Invalid", why), spec_accepted(cluster, where, why)]
         status["conditions"] = conditions(old.get("conditions"), conds, self.clock(), gen)
         write_status(self.kube, BUDGETS, obj, status)
 
@@ -325,7 +331,7 @@ class Reconciler:
         )
 
 
-def _revoking(cluster: ClusterConfig, pool: str) -> tuple[str, bool, str, str]:
+def _revoking(cluster: ClusterConfig, pool: str) -> Condition:
     """The pool's Revoking condition: its Bound entitlements it no longer admits, kept for the
     grace period (k8s/grace.py), and when the first of them loses its binding."""
     risks = sorted(
@@ -334,9 +340,9 @@ def _revoking(cluster: ClusterConfig, pool: str) -> tuple[str, bool, str, str]:
         if cluster.applied[where].get("pool") == pool
     )
     if not risks:
-        return (REVOKING, False, "InForce", "every Bound entitlement is admitted")
+        return Condition(REVOKING, False, "InForce", "every Bound entitlement is admitted")
     names = ", ".join(name for _, name in risks)
-    return (
+    return Condition(
         REVOKING,
         True,
         "PoolClosed",

@@ -5,15 +5,40 @@ reconciliation writes nothing — and a write is a watch event that would wake a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenpools.k8s.api import Kind, Kube
+from tokenpools.k8s.applied import ClusterConfig, Where
 from tokenpools.k8s.objects import condition
+
+SPEC_ACCEPTED = "SpecAccepted"
+
+
+class Condition(NamedTuple):
+    """A condition as a controller decides it; `conditions` adds its times."""
+
+    type: str
+    ok: bool
+    reason: str
+    message: str
+
+
+def spec_accepted(
+    cluster: ClusterConfig | None, where: Where, refused: str | None = None
+) -> Condition:
+    """Whether the object's spec is the one in force: `refused` (why) when it is refused with
+    nothing in force, stale when the object runs its last applied spec because the current one
+    is refused, else accepted."""
+    if refused is not None:
+        return Condition(SPEC_ACCEPTED, False, "Invalid", refused)
+    if cluster is not None and cluster.stale(where):
+        return Condition(SPEC_ACCEPTED, False, "Invalid", cluster.problems[where])
+    return Condition(SPEC_ACCEPTED, True, "Accepted", "spec applied")
 
 
 def conditions(
     old: Sequence[Mapping[str, Any]] | None,
-    new: Sequence[tuple[str, bool, str, str]],
+    new: Sequence[Condition],
     now: float,
     gen: int,
 ) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """What one request asks for, and what it used.
 
 Built on every request, so each writes its `__init__` out: mypyc compiles a written one, where
-the one @dataclass generates runs interpreted (control/store.py says more, above Lease)."""
+the one @dataclass generates runs interpreted (control/store_terms.py says more, above Lease)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ class Resources:
     concurrency: float = 0.0
 
     # Written out: mypyc compiles it, where the one @dataclass generates runs interpreted
-    # (control/store.py says more, above Lease).
+    # (control/store_terms.py says more, above Lease).
     def __init__(
         self, throughput: float = 0.0, kv_tokens: float = 0.0, concurrency: float = 0.0
     ) -> None:

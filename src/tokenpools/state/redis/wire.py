@@ -37,7 +37,7 @@ LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre")
 # its own numbers; then the plan's numbers, then the victims' names. Several may follow each
 # other in one call, decided in that order. `more`: the next group is this request's next
 # layer (another entitlement of its tenant in the pool), tried only if this one is refused.
-# A metered lease (control/store.py Meter): its ledger bucket ("" when none), its worst case
+# A metered lease (control/metering.py Meter): its ledger bucket ("" when none), its worst case
 # (the tokens are the lease's), and how many budget holds follow the plan's numbers, each as
 # HOLD_ARGS; the victims' names come after them.
 METER_ARGS = ("bucket", "w_in", "w_out", "w_cost", "holds")
