@@ -294,3 +294,30 @@ def test_a_failing_objectives_api_fails_the_pool_only_and_is_retried(bench: Benc
     bench.clock.now += 600
     bench.settle()
     assert len(_objectives(bench)) == len(ServiceClass)
+
+
+def test_an_object_whose_reconcile_keeps_failing_is_retried_one_second_doubling_to_five_minutes(
+    bench: Bench,
+) -> None:
+    """Each failure in a row waits twice as long as the one before, from 1 s up to 5 min, and
+    the pool is not tried again before its time (an API server in trouble is not hammered)."""
+    from tests.kube.api_faults import Fault
+
+    bench.server.api.faults[:] = [Fault("create", "inferenceobjectives", None, status=500)]
+    bench.kube.create(POOLS, None, pool())
+    registry = bench.rec.metrics.registry
+
+    def failures() -> float:
+        labels = {"kind": "TokenPool", "result": "error"}
+        return registry.get_sample_value("tokenpools_operator_reconciles_total", labels) or 0.0
+
+    bench.rec.reconcile()
+    assert failures() == 1
+    for wait_s in (1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300):
+        before = failures()
+        bench.clock.now += wait_s - 0.01
+        bench.rec.reconcile()
+        assert failures() == before, f"tried again before {wait_s} s"
+        bench.clock.now += 0.01
+        bench.rec.reconcile()
+        assert failures() == before + 1, f"not tried again after {wait_s} s"

@@ -1,4 +1,6 @@
-"""How long a watcher waits before it asks the API server again after getting nothing (pure).
+"""How long to wait before trying again after attempts in a row without progress (pure): the
+operator's one backoff, for its watchers and for an object whose reconcile keeps failing
+(reconciler.py: 1 s doubling to 5 min, no jitter).
 
 A watch that keeps failing — an error, a 410 Gone after every relist, a stream that ends as
 soon as it opens — must not turn into a tight list-and-watch loop against the API server: each
