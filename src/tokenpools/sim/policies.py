@@ -42,6 +42,7 @@ def make_policy(
     name: str,
     config: Config,
     limits: dict[str, TenantLimits],
+    *,
     cluster: Cluster,
     now: float,
     absent: frozenset[str] = frozenset(),

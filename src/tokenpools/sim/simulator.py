@@ -63,11 +63,11 @@ class Simulation:
             policy,
             self.config,
             tenant_limits(scenario, self.config),
-            self,
-            0.0,
-            frozenset(self._joining.values()),
-            layered,
-            scenario.llmd,
+            cluster=self,
+            now=0.0,  # the simulation's start
+            absent=frozenset(self._joining.values()),
+            layered=layered,
+            llmd=scenario.llmd,
         )
         self.policy_name = policy
         self.now = 0.0
