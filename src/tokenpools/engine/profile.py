@@ -32,6 +32,14 @@ class EngineProfile(BaseModel):
     def kv_tokens(self) -> int:
         return self.kv_blocks * self.block_size
 
+    def limits_at(self, fraction: float) -> tuple[int, int]:
+        """(slots, KV blocks) of a replica that keeps `fraction` of its own (a capacity event:
+        a partial failure, a co-tenant's share); at least one of each."""
+        return (
+            max(1, round(self.max_num_seqs * fraction)),
+            max(1, round(self.kv_blocks * fraction)),
+        )
+
     def step_time(self, prefill_tokens: int, decode_seqs: int, kv_tokens: int) -> float:
         return (
             self.t0_s

@@ -73,10 +73,7 @@ class Autoscaler:
         self.log.append((sim.now, "serve"))
         engine = Engine(sim.profile)
         if sim.fraction != 1.0:
-            engine.resize(
-                max(1, round(sim.profile.max_num_seqs * sim.fraction)),
-                max(1, round(sim.profile.kv_blocks * sim.fraction)),
-            )
+            engine.resize(*sim.profile.limits_at(sim.fraction))
         sim.engines.append(engine)
         sim.busy.append(False)
         sim.replicas_changed()

@@ -248,9 +248,9 @@ class Simulation:
         scale the same way (a step has a fixed cost), so the pool's is scaled by what the
         profile says the smaller batch delivers — what an operator would re-measure."""
         self.fraction = fraction
-        seqs = max(1, round(self.profile.max_num_seqs * fraction))
+        seqs, blocks = self.profile.limits_at(fraction)
         for engine in self.engines:
-            engine.resize(seqs, max(1, round(self.profile.kv_blocks * fraction)))
+            engine.resize(seqs, blocks)
         smaller = self.profile.model_copy(update={"max_num_seqs": seqs})
         throughput = smaller.output_tokens_per_s() / self.profile.output_tokens_per_s()
         for req_id in self.policy.capacity(fraction, throughput, self.now):
