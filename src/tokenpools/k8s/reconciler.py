@@ -5,10 +5,10 @@ paged), builds the config from them once (k8s/custom_resources.py keeps each pro
 object), then reconciles every pool (its virtual node, the node's kubelet duties, autoscaling)
 and every entitlement (its lease pods and state) on its own. A failed API call fails only that
 object: it gets a `Reconciled=False` condition and an Event naming the API error, and is tried
-again after an exponential backoff, while every other object and the nodes' heartbeats (a
-separate schedule, k8s/virtual_node.py) go on. A pool's llm-d InferenceObjectives are part of
-the pool (k8s/objective_sync.py). Writes happen only when something changed, so
-the loop settles. The clock is injected; all I/O goes through `Kube`."""
+again after an exponential backoff (k8s/retries.py), while every other object and the nodes'
+heartbeats (a separate schedule, k8s/virtual_node.py) go on. A pool's llm-d
+InferenceObjectives are part of the pool (k8s/objective_sync.py). Writes happen only when
+something changed, so the loop settles. The clock is injected; all I/O goes through `Kube`."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from tokenpools.k8s.api import (
     workload_kind,
 )
 from tokenpools.k8s.applied import ClusterConfig
-from tokenpools.k8s.backoff import Backoff
 from tokenpools.k8s.custom_resources import config_data
 from tokenpools.k8s.errors import describe
 from tokenpools.k8s.grace import DEFAULT_GRACE_S, REVOKING, Grace
@@ -42,18 +41,12 @@ from tokenpools.k8s.lease_pods import LeasePods
 from tokenpools.k8s.names import label_value
 from tokenpools.k8s.objective_sync import ObjectiveSync
 from tokenpools.k8s.operator_metrics import OperatorMetrics
+from tokenpools.k8s.retries import Retries
 from tokenpools.k8s.status import Condition, conditions, spec_accepted, write_status
 from tokenpools.k8s.virtual_node import NodeConflict, VirtualNodes
 from tokenpools.model.config import Config, parse_config
 
 log = logging.getLogger("tokenpools.operator")
-BACKOFF_S, BACKOFF_MAX_S = 1.0, 300.0
-
-
-def _backoff() -> Backoff:
-    """An object's retries after failed reconciles: 1 s doubling to 5 min, without jitter (one
-    operator replica acts at a time, so nothing comes back in a herd)."""
-    return Backoff(BACKOFF_S, BACKOFF_MAX_S, jitter=lambda: 0.0)
 
 
 class Reconciler:
@@ -73,8 +66,7 @@ class Reconciler:
         self.nodes = VirtualNodes(kube, clock, self.metrics, self.installation)
         self.lease_pods = LeasePods(kube, clock, self.installation)
         self.objectives = ObjectiveSync(kube, namespace)
-        # per failing object: its backoff and when it is tried again
-        self._retry: dict[tuple[str, str, str], tuple[Backoff, float]] = {}
+        self.retries = Retries(kube, clock, self.metrics, namespace)
 
     def heartbeat(self) -> int:
         return self.nodes.heartbeat()
@@ -95,61 +87,18 @@ class Reconciler:
                 if not e["metadata"].get("deletionTimestamp")}  # fmt: skip
         self.objectives.begin()
         for obj in pools:
-            self._guarded("TokenPool", obj, partial(self._pool, obj, cluster, config, live))
+            self.retries.run("TokenPool", obj, partial(self._pool, obj, cluster, config, live))
         states: Counter[str] = Counter()
         for obj in ents:
             mine = owned.get(obj["metadata"]["uid"], [])
             step = partial(self._entitlement, obj, cluster, config, mine)
-            states.update([self._guarded("TokenEntitlement", obj, step) or "Error"])
+            states.update([self.retries.run("TokenEntitlement", obj, step) or "Error"])
         for obj in budgets:
-            self._guarded("TokenBudget", obj, partial(self._budget, obj, cluster))
+            self.retries.run("TokenBudget", obj, partial(self._budget, obj, cluster))
         for state in ("Bound", "Pending", "Degraded", "Expired", "Invalid"):
             self.metrics.lease_pods.labels(state).set(states[state])
         self._forget_orphan_nodes({p["metadata"]["name"] for p in pools})
         self._forget_orphan_objectives(pools)
-
-    def _guarded(self, kind: str, obj: Any, step: Callable[[], Any]) -> Any:
-        """`step()`'s result, or None when it failed (recorded) or waits out its backoff."""
-        meta = obj["metadata"]
-        key = (kind, meta.get("namespace") or "", meta["name"])
-        backoff, not_before = self._retry.get(key) or (_backoff(), 0.0)
-        if self.clock() < not_before:
-            return None
-        try:
-            result = step()
-        except Exception as exc:
-            reason, message = describe(exc)
-            delay = backoff.next()
-            self._retry[key] = (backoff, self.clock() + delay)
-            self.metrics.reconciles.labels(kind, "error").inc()
-            self.metrics.errors.labels(kind, reason).inc()
-            log.warning("%s %s: %s (again in %.0f s)", kind, "/".join(key[1:]), message, delay)
-            self._report(kind, obj, reason, message)
-            return None
-        self._retry.pop(key, None)
-        self.metrics.reconciles.labels(kind, "ok").inc()
-        if backoff.failures:
-            self._report(kind, obj, None, "reconciled")
-        return result
-
-    def _report(self, kind: str, obj: Any, reason: str | None, message: str) -> None:
-        """The Reconciled condition and, on a failure, an Event; itself best-effort."""
-        which = {"TokenPool": POOLS, "TokenBudget": BUDGETS}.get(kind, ENTITLEMENTS)
-        cond = Condition("Reconciled", reason is None, reason or "Reconciled", message)
-        try:
-            if reason is None:  # the step just wrote this object's status: start from that
-                meta = obj["metadata"]
-                obj = self.kube.get(which, meta.get("namespace"), meta["name"])
-            gen = obj["metadata"].get("generation", 1)
-            old = (obj.get("status") or {}).get("conditions") or []
-            merged = conditions(old, [cond], self.clock(), gen)
-            write_status(self.kube, which, obj, {"conditions": merged})
-            if reason is not None:
-                ns = obj["metadata"].get("namespace") or self.namespace
-                event = o.event(obj, "ReconcileError", message, self.clock(), "Warning")
-                self.kube.create(EVENTS, ns, event)
-        except Exception:
-            log.debug("could not report on %s", obj["metadata"]["name"], exc_info=True)
 
     # -- pools: the virtual node, its kubelet duties, autoscaling ---------------------
 
