@@ -193,3 +193,37 @@ def test_a_body_sent_on_full_duplex_goes_in_pieces_envoy_takes(size: int, end: b
     assert all(len(p.body) <= messages.STREAMED_CHUNK_BYTES for p in pieces)
     assert len(pieces) == max(1, -(-size // messages.STREAMED_CHUNK_BYTES))
     assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [end]
+
+
+@pytest.mark.parametrize(
+    ("moved", "to", "answered", "admitted"),
+    [
+        (1, 0, 1, False),  # the body before the headers
+        (2, 0, 1, False),
+        (3, 0, 1, False),
+        (3, 1, 2, False),  # the answer's body before the request's
+        (3, 2, 3, True),  # the answer's body before its headers
+        (2, 1, 3, False),  # an answer before the body (Envoy's own, passed), then the body
+    ],
+)
+def test_a_message_out_of_order_is_a_protocol_error_answered_cleanly(
+    moved: int, to: int, answered: int, admitted: bool
+) -> None:
+    """Envoy's four messages of one exchange, one moved ahead of a message it must follow:
+    the stream is answered with a 500 naming the protocol error and ends there; nothing stays
+    held (an admitted lease is charged, never left open) and the record says what happened."""
+    processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
+    records: list[RequestRecord] = []
+    processor.observe.listeners.append(records.append)
+    sent = exchange(None)
+    sent.insert(to, sent.pop(moved))
+    answers = asyncio.run(run(processor, sent))
+    last = answers[-1].immediate_response
+    assert last.status.code == 500 and b"extproc_protocol_error" in last.body
+    assert len(answers) == answered  # up to the message out of order, then no more
+    (record,) = records
+    assert record.status == 500
+    assert not processor.admission.in_flight
+    assert (record.decision == "admitted") == admitted
+    snap = processor.admission.snapshot(processor.admission.clock())
+    assert all(e.in_flight == 0 for e in snap.entitlements.values()), "a lease stayed held"

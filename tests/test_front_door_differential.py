@@ -9,6 +9,7 @@ was evicted."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenpools.admission import AdmissionRequest, AdmissionRuntime, Cleared
+from tokenpools.admission import AdmissionRuntime, Cleared, FrontDoor
 from tokenpools.control.tenancy import Caller
 from tokenpools.model.config import Config, parse_config
 from tokenpools.model.request import Usage
@@ -137,6 +138,7 @@ async def replay(
     differs), and how many were admitted with max_tokens lowered to fit a budget."""
     clock = Clock()
     runtime = AdmissionRuntime(config, clock=clock, replica="gw")
+    door = FrontDoor(runtime, clock=clock)
     await runtime.driver.start()
     sim = TokenPools(config, clock.now, layered=frozenset({"acme-gold", "acme-spot"}))
     sim_ids: dict[str, int] = {}  # the simulator's request id → request number
@@ -160,7 +162,8 @@ async def replay(
                 assert isinstance(event, Ask)
                 path, body = body_of(event)
                 caller = Caller(event.tenant, "key")
-                result = await runtime.clear(AdmissionRequest(caller, path, body))
+                raw = json.dumps(body).encode()  # as a host hands it in
+                result = await door.enter(None, caller, path, raw, task=None)
                 prompt = result.prompt_tokens
                 assert prompt is not None
                 entitlement = "acme-gold" if event.tenant == "acme" else event.tenant
@@ -172,7 +175,7 @@ async def replay(
                     gw_ids[lease.lease_id] = number
                     evicted = sorted(gw_ids[v.lease_id] for v in result.decision.evict)
                     gw = ("admitted", lease.entitlement, lease.tokens, evicted)
-                    admitted = runtime.track(result.decision, None)
+                    admitted = result.admitted
                     lowered += result.decision.lowered
                     flying.append((number, admitted, req, min(event.output, asked)))
                 else:

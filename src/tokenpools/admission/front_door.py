@@ -1,73 +1,81 @@
-"""The front door every host admits through (`AdmissionRuntime.clear`): a host-neutral request
-— who calls, which OpenAI endpoint, the parsed body — in; a `Cleared` request or a `Stopped`
-one out. Everything between lives here or below, once: the fields admission reads off the
-body, the cost rule per endpoint (embeddings generate nothing), the route to a pool and the
-caller's layers there, the prompt count, the admission itself, and writing the `max_tokens`
-the reservation assumed back into the body. A host only translates its wire to the request
-and the answer back to its wire (the gateway: aiohttp; LiteLLM: its hook; ext_proc: Envoy's
-messages). No HTTP library here."""
+"""The front door every host admits through, written once: who calls (the identity rules and
+their metrics), the body's size and fields, the route to a pool and the caller's layers there,
+the prompt count, the admission itself, the `max_tokens` the reservation assumed written back
+into the body, the access record filled as it goes, and the admitted request tracked until its
+one end. A `Cleared` request (with its `Admitted`) or a `Stopped` one comes out.
+
+A host only translates its wire to these calls and the answer back to its wire (the gateway:
+aiohttp; ext_proc: Envoy's messages; LiteLLM: its hook). There are two steps because Envoy
+asks about a request's headers before its body exists: `identify` (credentials, the declared
+length) and `enter` (the body). A host that has both at once calls one after the other.
+No HTTP library here."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenpools.control.catalog import EntitlementView
-from tokenpools.control.decisions import Admit, Reject
-from tokenpools.control.tenancy import Caller
-from tokenpools.openai_api import (
-    CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    max_tokens,
-    max_tokens_field,
-    sequences,
+from tokenpools.admission.access_log import RequestRecord
+from tokenpools.admission.admitted import Admitted
+from tokenpools.admission.clearing import (
+    cleared_headers,
+    demand,
+    include_usage,
+    includes_usage,
+    write_back,
 )
+from tokenpools.admission.metrics import AdmissionMetrics
+from tokenpools.admission.runtime import AdmissionRuntime
+from tokenpools.control.decisions import Admit, Reject
+from tokenpools.control.tenancy import Caller, Refused
+from tokenpools.identity import Authenticator, Credentials
+from tokenpools.model.request import Account, RequestCost
+from tokenpools.model.service_class import ServiceClass
+from tokenpools.openai_api import BadRequest, parse_body
 from tokenpools.openai_api.answer_tap import AnswerTap
 from tokenpools.openai_api.refusals import (
     Refusal,
     bad_request,
-    budget_headers,
-    charged_headers,
-    ratelimit_headers,
+    refusal,
+    too_large,
+    unauthorized,
+    unknown_model,
 )
+from tokenpools.tokenizing.counter import BACKEND, AskBackend
 
-
-@dataclass(frozen=True, slots=True)
-class AdmissionRequest:
-    """One request as every host hands it in. `body` is the parsed JSON body; a `max_tokens`
-    the reservation assumed (the entitlement's default, or one lowered to fit a budget) is
-    written into it (`Cleared.rewritten`)."""
-
-    caller: Caller
-    path: str  # the OpenAI endpoint (openai_api: CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
-    body: dict[str, Any]
+# How a host asks a pool's engine to count a prompt (a pool whose tokenizer is `backend`).
+AskEngine = Callable[[str], AskBackend]
 
 
 @dataclass(frozen=True, slots=True)
 class Cleared:
-    """Admitted: the host holds it (`AdmissionRuntime.hold`) and sends it to `pool`."""
+    """Admitted: the host sends `body` to `pool` and ends `admitted` once (admitted.py)."""
 
     decision: Admit
+    admitted: Admitted
     pool: str
+    service_class: ServiceClass  # of the entitlement charged
+    body: dict[str, Any]  # parsed; what was written to it (max_tokens, the usage chunk) included
     prompt_tokens: int  # as admission counted them
-    rewritten: bool  # the body was written to (max_tokens, usage asked): forward the body
+    rewritten: bool  # the body was written to: forward `body`, not the bytes that came
     headers: dict[str, str]  # x-ratelimit-*, the entitlement charged and its class, the budget
     stream: bool = False
-    # the client asked for a stream's usage chunk itself; if not, the front door asked on its
-    # behalf and the host keeps that chunk from it (openai_api.answer_tap.AnswerTap)
-    usage_asked: bool = False
+    # the client asked for a stream's usage chunk itself; if not, the front door asked for it
+    # on its behalf and the host keeps that chunk from it (openai_api.answer_tap.AnswerTap)
+    client_usage: bool = False
 
     def tap(self, path: str) -> AnswerTap:
         """The reader of this request's answer, for the host that relays it."""
-        return AnswerTap(path, self.stream, self.usage_asked)
+        return AnswerTap(path, self.stream, self.client_usage)
 
 
 @dataclass(frozen=True, slots=True)
 class Stopped:
     """Refused: answer `refusal`. `decision` is None when the request never reached admission
-    (a field it cannot read, a model the caller may not use)."""
+    (a credential, a size or a field refused, a model the caller may not use)."""
 
     refusal: Refusal
     decision: Reject | None = None
@@ -76,64 +84,120 @@ class Stopped:
     prompt_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Asked:
-    """What admission reads off a body: the sequences it generates, and the output ceiling it
-    sets (None: the entitlement's default; 0 for what generates nothing)."""
+class FrontDoor:
+    def __init__(
+        self,
+        admission: AdmissionRuntime,
+        metrics: AdmissionMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+        ask: AskEngine | None = None,
+    ) -> None:
+        """`metrics`: where identities are counted (a host that identifies no one itself, as
+        LiteLLM, has none). `ask`: how the host asks a pool's engine to count (only the
+        gateway reaches the engines); without it the estimate stands in."""
+        self.admission, self.metrics, self.ask = admission, metrics, ask
+        self.auth = Authenticator(admission.config.gateway, clock)
 
-    sequences: int
-    max_tokens: int | None
+    def adopt(self) -> None:
+        """The admission runtime adopted a new config: its identity rules apply from now."""
+        self.auth = self.auth.adopt(self.admission.config.gateway)
 
+    @property
+    def max_body_bytes(self) -> int:
+        return self.admission.config.gateway.max_body_bytes
 
-def asked(request: AdmissionRequest, most_sequences: int) -> Asked:
-    """Raises openai_api.BadRequest naming a field admission cannot take."""
-    count = sequences(request.body, most_sequences)
-    return Asked(count, 0 if request.path == EMBEDDINGS else max_tokens(request.body))
+    async def caller(self, shown: Credentials) -> Caller | Refused:
+        """Who shows these credentials (identity/authenticator.py); nothing counted."""
+        return await self.auth.caller(shown, self.admission.directory)
 
+    def models(self, caller: Caller) -> list[str]:
+        """The models this caller may use (GET /v1/models)."""
+        return self.admission.directory.models(caller)
 
-def no_route(model: object) -> Stopped:
-    return Stopped(
-        Refusal(
-            404,
-            f"model {model!r} does not exist or this key has no access to it",
-            "invalid_request_error",
-            "model_not_found",
-            "model",
-            {},
+    async def identify(
+        self, record: RequestRecord, shown: Credentials, declared_length: int | None
+    ) -> Caller | Stopped:
+        """The request's headers: a body declared too large, or a credential refused, stops
+        it; else the caller, counted and written into the record."""
+        if declared_length is not None and declared_length > self.max_body_bytes:
+            return Stopped(too_large(self.max_body_bytes))
+        caller = await self.caller(shown)
+        if isinstance(caller, Refused):
+            if self.metrics is not None:
+                self.metrics.unauthorized.labels(caller.code).inc()
+            return Stopped(unauthorized(caller))
+        record.identified(caller)
+        if self.metrics is not None:
+            self.metrics.identified(caller)
+        return caller
+
+    async def enter(
+        self,
+        record: RequestRecord | None,
+        caller: Caller,
+        path: str,
+        body: bytes | dict[str, Any],
+        *,
+        task: asyncio.Task[Any] | None,
+    ) -> Cleared | Stopped:
+        """The request's body (raw bytes, or one the host parsed already: LiteLLM's): cleared
+        and tracked, or stopped. `path` is the OpenAI endpoint (openai_api: CHAT, ...);
+        `task` is cancelled should the core evict the request (none: the host checks)."""
+        if isinstance(body, bytes):
+            if len(body) > self.max_body_bytes:
+                return Stopped(too_large(self.max_body_bytes))
+            try:
+                body = parse_body(body, path)
+            except BadRequest as exc:
+                return Stopped(bad_request(str(exc), exc.param))
+        if record is not None:
+            record.model, record.stream = body["model"], bool(body.get("stream"))
+        result = await self._clear(caller, path, body, task)
+        if record is not None:
+            record.pool, record.counted_prompt_tokens = result.pool, result.prompt_tokens
+            if isinstance(result, Cleared):
+                record.decided(result.decision, result.decision.lease.entitlement)
+            elif result.decision is not None and result.entitlement is not None:
+                record.decided(result.decision, result.entitlement)
+        return result
+
+    async def _clear(
+        self, caller: Caller, path: str, body: dict[str, Any], task: asyncio.Task[Any] | None
+    ) -> Cleared | Stopped:
+        admission = self.admission
+        try:
+            wants = demand(path, body, admission.config.gateway.max_sequences)
+        except BadRequest as exc:
+            return Stopped(bad_request(str(exc), exc.param))
+        model = body.get("model")
+        route = admission.directory.route(caller, model)
+        if route is None:
+            return Stopped(unknown_model(model))
+        counter = admission.counters[route.pool]
+        asker = self.ask(route.pool) if self.ask is not None and counter.mode == BACKEND else None
+        prompt_tokens = await counter.count(body, path, asker)
+        account = Account(caller.tenant, caller.credential, str(model))
+        cost = RequestCost(prompt_tokens, wants.max_tokens, wants.sequences, account)
+        decision = await admission.admit(route.entitlements, cost)
+        if isinstance(decision, Reject):
+            first = route.entitlements[0]
+            return Stopped(refusal(decision), decision, first, route.pool, prompt_tokens)
+        client_usage = includes_usage(body)
+        rewritten = write_back(path, body, decision, wants.max_tokens)
+        rewritten = include_usage(path, body) or rewritten
+        headers = cleared_headers(decision, admission.entitlements)
+        admitted = admission.track(decision, task)
+        service_class = admission.entitlements[decision.lease.entitlement].ent.service_class
+        stream = bool(body.get("stream"))
+        return Cleared(
+            decision,
+            admitted,
+            route.pool,
+            service_class,
+            body,
+            prompt_tokens,
+            rewritten,
+            headers,
+            stream,
+            client_usage,
         )
-    )
-
-
-def bad_field(message: str, param: str | None) -> Stopped:
-    return Stopped(bad_request(message, param))
-
-
-def write_back(request: AdmissionRequest, decision: Admit, requested: int | None) -> bool:
-    """Make the ceiling the reservation assumed true upstream: written where the request set
-    none, or where a budget lowered it. Returns whether the body changed."""
-    if requested is not None and not decision.lowered:
-        return False
-    request.body[max_tokens_field(request.path)] = decision.max_tokens
-    return True
-
-
-def usage_asked(body: dict[str, Any]) -> bool:
-    return bool((body.get("stream_options") or {}).get("include_usage"))
-
-
-def ask_for_usage(request: AdmissionRequest) -> bool:
-    """A chat or completions stream always asks the engine for its usage chunk, so it settles
-    on the engine's counts; returns whether the body changed."""
-    body = request.body
-    if not body.get("stream") or request.path not in (CHAT, COMPLETIONS) or usage_asked(body):
-        return False
-    body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    return True
-
-
-def cleared_headers(decision: Admit, entitlements: Mapping[str, EntitlementView]) -> dict[str, str]:
-    return (
-        ratelimit_headers(decision.quota)
-        | charged_headers(entitlements, decision.lease.entitlement)
-        | budget_headers(decision.budget)
-    )

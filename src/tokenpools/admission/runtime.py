@@ -19,32 +19,18 @@ from typing import Any, TypeVar
 
 from tokenpools.admission.admitted import Admitted
 from tokenpools.admission.driver import StoreDriver, check_cluster_budgets, open_driver
-from tokenpools.admission.front_door import (
-    AdmissionRequest,
-    Cleared,
-    Stopped,
-    ask_for_usage,
-    asked,
-    bad_field,
-    cleared_headers,
-    no_route,
-    usage_asked,
-    write_back,
-)
 from tokenpools.control.budgets import Budgets, budget_status
 from tokenpools.control.catalog import EntitlementView
-from tokenpools.control.decisions import Admit, Decision, Reject
+from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.control.tenancy import Caller, Directory, Route
 from tokenpools.model.config import Config
 from tokenpools.model.policy import Policy
-from tokenpools.model.request import Account, RequestCost, Usage
+from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
-from tokenpools.openai_api import BadRequest
-from tokenpools.openai_api.refusals import refusal
-from tokenpools.tokenizing.counter import BACKEND, AskBackend, PromptCounter
+from tokenpools.tokenizing.counter import PromptCounter
 from tokenpools.usage.database import Bucket, LedgerUnavailable, UsageDatabase
 from tokenpools.usage.flusher import Flusher, LedgerStatus
 from tokenpools.usage.notices import Notifier
@@ -87,37 +73,6 @@ class AdmissionRuntime:
         self.counters = _counters(config)  # prompt tokens, per pool
 
     # -- requests ------------------------------------------------------------------------
-
-    async def clear(
-        self, request: AdmissionRequest, ask: Callable[[str], AskBackend] | None = None
-    ) -> Cleared | Stopped:
-        """The front door (admission/front_door.py): read what admission needs off the body,
-        route, count the prompt, admit, and write the max_tokens the reservation assumed back.
-        `ask(pool)`: how the host asks that pool's engine to count, where the pool counts
-        with its backend (tokenizer: backend); without it the estimate stands in."""
-        try:
-            wants = asked(request, self.config.gateway.max_sequences)
-        except BadRequest as exc:
-            return bad_field(str(exc), exc.param)
-        model = request.body.get("model")
-        route = self.directory.route(request.caller, model)
-        if route is None:
-            return no_route(model)
-        counter = self.counters[route.pool]
-        asker = ask(route.pool) if ask is not None and counter.mode == BACKEND else None
-        prompt_tokens = await counter.count(request.body, request.path, asker)
-        account = Account(request.caller.tenant, request.caller.credential, str(model))
-        cost = RequestCost(prompt_tokens, wants.max_tokens, wants.sequences, account)
-        decision = await self.admit(route.entitlements, cost)
-        if isinstance(decision, Reject):
-            first = route.entitlements[0]
-            return Stopped(refusal(decision), decision, first, route.pool, prompt_tokens)
-        asked_usage = usage_asked(request.body)
-        rewritten = write_back(request, decision, wants.max_tokens)
-        rewritten = ask_for_usage(request) or rewritten
-        headers = cleared_headers(decision, self.core.entitlements)
-        stream = bool(request.body.get("stream"))
-        return Cleared(decision, route.pool, prompt_tokens, rewritten, headers, stream, asked_usage)
 
     async def admit(self, entitlement: str | Sequence[str], cost: RequestCost) -> Decision:
         """Decide, tell the listeners, and end the preemptible requests an admission evicts.

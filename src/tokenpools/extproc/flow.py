@@ -1,26 +1,36 @@
-"""One HTTP request's passage through Envoy, as the ext_proc stream shows it, phase by phase:
-the request's headers (who calls: the gateway's identity rules), its body, buffered by Envoy or
-gathered here from full-duplex chunks (the front door: admitted, or answered at once with the
-gateway's refusal; sent full duplex, the headers are answered only then), the answer's headers (its
-status decides how a failure ends the lease) and its body chunk by chunk (read for the
-engine's usage, passed on), until the answer ends and the lease is settled on that usage.
+"""One HTTP request's passage through Envoy, as the ext_proc stream shows it: a state machine
+whose phase says which message may come next, and a (phase, message kind) table that says
+what each does. Any other message is out of order: a protocol error, answered cleanly.
+
+    HEADERS  --request_headers-->  BODY       identified (GET /v1/models: answered, DONE)
+    BODY     --request_body----->  UPSTREAM   admitted through the front door and sent on;
+                                              full duplex: chunks gathered until the last
+    BODY     --response_headers->  LOCAL      Envoy answered itself (a body over its buffer):
+                                              passed on, nothing admitted
+    UPSTREAM --response_headers->  ANSWER     its status decides how a failure ends the lease
+    ANSWER   --response_body---->  ANSWER     read for the engine's usage, passed on; the
+                                              last chunk settles the lease on that usage
+    any refusal                 ->  DONE       answered at once: the stream ends
 
 A stream that stops before the answer's end (the client hung up, the upstream reset, Envoy
-gave up on the processor) ends the lease by the gateway's rules (`abandon`)."""
+gave up on the processor) ends the lease by the gateway's rules (`abandon`). The flow knows
+the front door, its settings and nothing of the processor around it."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from tokenpools.admission import AdmissionRequest, Admitted, Cleared, Stopped
+from tokenpools.admission import Admitted, Cleared, FrontDoor, Stopped
 from tokenpools.admission.access_log import RequestRecord, request_id
-from tokenpools.admission.front_door import no_route
-from tokenpools.control.tenancy import Caller, Refused
+from tokenpools.control.tenancy import Caller
 from tokenpools.extproc import messages
 from tokenpools.identity import Credentials
 from tokenpools.model.objectives import (
@@ -30,65 +40,93 @@ from tokenpools.model.objectives import (
     OBJECTIVE_HEADER,
     objective_name,
 )
-from tokenpools.openai_api import (
-    GENERATES,
-    BadRequest,
-    model_card,
-    parse_body,
-)
+from tokenpools.openai_api import GENERATES, model_card
 from tokenpools.openai_api.answer_tap import AnswerTap
 from tokenpools.openai_api.refusals import (
     Refusal,
     bad_request,
+    method_not_allowed,
     misconfigured,
+    not_found,
     preempted,
-    too_large,
-    unauthorized,
+    unknown_model,
 )
-
-INVALID = "invalid_request_error"
-
-if TYPE_CHECKING:
-    from tokenpools.extproc.processor import Processor
 
 GOVERNED = (*GENERATES, "/v1/embeddings")  # admitted; anything else is answered 404
 MODELS = "/v1/models"  # answered by the processor: the models this caller may use
+Answers = list[ep.ProcessingResponse]
+
+
+class Phase(enum.Enum):
+    HEADERS = "before the request's headers"
+    BODY = "before the request's body"
+    UPSTREAM = "before the answer's headers"
+    ANSWER = "before the answer's end"
+    LOCAL = "during Envoy's own answer"  # given before admission (a body over its buffer)
+    DONE = "after the answer"
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """What every flow of one config shares: the body modes the processor assumes until the
+    data plane announces its own, the headers an identified request loses (and the answer to
+    its headers built once from them), and where a misconfigured data plane is reported."""
+
+    request_duplex: bool
+    answer_duplex: bool
+    removed: tuple[str, ...]
+    identified: ep.ProcessingResponse
+    misconfigured: Callable[[str], None]
 
 
 class Flow:
-    def __init__(self, processor: Processor) -> None:
-        self.processor = processor
+    def __init__(self, door: FrontDoor, settings: FlowSettings) -> None:
+        self.door, self.settings = door, settings
+        self.phase = Phase.HEADERS
         self.record = RequestRecord("", "", "")
         self.path = ""
-        self.caller: Caller | None = None
-        self.cleared: Cleared | None = None
-        self.admitted: Admitted | None = None
-        self.tap: AnswerTap | None = None
-        self.status: int | None = None  # the answer's, once its headers passed
-        self.done = False  # answered at once, or passed on unadmitted: nothing more to do
+        self.caller: Caller | None = None  # from BODY on
+        self.cleared: Cleared | None = None  # from UPSTREAM on
+        self.tap: AnswerTap | None = None  # from UPSTREAM on
+        self.status: int | None = None  # the answer's, from ANSWER on
         # the request's body (the answer's) comes FULL_DUPLEX_STREAMED: every chunk is the
         # processor's to send on; a request's headers are answered once its body is whole
-        self.request_duplex = False
-        self.answer_duplex = False
+        self.request_duplex, self.answer_duplex = settings.request_duplex, settings.answer_duplex
         self._chunks: list[bytes] = []  # the request's body so far, sent full duplex
         self._size = 0
         self.unfit: str | None = None  # why the data plane's modes cannot be admitted under
 
-    def adopt(self, modes: messages.BodyModes) -> None:
-        """The modes the data plane announced win over the processor's flags."""
-        self.request_duplex, self.answer_duplex = modes.request_duplex, modes.answer_duplex
-        self.unfit = modes.unfit()
+    @property
+    def done(self) -> bool:
+        """Answered at once: nothing more to do, the stream ends."""
+        return self.phase is Phase.DONE
+
+    @property
+    def admitted(self) -> Admitted | None:
+        return None if self.cleared is None else self.cleared.admitted
+
+    async def receive(self, request: ep.ProcessingRequest) -> Answers:
+        """What to send back for one message: mostly one answer; none while a request's body
+        comes full duplex, two (its headers' and its body's) once it is whole."""
+        modes = messages.body_modes(request)
+        if modes is not None:  # the modes the data plane announced win over the settings
+            self.request_duplex, self.answer_duplex = modes.request_duplex, modes.answer_duplex
+            self.unfit = modes.unfit()
+        kind = messages.kind_of(request)
+        step = _STEPS.get((self.phase, kind))
+        if step is None:
+            return [self._refuse(_out_of_order(kind, self.phase))]
+        return await step(self, request)
 
     # -- the request ---------------------------------------------------------------------
 
-    async def request_headers(
-        self, message: ep.HttpHeaders, remote: str | None
-    ) -> ep.ProcessingResponse | None:
-        """The answer to the request's headers; None: it waits for the body (full duplex:
-        the picker must not see the request before admission names its band)."""
+    async def _request_headers(self, request: ep.ProcessingRequest) -> Answers:
+        """Answered now, or (full duplex) once the body is whole: the picker must not see the
+        request before admission names its band."""
         if self.unfit is not None:  # fail closed: nothing passes that was not admitted
-            self.processor.misconfigured(self.unfit)
-            return self._refuse(misconfigured(self.unfit))
+            self.settings.misconfigured(self.unfit)
+            return [self._refuse(misconfigured(self.unfit))]
+        message = request.request_headers
         headers = messages.headers_of(message)
         method = headers.get(":method", "")
         self.path = headers.get(":path", "").partition("?")[0]
@@ -97,62 +135,62 @@ class Flow:
         models = method == "GET" and (self.path == MODELS or self.path.startswith(MODELS + "/"))
         where = f"{method} {self.path}"
         if self.path not in GOVERNED and not models:
-            return self._refuse(Refusal(404, f"{where}: not found", INVALID, "not_found", None, {}))
+            return [self._refuse(not_found(where))]
         if method != "POST" and not models:
-            return self._refuse(
-                Refusal(405, f"{where}: use POST", INVALID, "method_not_allowed", None, {})
-            )
-        limit = self.processor.config.gateway.max_body_bytes
+            return [self._refuse(method_not_allowed(where))]
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            return self._refuse(too_large(limit))
-        if message.end_of_stream and not models:
-            return self._refuse(bad_request("the body is empty"))
-        caller = await self.processor.caller_of(Credentials(headers, remote))
-        if isinstance(caller, Refused):
-            self.processor.metrics.unauthorized.labels(caller.code).inc()
-            return self._refuse(unauthorized(caller))
+        declared = int(length) if length.isdigit() else None
+        too_large = declared is not None and declared > self.door.max_body_bytes
+        if message.end_of_stream and not models and not too_large:  # 413 comes first
+            return [self._refuse(bad_request("the body is empty"))]
+        shown = Credentials(headers, messages.client_address(request))
+        caller = await self.door.identify(self.record, shown, declared)
+        if isinstance(caller, Stopped):
+            return [self._refuse(caller.refusal)]
         self.caller = caller
-        self.record.identified(caller)
         if models:
-            return self._models(caller)
-        return None if self.request_duplex else self.processor.identified
+            return [self._models(caller)]
+        self.phase = Phase.BODY
+        return [] if self.request_duplex else [self.settings.identified]
 
     def _models(self, caller: Caller) -> ep.ProcessingResponse:
         """GET /v1/models (or one of them): what this caller may use, as the gateway lists it."""
-        names = self.processor.admission.directory.models(caller)
-        self.done, self.record.status = True, 200
-        headers = {"x-request-id": self.record.request_id}
+        names = self.door.models(caller)
+        body: dict[str, Any]
         if self.path == MODELS:
-            listing = {"object": "list", "data": [model_card(m) for m in names]}
-            return messages.reply(200, json.dumps(listing).encode(), headers)
-        name = self.path[len(MODELS) + 1 :]
-        if name not in names:
-            return self._refuse(no_route(name).refusal)
-        return messages.reply(200, json.dumps(model_card(name)).encode(), headers)
+            body = {"object": "list", "data": [model_card(m) for m in names]}
+        else:
+            name = self.path[len(MODELS) + 1 :]
+            if name not in names:
+                return self._refuse(unknown_model(name))
+            body = model_card(name)
+        self.phase, self.record.status = Phase.DONE, 200
+        headers = {"x-request-id": self.record.request_id}
+        return messages.reply(200, json.dumps(body).encode(), headers)
 
-    async def request_body(self, message: ep.HttpBody) -> list[ep.ProcessingResponse]:
+    async def _request_body(self, request: ep.ProcessingRequest) -> Answers:
         """Buffered: the whole body in one message. Full duplex: chunk by chunk, the request
         admitted once the last has come (nothing is answered before)."""
-        limit = self.processor.config.gateway.max_body_bytes
+        message = request.request_body
         if not self.request_duplex:
-            if len(message.body) > limit:
-                return [self._refuse(too_large(limit))]
             return await self._admit(message.body, trailers=False)
         self._chunks.append(message.body)
         self._size += len(message.body)
-        if self._size > limit:
-            return [self._refuse(too_large(limit))]
+        if self._size > self.door.max_body_bytes:  # not kept waiting for the rest
+            return await self._admit(b"".join(self._chunks), trailers=False)
         if not message.end_of_stream:
             return []
         return await self._admit(self._whole_body(), trailers=False)
 
-    async def request_trailers(self) -> list[ep.ProcessingResponse]:
+    async def _request_trailers(self, request: ep.ProcessingRequest) -> Answers:
         """A request with trailers: sent full duplex, its body ends with them."""
-        if not self.request_duplex or self.cleared is not None:
+        if not self.request_duplex:
             return [messages.trailers(response=False)]
         admitted = await self._admit(self._whole_body(), trailers=True)
-        return [*admitted, messages.trailers(response=False)] if not self.done else admitted
+        return admitted if self.done else [*admitted, messages.trailers(response=False)]
+
+    async def _pass_request_trailers(self, request: ep.ProcessingRequest) -> Answers:
+        return [messages.trailers(response=False)]
 
     def _whole_body(self) -> bytes:
         """The chunks gathered, joined; the flow keeps no copy (it lives as long as the
@@ -161,78 +199,74 @@ class Flow:
         self._chunks.clear()
         return raw
 
-    async def _admit(self, raw: bytes, trailers: bool) -> list[ep.ProcessingResponse]:
+    async def _admit(self, raw: bytes, trailers: bool) -> Answers:
         """The front door's decision on the whole body: the request goes on upstream with
         the data plane's headers (and its body where rewritten), or is answered now."""
-        assert self.caller is not None
-        try:
-            body = parse_body(raw, self.path)
-        except BadRequest as exc:
-            return [self._refuse(bad_request(str(exc), exc.param))]
-        self.record.model, self.record.stream = body["model"], bool(body.get("stream"))
-        result = await self.processor.admission.clear(
-            AdmissionRequest(self.caller, self.path, body)
-        )
-        self.record.pool, self.record.counted_prompt_tokens = result.pool, result.prompt_tokens
+        assert self.caller is not None  # the BODY phase's
+        task = asyncio.current_task()
+        result = await self.door.enter(self.record, self.caller, self.path, raw, task=task)
         if isinstance(result, Stopped):
-            if result.decision is not None and result.entitlement is not None:
-                self.record.decided(result.decision, result.entitlement)
             return [self._refuse(result.refusal)]
-        self.cleared = result
-        self.record.decided(result.decision, result.decision.lease.entitlement)
-        self.admitted = self.processor.admission.track(result.decision, asyncio.current_task())
+        self.cleared, self.phase = result, Phase.UPSTREAM
         self.tap = result.tap(self.path)
         upstream = {**self._data_plane_headers(result), "x-request-id": self.record.request_id}
         if result.rewritten:
-            raw = json.dumps(body, separators=(",", ":")).encode()
+            raw = json.dumps(result.body, separators=(",", ":")).encode()
         if not self.request_duplex:
             if result.rewritten:
                 upstream["content-length"] = str(len(raw))
             return [messages.request_body(upstream, raw if result.rewritten else None)]
         # the headers' answer was held for this: the picker sees the admitted request (Envoy
         # drops content-length itself when the body is sent full duplex)
-        headers = messages.request_headers(upstream, self.processor.removed)
+        headers = messages.request_headers(upstream, self.settings.removed)
         return [headers, *messages.request_body_streamed(raw, end=not trailers)]
 
     def _data_plane_headers(self, result: Cleared) -> dict[str, str]:
         """Who the request is and how important, for the picker and the engine."""
         assert self.caller is not None
-        view = self.processor.admission.entitlements[result.decision.lease.entitlement]
         return {
             ENTITLEMENT_HEADER: result.headers[ENTITLEMENT_HEADER],
             CLASS_HEADER: result.headers[CLASS_HEADER],
-            OBJECTIVE_HEADER: objective_name(result.pool, view.ent.service_class),
+            OBJECTIVE_HEADER: objective_name(result.pool, result.service_class),
             FAIRNESS_HEADER: self.caller.tenant,
         }
 
     # -- the answer ----------------------------------------------------------------------
 
-    def response_headers(self, message: ep.HttpHeaders) -> ep.ProcessingResponse:
-        self.status = messages.status_of(message)
-        if self.cleared is None or self.admitted is None:
-            return messages.response_headers()
+    async def _response_headers(self, request: ep.ProcessingRequest) -> Answers:
+        assert self.cleared is not None  # the UPSTREAM phase's
+        self.status = messages.status_of(request.response_headers)
+        self.phase = Phase.ANSWER
         if self.status != 200:  # the engine's own words pass on; the lease ends by its status
-            self.admitted.end(None, refund=self.status != 504)  # a timeout may have run the engine
-        return messages.response_headers(
-            {**self.cleared.headers, "x-request-id": self.record.request_id}
-        )
+            self.cleared.admitted.end(None, refund=self.status != 504)  # 504: it may have run
+        headers = {**self.cleared.headers, "x-request-id": self.record.request_id}
+        return [messages.response_headers(headers)]
 
-    def response_body(self, message: ep.HttpBody) -> ep.ProcessingResponse:
+    async def _local_headers(self, request: ep.ProcessingRequest) -> Answers:
+        self.status, self.phase = messages.status_of(request.response_headers), Phase.LOCAL
+        return [messages.response_headers()]
+
+    async def _local_body(self, request: ep.ProcessingRequest) -> Answers:
+        message = request.response_body
+        if self.answer_duplex:
+            return [messages.response_body_streamed(message.body, message.end_of_stream)]
+        return [messages.response_body()]
+
+    async def _response_body(self, request: ep.ProcessingRequest) -> Answers:
+        assert self.cleared is not None and self.tap is not None  # the ANSWER phase's
+        message = request.response_body
         end = message.end_of_stream
-        if self.tap is None or self.admitted is None:
-            return (
-                messages.response_body_streamed(message.body, end)
-                if self.answer_duplex
-                else (messages.response_body())
-            )
-        if self.admitted.evicted:
-            return self.preempted()
+        if self.cleared.admitted.evicted:
+            return [self.preempted()]
         sent = self.tap.feed(message.body, end)
         if end and self.status == 200:
-            self.admitted.end(self.tap.so_far(self._prompt_tokens()))
+            self.cleared.admitted.end(self.tap.so_far(self.cleared.prompt_tokens))
         if self.answer_duplex:
-            return messages.response_body_streamed(sent, end)
-        return messages.response_body(None if sent == message.body else sent)
+            return [messages.response_body_streamed(sent, end)]
+        return [messages.response_body(None if sent == message.body else sent)]
+
+    async def _response_trailers(self, request: ep.ProcessingRequest) -> Answers:
+        return [messages.trailers(response=True)]
 
     def preempted(self) -> ep.ProcessingResponse:
         """Evicted by the core for higher-priority work: the answer ends now (a stream whose
@@ -244,20 +278,21 @@ class Flow:
     def abandon(self) -> None:
         """The stream stopped before the answer's end: a client gone or an upstream reset mid
         answer is charged what streamed (or, before any answer, its whole reservation)."""
-        if self.admitted is None or self.admitted.over:
+        if self.cleared is None or self.cleared.admitted.over:
             return
         complete = self.tap is not None and self.tap.complete  # gone after the last event
         if self.record.status == 0 and not complete:
             self.record.status = 499
-        self.admitted.abandon(self.tap if self.status == 200 else None, self._prompt_tokens())
+        tap = self.tap if self.status == 200 else None
+        self.cleared.admitted.abandon(tap, self.cleared.prompt_tokens)
 
     def finish(self) -> RequestRecord:
         """The flow is over: nothing may stay held; the record for the log and the metrics."""
         self.abandon()
         r = self.record
-        if self.admitted is not None:
-            self.admitted.close()
-            a = self.admitted
+        if self.cleared is not None:
+            a = self.cleared.admitted
+            a.close()
             r.settled(a.usage, a.charge, a.evicted)
         if r.status == 0:
             r.status = self.status or 0
@@ -266,12 +301,31 @@ class Flow:
             r.first_token(self.tap.first_token_at)
         return r
 
-    def _prompt_tokens(self) -> int:
-        return 0 if self.cleared is None else self.cleared.prompt_tokens
-
     def _refuse(self, r: Refusal) -> ep.ProcessingResponse:
         """Answer the client now; the request goes no further."""
-        self.done = True
+        self.phase = Phase.DONE
         self.record.status = r.status
         headers = {**r.headers, "x-request-id": self.record.request_id}
         return messages.answer(r.status, r.message, r.kind, r.code, r.param, headers)
+
+
+def _out_of_order(kind: str, phase: Phase) -> Refusal:
+    message = f"the ext_proc stream sent {kind} {phase.value}: a protocol error"
+    return Refusal(500, message, "server_error", "extproc_protocol_error", None, {})
+
+
+Step = Callable[[Flow, ep.ProcessingRequest], Awaitable[Answers]]
+# What each message does in each phase; a message not listed is out of order.
+_STEPS: dict[tuple[Phase, str], Step] = {
+    (Phase.HEADERS, "request_headers"): Flow._request_headers,
+    (Phase.BODY, "request_body"): Flow._request_body,
+    (Phase.BODY, "request_trailers"): Flow._request_trailers,
+    (Phase.BODY, "response_headers"): Flow._local_headers,
+    (Phase.LOCAL, "response_body"): Flow._local_body,
+    (Phase.LOCAL, "response_trailers"): Flow._response_trailers,
+    (Phase.UPSTREAM, "request_trailers"): Flow._pass_request_trailers,
+    (Phase.UPSTREAM, "response_headers"): Flow._response_headers,
+    (Phase.ANSWER, "request_trailers"): Flow._pass_request_trailers,
+    (Phase.ANSWER, "response_body"): Flow._response_body,
+    (Phase.ANSWER, "response_trailers"): Flow._response_trailers,
+}

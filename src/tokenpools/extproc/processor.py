@@ -9,13 +9,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from tokenpools.admission import AdmissionRuntime
+from tokenpools.admission import AdmissionRuntime, FrontDoor
 from tokenpools.admission.access_log import RequestObserver, RequestRecord
 from tokenpools.admission.metrics import AdmissionMetrics
-from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.extproc import messages
-from tokenpools.extproc.flow import Flow
-from tokenpools.identity import Authenticator, Credentials
+from tokenpools.extproc.flow import Flow, FlowSettings
 from tokenpools.model.config import Config
 from tokenpools.model.objectives import SET_BY_PROCESSOR
 
@@ -37,23 +35,24 @@ class Processor:
         self.duplex_answers = duplex_answers
         self.duplex_requests = duplex_requests
         self.admission = AdmissionRuntime(config, clock)
-        self.auth = Authenticator(config.gateway, clock)
         self.metrics = AdmissionMetrics(self.admission)
         self.admission.listeners.append(self.metrics.decided)
+        self.door = FrontDoor(self.admission, self.metrics, clock)
         self.observe = RequestObserver(self.metrics, access_log=access_log)
-        self._identify(config)
         self._told: set[str] = set()
+        self.settings = self._settings(config)
 
-    def _identify(self, config: Config) -> None:
-        """What an identified request loses, and the answer to its headers built once from it
-        (both per config: the trusted proxy's secret header is the config's)."""
-        self.removed = _removed(config)
-        self.identified = messages.request_headers(remove=self.removed)
+    def _settings(self, config: Config) -> FlowSettings:
+        """What every flow shares; per config (the trusted proxy's secret header is the
+        config's): what an identified request loses, and the answer to its headers built
+        once from it."""
+        removed = _removed(config)
+        identified = messages.request_headers(remove=removed)
+        duplex = (self.duplex_requests, self.duplex_answers)
+        return FlowSettings(*duplex, removed, identified, self.misconfigured)
 
     def flow(self) -> Flow:
-        flow = Flow(self)
-        flow.request_duplex, flow.answer_duplex = self.duplex_requests, self.duplex_answers
-        return flow
+        return Flow(self.door, self.settings)
 
     def misconfigured(self, why: str) -> None:
         """The data plane sends bodies in a mode the processor cannot admit under: said once
@@ -62,20 +61,14 @@ class Processor:
             self._told.add(why)
             log.error("every request is refused: the ext_proc filter's %s", why)
 
-    async def caller_of(self, shown: Credentials) -> Caller | Refused:
-        caller = await self.auth.caller(shown, self.admission.directory)
-        if not isinstance(caller, Refused):
-            self.metrics.identified(caller)
-        return caller
-
     def finished(self, record: RequestRecord) -> None:
         self.observe.request(record)
 
     async def reload(self, config: Config) -> Config:
         """Adopt a validated config (the file followed, or SIGHUP), as `tokenpools serve` does."""
         self.config = await self.admission.reload(config)
-        self.auth = self.auth.adopt(self.config.gateway)
-        self._identify(self.config)
+        self.door.adopt()
+        self.settings = self._settings(self.config)
         return self.config
 
     async def start(self, tick_interval_s: float) -> None:

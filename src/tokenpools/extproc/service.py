@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2
 
-from tokenpools.extproc import messages
-from tokenpools.extproc.flow import Flow
 from tokenpools.extproc.processor import Processor
 
 log = logging.getLogger("tokenpools.extproc")
@@ -45,35 +43,12 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         raise
                     yield flow.preempted()
                     return
-                for response in await self._answer(flow, request):
+                for response in await flow.receive(request):
                     yield response
                 if flow.done:  # answered at once, or passed on unadmitted
                     return
         finally:
             self.processor.finished(flow.finish())
-
-    async def _answer(
-        self, flow: Flow, request: ep.ProcessingRequest
-    ) -> Sequence[ep.ProcessingResponse]:
-        """What to send back for one message: mostly one answer; none while a request's body
-        comes full duplex, two (its headers' and its body's) once it is whole."""
-        modes = messages.body_modes(request)
-        if modes is not None:
-            flow.adopt(modes)
-        kind = messages.kind_of(request)
-        if kind == "request_headers":
-            remote = messages.client_address(request)
-            answer = await flow.request_headers(request.request_headers, remote)
-            return () if answer is None else (answer,)
-        if kind == "request_body":
-            return await flow.request_body(request.request_body)
-        if kind == "response_headers":
-            return (flow.response_headers(request.response_headers),)
-        if kind == "response_body":
-            return (flow.response_body(request.response_body),)
-        if kind == "request_trailers":
-            return await flow.request_trailers()
-        return (messages.trailers(response=True),)
 
 
 class Health:

@@ -21,10 +21,12 @@ from tokenpools.control.tenancy import Refused
 from tokenpools.gateway import dashboard
 from tokenpools.gateway.admin import admin_entitlements, admin_pools, admin_tenants
 from tokenpools.gateway.inference import inference
-from tokenpools.gateway.responses import error, openai_errors, refused
+from tokenpools.gateway.responses import answer, openai_errors, refused
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, READY_CHECKS, Gateway
 from tokenpools.gateway.usage_api import admin_budgets, admin_usage
+from tokenpools.identity import Credentials
 from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, model_card
+from tokenpools.openai_api.refusals import unknown_model
 
 __all__ = ["GATEWAY", "Gateway", "make_app"]
 log = logging.getLogger("tokenpools.gateway")
@@ -33,7 +35,7 @@ log = logging.getLogger("tokenpools.gateway")
 async def _models_of(request: web.Request) -> list[str] | web.Response:
     """The model names the caller may use, or the 401/403 to answer."""
     gw = request.app[GATEWAY]
-    caller = await gw.caller_of(request)
+    caller = await gw.door.caller(Credentials(request.headers, request.remote))
     if isinstance(caller, Refused):
         return refused(caller)
     return gw.admission.directory.models(caller)
@@ -52,13 +54,7 @@ async def get_model(request: web.Request) -> web.Response:
         return models
     name = request.match_info["model"]
     if name not in models:
-        return error(
-            404,
-            f"model {name!r} does not exist or this key has no access to it",
-            "invalid_request_error",
-            "model_not_found",
-            "model",
-        )
+        return answer(unknown_model(name))
     return web.json_response(model_card(name))
 
 

@@ -10,17 +10,13 @@ import time
 import aiohttp
 from aiohttp import web
 
-from tokenpools.admission import AdmissionRequest, Stopped
+from tokenpools.admission import Stopped
 from tokenpools.admission.access_log import RequestRecord, request_id
-from tokenpools.control.tenancy import Refused
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
-from tokenpools.gateway.responses import answer, error, refused, too_large
+from tokenpools.gateway.responses import answer, error
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing
-from tokenpools.openai_api import (
-    BadRequest,
-    parse_body,
-)
+from tokenpools.identity import Credentials
 from tokenpools.openai_api.refusals import bad_request, retry_after
 
 
@@ -59,37 +55,19 @@ async def _answer(
     request: web.Request, gw: Gateway, record: RequestRecord, trace: dict[str, str]
 ) -> web.StreamResponse:
     path = request.path
-    settings = gw.config.gateway
-    if request.content_length is not None and request.content_length > settings.max_body_bytes:
-        return too_large(settings.max_body_bytes)
-    caller = await gw.caller_of(request)
-    if isinstance(caller, Refused):
-        gw.metrics.unauthorized.labels(caller.code).inc()
-        return refused(caller)
-    record.identified(caller)
-    gw.metrics.identified(caller)
+    shown = Credentials(request.headers, request.remote)
+    caller = await gw.door.identify(record, shown, request.content_length)
+    if isinstance(caller, Stopped):
+        return answer(caller.refusal)
     try:
-        raw = await request.content.read(settings.max_body_bytes + 1)
+        raw = await request.content.read(gw.door.max_body_bytes + 1)
     except (aiohttp.ClientPayloadError, web.RequestPayloadError, ConnectionResetError) as exc:
         reason = str(exc).replace("\n", " ").strip() or exc.__class__.__name__
-        return error(400, f"the body could not be read: {reason}", "invalid_request_error", None)
-    if len(raw) > settings.max_body_bytes:
-        return too_large(settings.max_body_bytes)
-    try:
-        body = parse_body(raw, path)
-    except BadRequest as exc:
-        return answer(bad_request(str(exc), exc.param))
-    record.model, record.stream = body["model"], bool(body.get("stream"))
-    result = await gw.admission.clear(AdmissionRequest(caller, path, body), gw.ask_engine)
-    record.pool, record.counted_prompt_tokens = result.pool, result.prompt_tokens
+        return answer(bad_request(f"the body could not be read: {reason}"))
+    result = await gw.door.enter(record, caller, path, raw, task=asyncio.current_task())
     if isinstance(result, Stopped):
-        if result.decision is not None and result.entitlement is not None:
-            record.decided(result.decision, result.entitlement)
         return answer(result.refusal)
-    decision = result.decision
-    pool_name = result.pool
-    record.decided(decision, decision.lease.entitlement)
-    admitted = gw.admission.track(decision, asyncio.current_task())
+    admitted, pool_name = result.admitted, result.pool
     headers = {"x-request-id": record.request_id, **result.headers}
     try:
         backend = gw.pools[pool_name].choose()
@@ -108,7 +86,7 @@ async def _answer(
             gw, admitted, backend, path, result.prompt_tokens, headers, trace, result.tap(path)
         )
         try:
-            return await exchange.run(request, body, forward)
+            return await exchange.run(request, result.body, forward)
         finally:
             admitted = exchange.admitted
             record.settled(admitted.usage, admitted.charge, admitted.evicted)

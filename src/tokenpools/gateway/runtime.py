@@ -15,19 +15,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tokenpools.admission import AdmissionRuntime
+from tokenpools.admission import AdmissionRuntime, FrontDoor
 from tokenpools.admission.access_log import RequestObserver
 from tokenpools.admission.metrics import AdmissionMetrics
 from tokenpools.admission.runtime import replica_name
 from tokenpools.control.decisions import Decision
 from tokenpools.control.feedback import next_fraction
-from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.gateway.backend_tokens import BackendTokens
 from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.history import History
 from tokenpools.gateway.metrics import GatewayCollector
 from tokenpools.gateway.tracing import Tracing
-from tokenpools.identity import Authenticator, Credentials, bearer
+from tokenpools.identity import bearer
 from tokenpools.model.config import Config
 from tokenpools.model.keys import key_matches
 from tokenpools.model.request import RequestCost
@@ -51,11 +50,11 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.admission = AdmissionRuntime(self.config, self.clock, self.replica)
-        self.auth = Authenticator(self.config.gateway, self.clock)
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.engines = BackendTokens(self.config.gateway.tokenize_timeout_s)
         self.metrics = AdmissionMetrics(self.admission)
         self.metrics.registry.register(GatewayCollector(self))
+        self.door = FrontDoor(self.admission, self.metrics, self.clock, self.ask_engine)
         self.history = History(self.replica)
         self.admission.listeners += [self.metrics.decided, self.history.decided]
         self.admission.samplers.append(self.history.sample)
@@ -85,7 +84,7 @@ class Gateway:
                 fresh = keep
             pools[name] = fresh
         self.config = await self.admission.reload(config)
-        self.auth = self.auth.adopt(self.config.gateway)
+        self.door.adopt()
         self.pools = pools
         self.engines = BackendTokens(config.gateway.tokenize_timeout_s)
 
@@ -167,11 +166,6 @@ class Gateway:
 
     async def admit(self, entitlement: str | Sequence[str], cost: RequestCost) -> Decision:
         return await self.admission.admit(entitlement, cost)
-
-    async def caller_of(self, request: web.Request) -> Caller | Refused:
-        """Who the request is (identity/authenticator.py), or the 401/403 to answer."""
-        shown = Credentials(request.headers, request.remote)
-        return await self.auth.caller(shown, self.admission.directory)
 
     def is_admin(self, request: web.Request) -> bool:
         key = bearer(request.headers)

@@ -41,7 +41,7 @@ from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
-from tokenpools.admission import AdmissionRequest, AdmissionRuntime, Admitted, Stopped
+from tokenpools.admission import AdmissionRuntime, Admitted, FrontDoor, Stopped
 from tokenpools.admission.config_file import ConfigFile
 from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.model.config import load_config
@@ -108,6 +108,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         super().__init__()
         self.config_path = config_path
         self._admission: AdmissionRuntime | None = None
+        self._door: FrontDoor | None = None
         self.config_file: ConfigFile | None = None
         self._starting = asyncio.Lock()
         self._following: asyncio.Task[None] | None = None  # the config file, followed
@@ -124,6 +125,13 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
             self.config_file = ConfigFile(Path(path))
             self._admission = AdmissionRuntime(load_config(Path(path)))
         return self._admission
+
+    @property
+    def door(self) -> FrontDoor:
+        """Where requests are admitted (the same front door as every host's)."""
+        if self._door is None:
+            self._door = FrontDoor(self.admission)
+        return self._door
 
     async def started(self) -> AdmissionRuntime:
         """The runtime, started in LiteLLM's event loop on the first request: ticks, lease
@@ -183,24 +191,24 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
                 "permission_error",
                 "call_type_not_governed",
             )
-        admission = await self.started()
+        await self.started()
         caller = self.caller_of(user_api_key_dict)
         if caller is None:
             raise _error(
                 401, "this key maps to no tokenpools tenant", "auth_error", "invalid_api_key"
             )
-        result = await admission.clear(AdmissionRequest(caller, path, data))
+        stream = bool(data.get("stream"))
+        task = asyncio.current_task()
+        # a stream is ended by its iterator (an error event), others by cancelling their task
+        result = await self.door.enter(None, caller, path, data, task=None if stream else task)
         if isinstance(result, Stopped):
             r = result.refusal
             code = r.code or "invalid_request"  # LiteLLM's error needs one
             # LiteLLM writes the status as the body's `code`: the reason goes in a header too
             reason = {} if result.decision is None else {"x-tokenpools-reason": code}
             raise _error(r.status, r.message, r.kind, code, **r.headers, **reason)
-        decision, prompt_tokens = result.decision, result.prompt_tokens
-        stream = result.stream  # the front door asked for its usage chunk (LiteLLM needs it)
-        task = asyncio.current_task()
-        # a stream is ended by its iterator (an error event), others by cancelling their task
-        admitted = admission.track(decision, None if stream else task)
+        # a stream's usage chunk was asked for by the front door (LiteLLM needs it)
+        decision, prompt_tokens, admitted = result.decision, result.prompt_tokens, result.admitted
         call_id = data.setdefault("litellm_call_id", decision.lease.lease_id)
         self.tracked[call_id] = Tracked(admitted, prompt_tokens, stream)
         self.answer_headers[call_id] = result.headers

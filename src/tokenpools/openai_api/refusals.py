@@ -80,6 +80,22 @@ def bad_request(message: str, param: str | None = None) -> Refusal:
     return Refusal(400, message, "invalid_request_error", None, param, {})
 
 
+def unknown_model(model: object) -> Refusal:
+    """A model that does not exist, or one this caller may not use: the same answer."""
+    message = f"model {model!r} does not exist or this key has no access to it"
+    return Refusal(404, message, "invalid_request_error", "model_not_found", "model", {})
+
+
+def not_found(where: str) -> Refusal:
+    """A path the processor does not serve (`where`: the method and path)."""
+    return Refusal(404, f"{where}: not found", "invalid_request_error", "not_found", None, {})
+
+
+def method_not_allowed(where: str) -> Refusal:
+    message = f"{where}: use POST"
+    return Refusal(405, message, "invalid_request_error", "method_not_allowed", None, {})
+
+
 def preempted() -> Refusal:
     """An admitted request the core evicted for higher-priority work (preemptible only)."""
     message = "this request was preempted by higher-priority work; retry later"

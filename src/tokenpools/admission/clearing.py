@@ -1,0 +1,73 @@
+"""What the front door reads off a body and writes back into it, as pure functions on the
+parsed body: the request's demand (the sequences it generates and its output ceiling), the
+`max_tokens` the reservation assumed written back, the stream's usage chunk asked of the
+engine, and the headers an admitted request is answered with.
+
+One word per meaning here: a body's *demand* (`n`, `max_tokens`); the stream's *usage chunk*
+(`stream_options.include_usage`, OpenAI's own name); *asking* is reserved for the engine's
+token count (tokenizing/counter.py's `AskBackend`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenpools.control.catalog import EntitlementView
+from tokenpools.control.decisions import Admit
+from tokenpools.openai_api import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    max_tokens,
+    max_tokens_field,
+    sequences,
+)
+from tokenpools.openai_api.refusals import budget_headers, charged_headers, ratelimit_headers
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What a body demands of admission: the sequences it generates, and the output ceiling
+    it sets (None: the entitlement's default; 0 for what generates nothing)."""
+
+    sequences: int
+    max_tokens: int | None
+
+
+def demand(path: str, body: dict[str, Any], most_sequences: int) -> Demand:
+    """Raises openai_api.BadRequest naming a field admission cannot take."""
+    count = sequences(body, most_sequences)
+    return Demand(count, 0 if path == EMBEDDINGS else max_tokens(body))
+
+
+def write_back(path: str, body: dict[str, Any], decision: Admit, requested: int | None) -> bool:
+    """Make the ceiling the reservation assumed true upstream: written where the request set
+    none, or where a budget lowered it. Returns whether the body changed."""
+    if requested is not None and not decision.lowered:
+        return False
+    body[max_tokens_field(path)] = decision.max_tokens
+    return True
+
+
+def includes_usage(body: dict[str, Any]) -> bool:
+    """The client asked for the stream's usage chunk itself."""
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+def include_usage(path: str, body: dict[str, Any]) -> bool:
+    """A chat or completions stream always gets the engine's usage chunk, so it settles on the
+    engine's counts; returns whether the body changed."""
+    if not body.get("stream") or path not in (CHAT, COMPLETIONS) or includes_usage(body):
+        return False
+    body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return True
+
+
+def cleared_headers(decision: Admit, entitlements: Mapping[str, EntitlementView]) -> dict[str, str]:
+    """x-ratelimit-*, the entitlement charged and its class, the tightest budget."""
+    return (
+        ratelimit_headers(decision.quota)
+        | charged_headers(entitlements, decision.lease.entitlement)
+        | budget_headers(decision.budget)
+    )
