@@ -37,6 +37,7 @@ COMPILED = [
     "src/tokenpools/control/store.py",
     "src/tokenpools/control/store_reads.py",
     "src/tokenpools/control/store_terms.py",
+    "src/tokenpools/control/views.py",
     "src/tokenpools/model/resources.py",
     "src/tokenpools/model/request.py",
 ]

@@ -17,7 +17,6 @@ from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.tenancy import Caller
 
 if TYPE_CHECKING:
-    from tokenpools.admission.metrics import AdmissionMetrics
     from tokenpools.control.metering import Charge
     from tokenpools.model.request import Usage
 
@@ -105,21 +104,18 @@ class RequestRecord:
 
 
 class RequestObserver:
-    """Each finished request into the metrics, any other listener (the gateway's history),
-    and the access log."""
+    """Each finished request to its listeners (the metrics first; the gateway's history) and
+    into the access log."""
 
     def __init__(
         self,
-        metrics: AdmissionMetrics,
         listeners: list[Callable[[RequestRecord], None]] | None = None,
         access_log: bool = True,
     ) -> None:
-        self.metrics = metrics
         self.listeners = listeners or []
         self.access_log = access_log
 
     def request(self, record: RequestRecord) -> None:
-        self.metrics.finished(record)
         for listener in self.listeners:
             listener(record)
         if self.access_log and ACCESS.isEnabledFor(logging.INFO):

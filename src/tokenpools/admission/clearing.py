@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Admit
+from tokenpools.control.views import EntitlementView
 from tokenpools.openai_api import (
     CHAT,
     COMPLETIONS,

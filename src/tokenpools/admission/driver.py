@@ -151,7 +151,9 @@ def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
     if settings.backend == "memory":
         local = MemoryStore(counters_on_admit=True)  # every answer's x-ratelimit-* headers
         return StoreDriver(DecisionCore(config, local, now=now, replica=replica))
-    from tokenpools.state.redis.store import RedisStore  # redis-py only where it is used
+    # redis-py only where it is used
+    from tokenpools.state.redis.hot_path import RedisHotPath
+    from tokenpools.state.redis.store import RedisStore
 
     check_cluster_budgets(config)
     store = RedisStore(
@@ -164,7 +166,7 @@ def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
     )
     # The private store holds what the outage policy admits while Redis is unreachable.
     core = DecisionCore(config, store, now=now, replica=replica, fallback_store=MemoryStore())
-    return StoreDriver(core, store.hot_path())
+    return StoreDriver(core, RedisHotPath(store))
 
 
 def check_cluster_budgets(config: Config) -> None:

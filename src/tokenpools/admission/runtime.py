@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 from tokenpools.admission.admitted import Admitted
 from tokenpools.admission.driver import StoreDriver, check_cluster_budgets, open_driver
 from tokenpools.control.budgets import Budgets, budget_status
-from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.control.tenancy import Caller, Directory, Route
+from tokenpools.control.views import EntitlementView
 from tokenpools.model.config import Config
 from tokenpools.model.policy import Policy
 from tokenpools.model.request import RequestCost, Usage

@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from tokenpools.control import plans
 from tokenpools.control.backfill import BORROWERS, first_claim, rescaled
@@ -18,49 +18,12 @@ from tokenpools.control.binding import bind, external_states
 from tokenpools.control.budgets import Budgets
 from tokenpools.control.eviction import may_evict
 from tokenpools.control.priority import priority, slo_reference
-from tokenpools.control.store import BucketSpec, Lease, ReservePlan, Scores, Store, StoreUnavailable
+from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
+from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.pool import Pool
-from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
-
-
-@dataclass(slots=True)
-class EntitlementView:
-    """Config-derived data of one entitlement, cached for the admission path."""
-
-    ent: Entitlement
-    state: BindingState
-    plan: ReservePlan
-    own_bucket: BucketSpec
-    preemptible: bool
-    protected: bool  # dedicated or guaranteed: may overcommit past a full pool
-    default_max_tokens: int
-    # the size limit: a request whose weighted tokens or KV exceed it can never be admitted
-    size_limit_tokens: float
-    size_limit_kv: float
-    priority: float = 0.0
-    scores: Scores = field(default_factory=Scores)  # the latest, priority included
-    may_evict: bool = False  # control/eviction.py, from the class and the debt
-
-
-@dataclass(slots=True)
-class PoolView:
-    pool: Pool
-    bucket: BucketSpec
-    slo_reference_ms: float
-    mean_service_s: float  # EWMA of lease durations, for Retry-After
-    members: list[str]
-    typical_output: float = 0.0  # EWMA of settled requests' output tokens (0: none yet)
-    # how much of the open claims surplus work leaves free, learnt from how the pool's
-    # preemptible requests ended here (control/backfill.py)
-    claim_scale: float = 1.0
-    last_period: int = -1
-    scores_pending: bool = False  # another replica's update of this period is not read yet
-    preemptible_order: list[str] = field(default_factory=list)  # by priority, lowest first
-    preemptible_priorities: list[float] = field(default_factory=list)  # theirs, same order
-    per_replica_override: Resources | None = None  # set by set_capacity; outlives reloads
 
 
 class Catalog:

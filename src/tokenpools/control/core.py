@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tokenpools.control.budgets import Budgets
-from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
+from tokenpools.control.catalog import Catalog
 from tokenpools.control.decisions import CapacityChange, Decision, Reject, TickResult
 from tokenpools.control.endings import Ending, Endings
 from tokenpools.control.fallback import LocalFallback, LocalStore
@@ -25,6 +25,7 @@ from tokenpools.control.metering import Charge
 from tokenpools.control.observation import Observation
 from tokenpools.control.periodic import Periodic
 from tokenpools.control.store import Lease, Outcome, Scores, Store, StoreUnavailable
+from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.config import Config
 from tokenpools.model.policy import Policy
 from tokenpools.model.request import RequestCost, Usage

@@ -5,13 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from tokenpools.control.store import Lease, Outcome, Shortfall
+from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.entitlement import BindingState
-
-if TYPE_CHECKING:
-    from tokenpools.control.catalog import EntitlementView, PoolView
 
 
 class Reason(StrEnum):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from tokenpools.control.backfill import claim_share
 from tokenpools.control.budgets import tightest
-from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
+from tokenpools.control.catalog import Catalog
 from tokenpools.control.decisions import (
     SHORTFALL_REJECTS,
     STATE_REASONS,
@@ -37,6 +37,7 @@ from tokenpools.control.store import (
     Store,
     StoreUnavailable,
 )
+from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.entitlement import BindingState
 from tokenpools.model.request import RequestCost
 

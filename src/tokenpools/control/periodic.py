@@ -11,12 +11,13 @@ from dataclasses import replace
 from tokenpools.control import plans
 from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.backfill import BORROWERS, forgotten, next_claim
-from tokenpools.control.catalog import Catalog, EntitlementView, PoolView
+from tokenpools.control.catalog import Catalog
 from tokenpools.control.decisions import CapacityChange, TickResult
 from tokenpools.control.eviction import eviction_order
 from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
 from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
+from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.resources import Resources
 

@@ -38,7 +38,7 @@ class Processor:
         self.metrics = AdmissionMetrics(self.admission)
         self.admission.listeners.append(self.metrics.decided)
         self.door = FrontDoor(self.admission, self.metrics, clock)
-        self.observe = RequestObserver(self.metrics, access_log=access_log)
+        self.observe = RequestObserver([self.metrics.finished], access_log=access_log)
         self._told: set[str] = set()
         self.settings = self._settings(config)
 

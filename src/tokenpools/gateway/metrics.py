@@ -3,21 +3,18 @@ health and the requests its HTTP parser refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenpools.gateway.backends import BackendPool
 from tokenpools.gateway.http_layer import REFUSED
-
-if TYPE_CHECKING:
-    from tokenpools.gateway.runtime import Gateway
 
 
 class GatewayCollector(Collector):
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, pools: Callable[[], Mapping[str, BackendPool]]) -> None:
+        self.pools = pools  # the gateway's, as they are when scraped (a reload replaces them)
 
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
@@ -25,7 +22,7 @@ class GatewayCollector(Collector):
             "1 while the backend passes its health check",
             labels=["pool", "url"],
         )
-        for name, pool in self.gateway.pools.items():
+        for name, pool in self.pools().items():
             for b in pool.backends:
                 healthy.add_metric([name, b.spec.url], float(b.healthy))
         refused = CounterMetricFamily(

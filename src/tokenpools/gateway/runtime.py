@@ -53,13 +53,15 @@ class Gateway:
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.engines = BackendTokens(self.config.gateway.tokenize_timeout_s)
         self.metrics = AdmissionMetrics(self.admission)
-        self.metrics.registry.register(GatewayCollector(self))
+        self.metrics.registry.register(GatewayCollector(lambda: self.pools))
         self.door = FrontDoor(self.admission, self.metrics, self.clock, self.ask_engine)
         self.history = History(self.replica)
         self.admission.listeners += [self.metrics.decided, self.history.decided]
         self.admission.samplers.append(self.history.sample)
         self._background: list[asyncio.Task[None]] = []  # what `start` started
-        self.observe = RequestObserver(self.metrics, [self.history.finished], self.access_log)
+        self.observe = RequestObserver(
+            [self.metrics.finished, self.history.finished], self.access_log
+        )
 
     def ask_engine(self, pool: str) -> AskBackend:
         """How admission asks a pool's engine to count a prompt (a pool whose tokenizer is

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import quote
 
-from tokenpools.control.catalog import EntitlementView
 from tokenpools.control.decisions import Quota, Reason, Reject
 from tokenpools.control.tenancy import Refused
+from tokenpools.control.views import EntitlementView
 from tokenpools.model.objectives import CLASS_HEADER, ENTITLEMENT_HEADER
 
 NOT_RETRYABLE = {

@@ -6,9 +6,9 @@ atomic across replicas and costs one round trip. A pool's keys share one hash ta
 lives on one Redis Cluster shard (state/redis/connect.py makes the clients).
 
 `RedisStore` is the synchronous Store (simulations, tests, the gateway's background work on its
-worker thread); `RedisStore.hot_path()` gives the gateway the same ledger awaited, for admit,
-settle, release and renew, so its event loop never waits on Redis. Both share this replica's
-bookkeeping (state/redis/link.py: calls, timeouts, what is kept while Redis is away).
+worker thread); `RedisHotPath(store)` (hot_path.py) gives the gateway the same ledger awaited,
+for admit, settle, release and renew, so its event loop never waits on Redis. Both share this
+replica's bookkeeping (state/redis/link.py: calls, timeouts, what is kept while Redis is away).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
@@ -36,17 +36,8 @@ from tokenpools.control.store import (
 from tokenpools.state.redis import wire
 from tokenpools.state.redis.link import RedisLink, finish_args
 
-if TYPE_CHECKING:
-    from tokenpools.state.redis.hot_path import RedisHotPath
-
 
 class RedisStore(RedisLink):
-    def hot_path(self) -> RedisHotPath:
-        """The same ledger for an asyncio host: admit, settle, release and renew awaited."""
-        from tokenpools.state.redis.hot_path import RedisHotPath
-
-        return RedisHotPath(self)
-
     def _pool_of_lease(self, lease_id: str, now: float) -> str | None:
         lease = self._mine.get(lease_id)
         if lease is not None:
