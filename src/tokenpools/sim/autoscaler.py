@@ -10,83 +10,69 @@ released when its last request ends.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from tokenpools.control.autoscale import Hysteresis
-from tokenpools.engine.model import Engine
+from tokenpools.sim.policy import AdmissionPolicy
+from tokenpools.sim.replicas import Replicas
 from tokenpools.sim.scenario import AutoscalingSpec
-
-if TYPE_CHECKING:
-    from tokenpools.sim.simulator import Simulation
-
-
-class ReplicaMeter:
-    """Replica-seconds: the integral of replicas provisioned (serving, starting or
-    draining) over time, and the largest count."""
-
-    def __init__(self, replicas: int, now: float) -> None:
-        self.provisioned = self.peak = replicas
-        self.seconds = 0.0
-        self._t = now
-
-    def change(self, delta: int, now: float) -> None:
-        self.advance(now)
-        self.provisioned += delta
-        self.peak = max(self.peak, self.provisioned)
-
-    def advance(self, now: float) -> None:
-        self.seconds += self.provisioned * (now - self._t)
-        self._t = now
+from tokenpools.sim.timeline import Timeline
 
 
 class Autoscaler:
-    def __init__(self, spec: AutoscalingSpec, sim: Simulation, lo: int, hi: int) -> None:
-        self.spec, self.sim, self.lo, self.hi = spec, sim, lo, hi
-        self.starting = 0
+    def __init__(
+        self,
+        spec: AutoscalingSpec,
+        *,
+        bounds: tuple[int, int],  # the pool's fewest and most replicas
+        timeline: Timeline,
+        replicas: Replicas,
+        policy: AdmissionPolicy,
+        changed: Callable[[], None],  # the serving replicas changed: the policy is told
+    ) -> None:
+        self.spec = spec
+        self.lo, self.hi = bounds
+        self.timeline, self.replicas, self.policy = timeline, replicas, policy
+        self.changed = changed
+        self.starting = 0  # replicas asked for, still in their cold start
         self.rule = Hysteresis(spec.scale_up_delay_s, spec.scale_down_delay_s)
         # (time, "ask" | "serve" | "drain"): what the autoscaler did, for reports and tests
-        self.log = sim.scaling
+        self.log: list[tuple[float, str]] = []
 
     def start(self) -> None:
-        self.sim.at(0.0, self._check)
+        self.timeline.at(0.0, self._check)
 
     def _check(self) -> None:
-        sim, now = self.sim, self.sim.now
-        desired = sim.policy.desired_replicas(now)
+        now = self.timeline.now
+        desired = self.policy.desired_replicas(now)
         if desired is not None:
             desired = max(self.lo, min(self.hi, desired))
-            serving = len(sim.serving)
+            serving = len(self.replicas.serving)
             act = self.rule.step(serving + self.starting, serving, desired, now)
             for _ in range(act):
                 self.starting += 1
                 self.log.append((now, "ask"))
-                sim.meter.change(+1, now)
-                sim.at(now + self.spec.cold_start_s, self._ready)
+                self.replicas.ask(now)
+                self.timeline.at(now + self.spec.cold_start_s, self._ready)
             if act < 0:
                 self._drain_one()
-        sim.at(now + self.spec.interval_s, self._check)
+        self.timeline.at(now + self.spec.interval_s, self._check)
 
     def _ready(self) -> None:
         """A new replica starts serving: its cold start is over."""
         self.starting -= 1
-        sim = self.sim
-        self.log.append((sim.now, "serve"))
-        engine = Engine(sim.profile)
-        if sim.fraction != 1.0:
-            engine.resize(*sim.profile.limits_at(sim.fraction))
-        sim.engines.append(engine)
-        sim.busy.append(False)
-        sim.replicas_changed()
+        self.log.append((self.timeline.now, "serve"))
+        self.replicas.add()
+        self.changed()
 
     def _drain_one(self) -> None:
         """The least busy serving replica stops taking requests; released when empty."""
-        sim = self.sim
-        serving = sim.serving
+        replicas = self.replicas
+        serving = replicas.serving
         if len(serving) <= 1:
             return
-        index = min(serving, key=lambda i: (sim.engines[i].num_running, -i))
-        sim.draining.add(index)
-        self.log.append((sim.now, "drain"))
-        sim.replicas_changed()
-        if not sim.busy[index] and not sim.engines[index].has_work:
-            sim.release(index)
+        index = min(serving, key=lambda i: (replicas.engines[i].num_running, -i))
+        replicas.drain(index)
+        self.log.append((self.timeline.now, "drain"))
+        self.changed()
+        replicas.release_if_idle(index, self.timeline.now)

@@ -31,7 +31,7 @@ def run_scenario(
     results = []
     for policy in policies:
         callback = None if progress is None else (lambda t, p=policy: progress(p, t))
-        results.append(simulate(scenario, policy, seed, callback))
+        results.append(simulate(scenario, policy, seed, progress=callback))
     if scenario.autoscaling is not None and "tokenpools" in policies:
         # The autoscaled pool against provisioning its peak all the time, same demand.
         static = simulate(scenario.static_peak(), "tokenpools", seed)

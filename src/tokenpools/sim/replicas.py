@@ -1,0 +1,186 @@
+"""The pool's replicas: one engine each, which of them serve, and what they cost.
+
+A replica serves (takes new requests), drains (takes none; released once empty) or is released.
+Policies read the serving ones through the `Cluster` interface (sim/policy.py); the simulator
+routes requests to them and steps their engines; the autoscaler adds and drains them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from tokenpools.engine.model import Engine, StepResult
+from tokenpools.engine.profile import EngineProfile
+from tokenpools.sim.policy import EndpointLoad, SimRequest
+
+
+class ReplicaMeter:
+    """Replica-seconds: the integral of replicas provisioned (serving, starting or
+    draining) over time, and the largest count."""
+
+    def __init__(self, replicas: int, now: float) -> None:
+        self.provisioned = self.peak = replicas
+        self.seconds = 0.0
+        self._t = now
+
+    def change(self, delta: int, now: float) -> None:
+        self.advance(now)
+        self.provisioned += delta
+        self.peak = max(self.peak, self.provisioned)
+
+    def advance(self, now: float) -> None:
+        self.seconds += self.provisioned * (now - self._t)
+        self._t = now
+
+
+class Replicas:
+    def __init__(self, profile: EngineProfile, count: int) -> None:
+        self.profile = profile
+        self.engines = [Engine(profile) for _ in range(count)]
+        self.busy = [False] * count  # a step is under way: its end is on the timeline
+        self.serving = list(range(count))  # replicas that take new requests, in index order
+        self.draining: set[int] = set()  # take no new requests; released when empty
+        self.released: set[int] = set()
+        self.fraction = 1.0  # of each replica's slots and KV (capacity events)
+        self.meter = ReplicaMeter(count, 0.0)
+        self._where: dict[str, int] = {}  # request id → the replica it was routed to
+
+    # -- the cluster, as policies see it ----------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return sum(e.num_waiting for e in self.engines)
+
+    @property
+    def running(self) -> int:
+        return sum(e.num_running for e in self.engines)
+
+    @property
+    def slots(self) -> int:
+        return sum(self.engines[i].profile.max_num_seqs for i in self.serving)
+
+    @property
+    def kv_usage(self) -> float:
+        serving = self.serving
+        return sum(self.engines[i].kv_usage for i in serving) / max(1, len(serving))
+
+    @property
+    def free_slots(self) -> int:
+        """Slots of the serving replicas that no running or waiting request holds."""
+        return sum(
+            max(0, e.profile.max_num_seqs - e.num_running - e.num_waiting)
+            for e in (self.engines[i] for i in self.serving)
+        )
+
+    @property
+    def endpoints(self) -> list[EndpointLoad]:
+        """The serving replicas as a picker reads them, without scrape lag: a request handed
+        to an engine counts as waiting at once (docs/simulation.md, llm-d)."""
+        return [
+            EndpointLoad(e.num_waiting, e.num_running, e.profile.max_num_seqs, e.kv_usage)
+            for e in (self.engines[i] for i in self.serving)
+        ]
+
+    # -- what samples and phases record -------------------------------------------------------
+
+    @property
+    def scheduled_waiting(self) -> int:
+        """Requests the engines' last schedules left waiting (what vLLM reports)."""
+        return sum(e.scheduled_waiting for e in self.engines)
+
+    def running_by_tag(self) -> Counter[str]:
+        running: Counter[str] = Counter()
+        for engine in self.engines:
+            running.update(engine.running_by_tag)
+        return running
+
+    def output_tokens_by_tag(self) -> Iterator[tuple[str, int]]:
+        """(tag, output tokens so far) of every engine, released ones too, engine by engine."""
+        for engine in self.engines:
+            yield from engine.output_tokens_by_tag().items()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def route(self, req: SimRequest) -> int:
+        """Hand a request to the serving replica with the fewest requests (the lowest index
+        among equals); returns that replica."""
+        index = min(
+            self.serving,
+            key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
+        )
+        self.engines[index].add(req.req_id, req.prompt_tokens, req.output_tokens, req.tenant)
+        self._where[req.req_id] = index
+        return index
+
+    def finished(self, req_id: str) -> None:
+        """A request's engine reported it finished: it is no longer on a replica."""
+        self._where.pop(req_id, None)
+
+    def abort(self, req_id: str) -> int:
+        """Take a request off its replica; returns the output tokens it had generated (0 when
+        no replica holds it)."""
+        index = self._where.pop(req_id, None)
+        if index is None:
+            return 0
+        generated = self.engines[index].generated(req_id)
+        self.engines[index].abort(req_id)
+        return generated
+
+    def step(self, index: int, now: float) -> StepResult | None:
+        """Start a replica's next engine step; None when it has no work (it is idle then, and
+        released if it was draining). The caller schedules the step's end."""
+        engine = self.engines[index]
+        if not engine.has_work:
+            self.busy[index] = False
+            if index in self.draining:
+                self.release(index, now)
+            return None
+        self.busy[index] = True
+        return engine.step()
+
+    # -- capacity and replica count -------------------------------------------------------
+
+    def resize(self, fraction: float) -> float:
+        """Every replica keeps `fraction` of its slots and KV. Its token throughput does not
+        scale the same way (a step has a fixed cost): returns the share of its throughput a
+        replica keeps, as the profile says the smaller batch delivers — what an operator would
+        re-measure."""
+        self.fraction = fraction
+        seqs, blocks = self.profile.limits_at(fraction)
+        for engine in self.engines:
+            engine.resize(seqs, blocks)
+        smaller = self.profile.model_copy(update={"max_num_seqs": seqs})
+        return smaller.output_tokens_per_s() / self.profile.output_tokens_per_s()
+
+    def ask(self, now: float) -> None:
+        """A replica is asked for: it costs replica-seconds from now, before it serves."""
+        self.meter.change(+1, now)
+
+    def add(self) -> None:
+        """A replica asked for serves (its cold start is over), at the pool's capacity."""
+        engine = Engine(self.profile)
+        if self.fraction != 1.0:
+            engine.resize(*self.profile.limits_at(self.fraction))
+        self.engines.append(engine)
+        self.busy.append(False)
+        self._count_serving()
+
+    def drain(self, index: int) -> None:
+        """A replica stops taking requests; `step` releases it once it is empty."""
+        self.draining.add(index)
+        self._count_serving()
+
+    def release_if_idle(self, index: int, now: float) -> None:
+        if not self.busy[index] and not self.engines[index].has_work:
+            self.release(index, now)
+
+    def release(self, index: int, now: float) -> None:
+        """A drained replica is empty: it goes back (and stops costing replica-seconds)."""
+        self.draining.discard(index)
+        self.released.add(index)
+        self.meter.change(-1, now)
+
+    def _count_serving(self) -> None:
+        gone = self.draining | self.released
+        self.serving = [i for i in range(len(self.engines)) if i not in gone]
