@@ -123,11 +123,10 @@ def test_max_tokens_lowered_to_what_the_budget_has_left_when_it_allows() -> None
     core = DecisionCore(cfg, MemoryStore(counters_on_admit=True), now=0.0)
     step = core.admit("a", RequestCost(1000, 1000, 1, ACME), 0.0)  # 3000 of 5000
     assert isinstance(step, Admit)
-    refused = core.admit("a", RequestCost(1000, 1000, 2, ACME), 0.0)  # needs 5000, 2000 left
-    # 1,000 prompt tokens + 2 sequences × weight 2 × 250 = 2,000: what is left
-    assert isinstance(refused, Reject) and refused.max_tokens_fit == 250
-    lowered = core.admit("a", RequestCost(1000, refused.max_tokens_fit, 2, ACME), 0.0)
-    assert isinstance(lowered, Admit)
+    # needs 5000, 2000 left: refused as asked, then admitted once more with max_tokens lowered
+    # to what is left: 1,000 prompt tokens + 2 sequences × weight 2 × 250 = 2,000
+    lowered = core.admit("a", RequestCost(1000, 1000, 2, ACME), 0.0)
+    assert isinstance(lowered, Admit) and lowered.lowered and lowered.max_tokens == 250
     assert budget_status(core, 0.0)[0]["left"] == 0
 
 
@@ -291,7 +290,6 @@ def test_layered_requests_meet_their_budgets_alike_on_redis_and_in_memory(
     """A tenant's layers (guaranteed, then spot) under one tenant budget: each layer is
     tried as one admission is, the budget refuses all of them alike, and the ledger counts a
     refused request once, on its first layer."""
-    from tokenpools.control import pipeline
     from tokenpools.state.redis.store import RedisStore
 
     data = config(limit=4000)
@@ -313,7 +311,7 @@ def test_layered_requests_meet_their_budgets_alike_on_redis_and_in_memory(
                 core.settle(d.lease.lease_id, Usage(50, rng.randint(0, 100)), now)
                 continue
             cost = RequestCost(50, rng.randint(10, 200), 1, ACME)
-            d = pipeline.run(core, ["a", "a-spot"], cost, now)
+            d = core.admit(["a", "a-spot"], cost, now)
             seen.append(d.lease.entitlement if isinstance(d, Admit) else d.reason)
             if isinstance(d, Admit):
                 held.append(d)

@@ -92,7 +92,7 @@ def setup(
     })  # fmt: skip
     clock = Clock()
     gw = Gateway(config, clock=clock)
-    gw.admission.notifier._sleep = _no_wait
+    gw.notices.notifier._sleep = _no_wait
     server = ServerThread(make_app(gw))
     yield server, gw, clock, database
     server.stop()
@@ -139,11 +139,11 @@ def test_a_budget_through_the_gateway_its_ledger_and_its_notices(setup: Any, web
 
     # notices: the flush interval passes; each threshold once, signed, the first retried
     clock.now += 2
-    server.call(gw.admission.tick)
+    server.call(gw.notices.check)
     hooks = webhook[1]
     wait_until(lambda: len(hooks) == 2)
     clock.now += 2
-    server.call(gw.admission.tick)  # nothing new: once per threshold and window
+    server.call(gw.notices.check)  # nothing new: once per threshold and window
     thresholds = sorted(json.loads(body)["threshold"] for _, body in hooks)
     assert thresholds == [0.5, 1.0] and len(hooks) == 2
     for headers, body in hooks:

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenpools.admission import AdmissionRuntime, Cleared, FrontDoor
+from tokenpools.admission.jobs import PeriodicJobs
 from tokenpools.control.tenancy import Caller
 from tokenpools.model.config import Config, parse_config
 from tokenpools.model.request import Usage
@@ -139,6 +140,7 @@ async def replay(
     clock = Clock()
     runtime = AdmissionRuntime(config, clock=clock, replica="gw")
     door = FrontDoor(runtime, clock=clock)
+    jobs = PeriodicJobs(runtime)
     await runtime.driver.start()
     sim = TokenPools(config, clock.now, layered=frozenset({"acme-gold", "acme-spot"}))
     sim_ids: dict[str, int] = {}  # the simulator's request id → request number
@@ -152,7 +154,7 @@ async def replay(
             now = clock.now
             if isinstance(event, Tick):
                 sim.tick(now)
-                await runtime.tick()
+                await jobs.tick()
             elif isinstance(event, Settle):
                 if flying:
                     _, admitted, req, output = flying.pop(event.index % len(flying))

@@ -9,8 +9,8 @@ from typing import Any
 
 from tests.kube.api_faults import Fault
 from tests.kube.harness import Bench, bench, pool
+from tokenpools.backoff import Backoff
 from tokenpools.k8s.api import POOLS
-from tokenpools.k8s.backoff import Backoff
 from tokenpools.k8s.informer import Informer
 
 __all__ = ["bench"]

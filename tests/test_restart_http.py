@@ -52,7 +52,7 @@ def test_a_replica_restarted_on_redis_keeps_what_the_store_measured(
     assert claimed(first) == 4  # gold's baseline, until measured
     for _ in range(40):  # 200 s of update periods with gold idle: its claim fades away
         clock.now += 5
-        first.call(gw.admission.tick)
+        first.call(gw.tick)
     assert claimed(first) < 0.1
     first.stop()
 

@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
-from tokenpools.control import pipeline
 from tokenpools.control.budgets import Budgets
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision
@@ -40,14 +39,14 @@ class StoreDriver:
         )
         self._ending: set[asyncio.Task[None]] = set()
         if shared is not None:
-            core.fallback.hand_over_on_tick = False  # `hand_over` does it, on the loop
+            core.hand_over_by_host()  # `hand_over` does it, on the loop
 
     async def admit(self, names: Sequence[str], cost: RequestCost, now: float) -> Decision:
         """A request of one entitlement, or of several layers (control/layers.py): the
         admission pipeline (control/pipeline.py), each store step awaited on a shared store."""
         if self.shared is None:
-            return pipeline.run(self.core, names, cost, now)
-        flow = pipeline.admission(self.core, names, cost, now)
+            return self.core.admit(names, cost, now)
+        flow = self.core.admission(names, cost, now)
         try:
             steps = next(flow)
             while True:
@@ -105,17 +104,17 @@ class StoreDriver:
         """Book in the shared store the leases admitted on the local budget while it was away,
         on the event loop, where their requests end: a request that ended while its lease was
         on its way there has its end owed to the store, sent ahead of the next decision."""
-        fallback = self.core.fallback
-        if self.shared is None or not fallback.leases:
+        local = self.core.local_leases()
+        if self.shared is None or not local:
             return
-        for lease in list(fallback.leases.values()):
-            if lease.lease_id not in fallback.leases:
+        for lease in list(local.values()):
+            if lease.lease_id not in local:
                 continue  # it ended meanwhile
             try:
                 await self.shared.adopt(lease, now)
             except StoreUnavailable:
                 return  # the next tick tries again
-            if not fallback.handed_over(lease, now):
+            if not self.core.handed_over(lease, now):
                 self.shared.store.given_up(lease, now)  # owed, ahead of the next decision
 
     async def background(self, fn: Callable[..., T], *args: object) -> T:

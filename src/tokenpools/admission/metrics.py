@@ -21,6 +21,7 @@ from tokenpools.control.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from tokenpools.admission.access_log import RequestRecord
+    from tokenpools.admission.ledger import Ledger
     from tokenpools.admission.runtime import AdmissionRuntime
     from tokenpools.control.tenancy import Caller
 
@@ -53,7 +54,7 @@ class _Bound:
 
 
 class AdmissionMetrics:
-    def __init__(self, admission: AdmissionRuntime) -> None:
+    def __init__(self, admission: AdmissionRuntime, ledger: Ledger) -> None:
         self.registry = r = CollectorRegistry()
         self.admitted = Counter("tokenpools_admitted", "Requests admitted", LABELS, registry=r)
         self.rejected = Counter(
@@ -108,7 +109,7 @@ class AdmissionMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
-        r.register(_StateCollector(admission))
+        r.register(_StateCollector(admission, ledger))
         self._admission = admission
         self._series: dict[str, _Bound] = {}
         self._credentials: dict[tuple[str, str], Counter] = {}
@@ -185,8 +186,8 @@ class AdmissionMetrics:
 
 
 class _StateCollector(Collector):
-    def __init__(self, admission: AdmissionRuntime) -> None:
-        self.admission = admission
+    def __init__(self, admission: AdmissionRuntime, ledger: Ledger) -> None:
+        self.admission, self.ledger = admission, ledger
 
     def collect(self) -> Iterator[Metric]:
         admission = self.admission
@@ -222,7 +223,7 @@ class _StateCollector(Collector):
         )
         for name, counter in admission.counters.items():
             estimated.add_metric([name], counter.fallbacks)
-        ledger = admission.ledger_status()
+        ledger = self.ledger.status()
         pending = GaugeMetricFamily(
             "tokenpools_usage_pending_rows",
             "Usage-ledger rows counted in the store and not yet committed to SQL",

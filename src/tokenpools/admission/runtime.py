@@ -1,13 +1,13 @@
 """The admission runtime an asyncio host stands on: the decision core on its store (through
-the `StoreDriver`), the requests in flight (an `Admitted` each, by lease id), and the
-background work — ticks, the renewal of long requests' leases, config and capacity changes —
-each of which may end requests in flight (evicted, expired). Metrics, history and logs hear
-about decisions as listeners; the runtime knows no HTTP."""
+the `StoreDriver`), the requests in flight (an `Admitted` each, by lease id), and what may end
+them — an admission's evictions, config and capacity changes, the core's tick, a lease lost.
+The host composes it with its services, each on its own loop: the periodic jobs (jobs.py),
+the usage ledger (ledger.py), the budget notices (budget_notices.py). Metrics, history and
+logs hear about decisions as listeners; the runtime knows no HTTP."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -23,17 +23,13 @@ from tokenpools.control.budgets import Budgets, budget_status
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
-from tokenpools.control.store import StoreUnavailable
-from tokenpools.control.tenancy import Caller, Directory, Route
+from tokenpools.control.tenancy import Directory
 from tokenpools.control.views import EntitlementView
 from tokenpools.model.config import Config
 from tokenpools.model.policy import Policy
 from tokenpools.model.request import RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.tokenizing.counter import PromptCounter
-from tokenpools.usage.database import Bucket, LedgerUnavailable, UsageDatabase
-from tokenpools.usage.flusher import Flusher, LedgerStatus
-from tokenpools.usage.notices import Notifier
 
 log = logging.getLogger("tokenpools.admission")
 T = TypeVar("T")
@@ -59,16 +55,7 @@ class AdmissionRuntime:
         self.core = self.driver.core
         self.in_flight: dict[str, Admitted] = {}  # by lease id
         self.listeners: list[DecisionListener] = []
-        self.samplers: list[Callable[[Snapshot], None]] = []  # one snapshot per update period
-        self._next_renewal = self._next_sample = 0.0
-        self._next_notice = clock() + config.usage.flush_interval_s
-        u = config.usage
-        database = UsageDatabase(u.database_url, u.deployment, u.database_timeout_s)
-        durable = config.state.backend == "redis"  # its pending usage outlives this process
-        self.flusher = Flusher(self.driver.background, self.core.store, database, clock, durable)
-        self.notifier = Notifier()
-        self._ticking: asyncio.Task[None] | None = None
-        self._flushing: asyncio.Task[None] | None = None
+        self.running = False  # started, not stopped
         self.directory = Directory(config)  # who calls, and where their requests go
         self.counters = _counters(config)  # prompt tokens, per pool
 
@@ -105,10 +92,6 @@ class AdmissionRuntime:
         if admitted is not None:
             admitted.evict()
 
-    def route(self, caller: Caller, model: object) -> Route | None:
-        """The pool serving `model` and the caller's layers there; None if it may not use it."""
-        return self.directory.route(caller, model)
-
     # -- reads a host may make ------------------------------------------------------------
     # The store reads (`snapshot`, `budget_status`) may wait on a shared store: a host calls
     # them through `background`, off its event loop.
@@ -143,7 +126,7 @@ class AdmissionRuntime:
     @property
     def fallback_in_flight(self) -> int:
         """Requests admitted on this replica's local budget while the store was away."""
-        return len(self.core.fallback.leases)
+        return len(self.core.local_leases())
 
     # -- changes -------------------------------------------------------------------------
 
@@ -172,97 +155,33 @@ class AdmissionRuntime:
         for lease in change.evict:
             self.evict(lease.lease_id)
 
-    # -- time ----------------------------------------------------------------------------
+    # -- time (admission/jobs.py calls these) ---------------------------------------------
 
-    async def tick(self) -> None:
-        now = self.clock()
+    async def advance(self, now: float) -> None:
+        """The core's tick, after what the shared store is owed and the local budget's leases
+        handed over to it; the requests whose leases expired end."""
         await self.driver.send_unsent()
         await self.driver.hand_over(now)
         result = await self.driver.background(self.core.tick, now)
         for lease in result.expired:
             self.evict(lease.lease_id)
-        if self.samplers and now >= self._next_sample:  # one snapshot per update period
-            self._next_sample = now + self.core.policy.update_period_s
-            with contextlib.suppress(StoreUnavailable):
-                snap = await self.driver.background(snapshot, self.core, now)
-                for sample in self.samplers:
-                    sample(snap)
-        if now >= self._next_notice:  # budget thresholds crossed
-            self._next_notice = now + self.config.usage.flush_interval_s
-            webhook = self.config.usage.webhook
-            await self.notifier.check(self.core, self.driver.background, webhook, now)
-        if now >= self._next_renewal:  # keep our leases alive; a lost one ends its request
-            self._next_renewal = now + self.core.policy.lease_ttl_s / 4
-            held = list(self.in_flight.values())
-            alive = await asyncio.gather(*(self.driver.renew(a.lease, now) for a in held))
-            for admitted, renewed in zip(held, alive, strict=True):
-                if not renewed:
-                    self.evict(admitted.lease.lease_id)
 
-    async def flush_usage(self) -> int:
-        """Write the usage the store counted and SQL does not have yet; rows written. Raises
-        LedgerUnavailable (or StoreUnavailable) when it cannot: the rows stay pending."""
-        # a safety net only: the database's own timeouts end a stuck flush first, counted
-        timeout_s = 2 * self.config.usage.database_timeout_s + 1
-        try:
-            return await asyncio.wait_for(self.flusher.flush(list(self.config.pools)), timeout_s)
-        except TimeoutError:
-            raise LedgerUnavailable(
-                f"usage database {self.flusher.database.name}: timed out"
-            ) from None
+    async def renew(self, now: float) -> None:
+        """Keep the leases of the requests in flight alive; a lost one ends its request."""
+        held = list(self.in_flight.values())
+        alive = await asyncio.gather(*(self.driver.renew(a.lease, now) for a in held))
+        for admitted, renewed in zip(held, alive, strict=True):
+            if not renewed:
+                self.evict(admitted.lease.lease_id)
 
-    def ledger_status(self) -> LedgerStatus:
-        return self.flusher.status()
-
-    async def usage(self, start: float, end: float) -> list[Bucket]:
-        """The ledger's buckets of hours in [start, end), with every request settled before
-        the call; LedgerUnavailable names why not."""
-        try:
-            await self.flush_usage()
-        except StoreUnavailable as exc:  # what SQL has is still an answer... but not all of it
-            raise LedgerUnavailable(f"state store unreachable: {exc}") from exc
-        return await asyncio.to_thread(self.flusher.database.read, start, end)
-
-    @property
-    def running(self) -> bool:
-        return self._ticking is not None
-
-    async def start(self, tick_interval_s: float) -> None:
+    async def start(self) -> None:
         await self.driver.start()
-        self._ticking = asyncio.create_task(self._tick_every(tick_interval_s))
-        self._flushing = asyncio.create_task(self._flush_every())
+        self.running = True
 
     async def stop(self) -> None:
-        for task in (self._ticking, self._flushing):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        self._ticking = self._flushing = None
-        pools = list(self.config.pools)
-        await self.flusher.final(pools, 2 * self.config.usage.database_timeout_s)
+        """Wait for the lease ends in flight, then close the store's connections."""
+        self.running = False
         await self.driver.aclose()
-        await self.flusher.aclose()
-        await self.notifier.aclose()
-
-    async def _flush_every(self) -> None:
-        """The usage ledger to SQL, beside the ticks (never inside one: a database that blocks
-        must not delay leases), backing off while the database is away."""
-        while True:
-            await asyncio.sleep(self.flusher.backoff_s(self.config.usage.flush_interval_s))
-            try:
-                await self.flusher.flush(list(self.config.pools))
-            except (LedgerUnavailable, StoreUnavailable):
-                pass  # counted and logged by the flusher; the rows stay pending
-            except Exception:  # a bad flush must not end flushing for good
-                log.exception("usage flush failed")
-
-    async def _tick_every(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.tick()
-            except Exception:  # a bad tick must not end ticking for good
-                log.exception("tick failed")
 
 
 def _counters(config: Config) -> dict[str, PromptCounter]:

@@ -296,3 +296,17 @@ def crossed(budget: Budget, used: float, held: float, exhausted: bool) -> list[f
         return list(budget.notify_at)
     committed = used + held
     return [t for t in budget.notify_at if committed >= t * budget.limit]
+
+
+def claim_notices(core: _HasBudgets, now: float) -> list[dict[str, Any]]:
+    """The budget notices this replica claimed now: a window's thresholds reached, each
+    claimed once across every replica (the store says who); sent by usage/notices.py."""
+    notices = []
+    budgets = core.budgets
+    for row in budget_status(core, now):
+        budget = budgets.by_name[row["name"]]
+        for threshold in crossed(budget, row["used"], row["held"], row["exhausted"]):
+            hold = budgets.hold(budget, now)
+            if core.store.claim_notice(hold, threshold, now):
+                notices.append({**row, "threshold": threshold, "time": now})
+    return notices

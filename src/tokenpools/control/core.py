@@ -13,18 +13,25 @@ budget and the catalog's views; none reaches into another.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from tokenpools.control import pipeline
 from tokenpools.control.budgets import Budgets
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.decisions import CapacityChange, Decision, Reject, TickResult
 from tokenpools.control.endings import Ending, Endings
 from tokenpools.control.fallback import LocalFallback, LocalStore
 from tokenpools.control.gatekeeper import Gatekeeper, Pending
-from tokenpools.control.metering import Charge
+from tokenpools.control.metering import Charge, PendingUsage, UsageRow
 from tokenpools.control.observation import Observation
 from tokenpools.control.periodic import Periodic
-from tokenpools.control.store import Lease, Outcome, Scores, Store, StoreUnavailable
+from tokenpools.control.store import (
+    Lease,
+    Outcome,
+    Scores,
+    Store,
+    StoreUnavailable,
+)
 from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.config import Config
 from tokenpools.model.policy import Policy
@@ -83,14 +90,27 @@ class DecisionCore:
     def pools(self) -> Mapping[str, PoolView]:
         return self.catalog.pools
 
-    # -- admission (gatekeeper.py; control/pipeline.py runs a whole one) --------------------
+    # -- admission (control/pipeline.py: the whole of one; gatekeeper.py: its steps) -------
 
     def admit(
-        self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
+        self,
+        entitlement: str | Sequence[str],
+        cost: RequestCost,
+        now: float,
+        request_id: str | None = None,
     ) -> Decision:
-        """One entitlement, one store step, on the store the core was given (no lowered
-        retry: control/pipeline.py's `run` is a whole admission)."""
-        return self.gatekeeper.admit(entitlement, cost, now, request_id)
+        """A whole admission on the store the core was given: the request's layers (one
+        entitlement, or several in layer order), and the retry with `max_tokens` lowered to
+        fit a budget where the config says so."""
+        names = (entitlement,) if isinstance(entitlement, str) else entitlement
+        return pipeline.run(self.gatekeeper, names, cost, now, request_id)
+
+    def admission(
+        self, names: Sequence[str], cost: RequestCost, now: float, request_id: str | None = None
+    ) -> pipeline.Admission:
+        """The same admission for a host that awaits its store: it yields each store step's
+        reservations and is sent what the store did (admission/driver.py runs it)."""
+        return pipeline.admission(self.gatekeeper, names, cost, now, request_id)
 
     def prepare(
         self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
@@ -99,9 +119,6 @@ class DecisionCore:
 
     def decide(self, step: Pending, outcome: Outcome | None, now: float) -> Decision:
         return self.gatekeeper.decide(step, outcome, now)
-
-    def new_lease_id(self) -> str:
-        return self.gatekeeper.new_lease_id()
 
     # -- the ends of requests (endings.py) ---------------------------------------------
 
@@ -153,6 +170,31 @@ class DecisionCore:
     def observations(self) -> Mapping[str, Observation]:
         """Each entitlement's usage in the last update period."""
         return self.periodic.observations
+
+    # -- the local budget while a shared store is away (fallback.py) -----------------------
+
+    def local_leases(self) -> Mapping[str, Lease]:
+        """What the local budget admitted while the shared store was away, still held here,
+        by lease id (a live, read-only view)."""
+        return self.fallback.leases
+
+    def handed_over(self, lease: Lease, now: float) -> bool:
+        """`lease` is booked in the shared store now: forgotten here. False if its request
+        ended here while it was on its way (the shared store must end it too)."""
+        return self.fallback.handed_over(lease, now)
+
+    def hand_over_by_host(self) -> None:
+        """The host books the local leases in the shared store itself, awaited on its event
+        loop (admission/driver.py), instead of the tick doing it on the store."""
+        self.fallback.hand_over_on_tick = False
+
+    # -- the usage ledger, as the store counts it -----------------------------------------
+
+    def pending_usage(self, pool: str, now: float, limit: int) -> PendingUsage:
+        return self.store.pending_usage(pool, now, limit)
+
+    def ack_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None:
+        self.store.ack_usage(pool, rows, now)
 
     # -- reads -------------------------------------------------------------------------
 

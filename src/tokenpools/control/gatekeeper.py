@@ -35,7 +35,6 @@ from tokenpools.control.store import (
     ReservePlan,
     Shortfall,
     Store,
-    StoreUnavailable,
 )
 from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.entitlement import BindingState
@@ -81,20 +80,6 @@ class Gatekeeper:
         self.catalog, self.store, self.fallback = catalog, store, fallback
         self._replica = replica
         self._seq = itertools.count(1)
-
-    def admit(
-        self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None
-    ) -> Decision:
-        """Decide on a request with the store the core was given (the synchronous path; a
-        host that awaits its store calls `prepare`, runs the reservation, then `decide`)."""
-        step = self.prepare(entitlement, cost, now, request_id)
-        if isinstance(step, Reject):
-            return step
-        try:
-            outcome: Outcome | None = self.store.admit(step, now)
-        except StoreUnavailable:
-            outcome = None
-        return self.decide(step, outcome, now)
 
     def prepare(
         self, entitlement: str, cost: RequestCost, now: float, request_id: str | None = None

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Decision, Reject
-from tokenpools.control.gatekeeper import Pending
+from tokenpools.control.gatekeeper import Gatekeeper, Pending
 from tokenpools.control.store import Outcome
 from tokenpools.model.request import RequestCost
 
 
 def prepare_layers(
-    core: DecisionCore,
+    gate: Gatekeeper,
     names: Sequence[str],
     cost: RequestCost,
     now: float,
@@ -26,11 +25,11 @@ def prepare_layers(
     """Each layer's reservation, all under one lease id; a layer that cannot take the request
     at all (not bound, expired, too small for it) is left out. None left: the first layer's
     refusal."""
-    lease_id = request_id if request_id is not None else core.new_lease_id()
+    lease_id = request_id if request_id is not None else gate.new_lease_id()
     steps: list[Pending] = []
     refused: Reject | None = None
     for name in names:
-        step = core.prepare(name, cost, now, lease_id)
+        step = gate.prepare(name, cost, now, lease_id)
         if isinstance(step, Reject):
             refused = refused or step
         else:
@@ -42,21 +41,21 @@ def prepare_layers(
 
 
 def decide_layers(
-    core: DecisionCore, steps: Sequence[Pending], tried: Sequence[Outcome] | None, now: float
+    gate: Gatekeeper, steps: Sequence[Pending], tried: Sequence[Outcome] | None, now: float
 ) -> Decision:
     """The decision from the outcomes of the layers the store tried (None: the store was
     unreachable, and the outage policy decides, layer by layer)."""
     if tried is None:
         refusals: list[Reject] = []
         for step in steps:
-            decision = core.decide(step, None, now)
+            decision = gate.decide(step, None, now)
             if isinstance(decision, Admit):
                 return decision
             refusals.append(decision)
         return refusals[0]
     if tried[-1].shortfall is None:
-        return core.decide(steps[len(tried) - 1], tried[-1], now)
-    return soonest([core.decide(s, o, now) for s, o in zip(steps, tried, strict=False)])
+        return gate.decide(steps[len(tried) - 1], tried[-1], now)
+    return soonest([gate.decide(s, o, now) for s, o in zip(steps, tried, strict=False)])
 
 
 def charged_to(decision: Decision, names: Sequence[str]) -> str:

@@ -1,9 +1,9 @@
 """Admission of one request, written once: prepare its layers' reservations → one store step
 (one layer or several, the same step: `Store.admit_first`) → decide → if the budgets allow the
 request with a lower `max_tokens` and the config says lower it, prepare and run that request
-once more. Every runner follows this one description: `run` with the core's own store (the
-simulator, tests, check-config), and the admission driver awaiting a shared store
-(admission/driver.py). Neither repeats a rule.
+once more. Every runner follows this one description: `run` with the core's own store
+(`DecisionCore.admit`: the simulator, tests, check-config), and the admission driver awaiting
+a shared store (`DecisionCore.admission`, run by admission/driver.py). Neither repeats a rule.
 
 The description is a generator (the sans-I/O shape of h11): it yields each store step's
 reservations, is sent back what the store did with them (None: the store was unreachable, and
@@ -14,9 +14,8 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import replace
 
-from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Decision, Reject
-from tokenpools.control.gatekeeper import Pending
+from tokenpools.control.gatekeeper import Gatekeeper, Pending
 from tokenpools.control.layers import decide_layers, prepare_layers
 from tokenpools.control.store import Outcome, StoreUnavailable
 from tokenpools.model.request import RequestCost
@@ -27,51 +26,51 @@ Admission = Generator[list[Pending], list[Outcome] | None, Decision]
 
 
 def admission(
-    core: DecisionCore,
+    gate: Gatekeeper,
     names: Sequence[str],
     cost: RequestCost,
     now: float,
     request_id: str | None = None,
 ) -> Admission:
     """The admission of a request of the layers `names` (one entitlement: one name)."""
-    decision = yield from _attempt(core, names, cost, now, request_id)
+    decision = yield from _attempt(gate, names, cost, now, request_id)
     if isinstance(decision, Reject) and decision.max_tokens_fit > 0:
         # its budgets allow lowering max_tokens to what they have left: decided again so
         lowered = replace(cost, max_output_tokens=decision.max_tokens_fit)
-        again = yield from _attempt(core, names, lowered, now, request_id)
+        again = yield from _attempt(gate, names, lowered, now, request_id)
         if isinstance(again, Admit):
             return replace(again, lowered=True)
     return decision
 
 
 def _attempt(
-    core: DecisionCore,
+    gate: Gatekeeper,
     names: Sequence[str],
     cost: RequestCost,
     now: float,
     request_id: str | None,
 ) -> Admission:
-    steps = prepare_layers(core, names, cost, now, request_id)
+    steps = prepare_layers(gate, names, cost, now, request_id)
     if isinstance(steps, Reject):
         return steps
     tried = yield steps
-    return decide_layers(core, steps, tried, now)
+    return decide_layers(gate, steps, tried, now)
 
 
 def run(
-    core: DecisionCore,
+    gate: Gatekeeper,
     names: Sequence[str],
     cost: RequestCost,
     now: float,
     request_id: str | None = None,
 ) -> Decision:
-    """Admit a request on the core's own store, synchronously."""
-    flow = admission(core, names, cost, now, request_id)
+    """Admit a request on the gatekeeper's own store, synchronously."""
+    flow = admission(gate, names, cost, now, request_id)
     try:
         steps = next(flow)
         while True:
             try:
-                tried: list[Outcome] | None = core.store.admit_first(steps, now)
+                tried: list[Outcome] | None = gate.store.admit_first(steps, now)
             except StoreUnavailable:
                 tried = None
             steps = flow.send(tried)

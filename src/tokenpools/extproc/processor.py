@@ -11,6 +11,9 @@ from collections.abc import Callable
 
 from tokenpools.admission import AdmissionRuntime, FrontDoor
 from tokenpools.admission.access_log import RequestObserver, RequestRecord
+from tokenpools.admission.budget_notices import BudgetNotices
+from tokenpools.admission.jobs import PeriodicJobs
+from tokenpools.admission.ledger import Ledger
 from tokenpools.admission.metrics import AdmissionMetrics
 from tokenpools.extproc import messages
 from tokenpools.extproc.flow import Flow, FlowSettings
@@ -34,8 +37,12 @@ class Processor:
         # does not say so in its protocol configuration (Envoy does; another client may not)
         self.duplex_answers = duplex_answers
         self.duplex_requests = duplex_requests
+        # admission, and its services (each on its own loop once started)
         self.admission = AdmissionRuntime(config, clock)
-        self.metrics = AdmissionMetrics(self.admission)
+        self.jobs = PeriodicJobs(self.admission)
+        self.ledger = Ledger(self.admission)
+        self.notices = BudgetNotices(self.admission)
+        self.metrics = AdmissionMetrics(self.admission, self.ledger)
         self.admission.listeners.append(self.metrics.decided)
         self.door = FrontDoor(self.admission, self.metrics, clock)
         self.observe = RequestObserver([self.metrics.finished], access_log=access_log)
@@ -72,9 +79,15 @@ class Processor:
         return self.config
 
     async def start(self, tick_interval_s: float) -> None:
-        await self.admission.start(tick_interval_s)
+        await self.admission.start()
+        self.jobs.start(tick_interval_s)
+        self.ledger.start()
+        self.notices.start()
 
     async def stop(self) -> None:
+        await self.jobs.stop()
+        await self.notices.stop()
+        await self.ledger.stop()
         await self.admission.stop()
 
     async def ready(self) -> bool:

@@ -17,6 +17,9 @@ from aiohttp import web
 
 from tokenpools.admission import AdmissionRuntime, FrontDoor
 from tokenpools.admission.access_log import RequestObserver
+from tokenpools.admission.budget_notices import BudgetNotices
+from tokenpools.admission.jobs import PeriodicJobs
+from tokenpools.admission.ledger import Ledger
 from tokenpools.admission.metrics import AdmissionMetrics
 from tokenpools.admission.runtime import replica_name
 from tokenpools.control.decisions import Decision
@@ -49,15 +52,19 @@ class Gateway:
     tracing: Tracing | None = None  # OpenTelemetry spans, when asked for (the otel extra)
 
     def __post_init__(self) -> None:
+        # admission, and its services (each on its own loop once started)
         self.admission = AdmissionRuntime(self.config, self.clock, self.replica)
+        self.jobs = PeriodicJobs(self.admission)
+        self.ledger = Ledger(self.admission)
+        self.notices = BudgetNotices(self.admission)
         self.pools = {name: BackendPool(p.backends) for name, p in self.config.pools.items()}
         self.engines = BackendTokens(self.config.gateway.tokenize_timeout_s)
-        self.metrics = AdmissionMetrics(self.admission)
+        self.metrics = AdmissionMetrics(self.admission, self.ledger)
         self.metrics.registry.register(GatewayCollector(lambda: self.pools))
         self.door = FrontDoor(self.admission, self.metrics, self.clock, self.ask_engine)
         self.history = History(self.replica)
         self.admission.listeners += [self.metrics.decided, self.history.decided]
-        self.admission.samplers.append(self.history.sample)
+        self.jobs.samplers.append(self.history.sample)
         self._background: list[asyncio.Task[None]] = []  # what `start` started
         self.observe = RequestObserver(
             [self.metrics.finished, self.history.finished], self.access_log
@@ -129,14 +136,17 @@ class Gateway:
             )
 
     async def tick(self) -> None:
-        await self.admission.tick()
+        await self.jobs.tick()
 
     async def start(self, tick_interval_s: float, health_interval_s: float) -> None:
         """Open the upstream session and the store, and start the background work: ticks,
         backend health checks, capacity feedback (until `stop`)."""
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(connector=connector)
-        await self.admission.start(tick_interval_s)
+        await self.admission.start()
+        self.jobs.start(tick_interval_s)
+        self.ledger.start()
+        self.notices.start()
         self._background = [
             asyncio.create_task(self._checking_health(health_interval_s)),
             asyncio.create_task(self._feeding_back()),
@@ -146,6 +156,9 @@ class Gateway:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.jobs.stop()
+        await self.notices.stop()
+        await self.ledger.stop()
         await self.admission.stop()
         if self.session is not None:
             await self.session.close()

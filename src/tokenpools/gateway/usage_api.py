@@ -30,7 +30,7 @@ async def admin_usage(request: web.Request) -> web.Response:
     except BadQuery as exc:
         return error(400, str(exc), "invalid_request_error", "invalid_parameter")
     try:
-        buckets = await gw.admission.usage(query.start, query.end)
+        buckets = await gw.ledger.usage(query.start, query.end)
     except LedgerUnavailable as exc:
         return error(503, str(exc), "server_error", "ledger_unavailable")
     rows = group(buckets, query.by, query.per, budgets.zone)

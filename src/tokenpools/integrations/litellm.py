@@ -42,7 +42,10 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
 from tokenpools.admission import AdmissionRuntime, Admitted, FrontDoor, Stopped
+from tokenpools.admission.budget_notices import BudgetNotices
 from tokenpools.admission.config_file import ConfigFile
+from tokenpools.admission.jobs import PeriodicJobs
+from tokenpools.admission.ledger import Ledger
 from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.model.config import load_config
 from tokenpools.model.request import Usage
@@ -109,6 +112,9 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self.config_path = config_path
         self._admission: AdmissionRuntime | None = None
         self._door: FrontDoor | None = None
+        self._jobs: PeriodicJobs | None = None
+        self._ledger: Ledger | None = None
+        self._notices: BudgetNotices | None = None
         self.config_file: ConfigFile | None = None
         self._starting = asyncio.Lock()
         self._following: asyncio.Task[None] | None = None  # the config file, followed
@@ -119,19 +125,30 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
     def admission(self) -> AdmissionRuntime:
         """The runtime, built (not started) on first use: custom auth needs only its keys."""
         if self._admission is None:
-            path = self.config_path or os.environ.get(CONFIG_ENV)
-            if not path:
-                raise RuntimeError(f"tokenpools: set {CONFIG_ENV} to the tokenpools config file")
-            self.config_file = ConfigFile(Path(path))
-            self._admission = AdmissionRuntime(load_config(Path(path)))
+            self._build()
+        assert self._admission is not None
         return self._admission
 
     @property
     def door(self) -> FrontDoor:
-        """Where requests are admitted (the same front door as every host's)."""
+        """Where requests are admitted: the same front door as every host's."""
         if self._door is None:
-            self._door = FrontDoor(self.admission)
+            self._build()
+        assert self._door is not None
         return self._door
+
+    def _build(self) -> None:
+        """The runtime from the config file, its front door and its services (each on its
+        own loop once started)."""
+        path = self.config_path or os.environ.get(CONFIG_ENV)
+        if not path:
+            raise RuntimeError(f"tokenpools: set {CONFIG_ENV} to the tokenpools config file")
+        self.config_file = ConfigFile(Path(path))
+        admission = AdmissionRuntime(load_config(Path(path)))
+        self._jobs, self._ledger = PeriodicJobs(admission), Ledger(admission)
+        self._notices = BudgetNotices(admission)
+        self._door = FrontDoor(admission)
+        self._admission = admission
 
     async def started(self) -> AdmissionRuntime:
         """The runtime, started in LiteLLM's event loop on the first request: ticks, lease
@@ -140,7 +157,11 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         if not admission.running:
             async with self._starting:
                 if not admission.running:
-                    await admission.start(TICK_INTERVAL_S)
+                    await admission.start()
+                    assert self._jobs is not None and self._ledger and self._notices
+                    self._jobs.start(TICK_INTERVAL_S)
+                    self._ledger.start()
+                    self._notices.start()
                     assert self.config_file is not None
                     following = self.config_file.follow(admission, WATCH_INTERVAL_S)
                     self._following = asyncio.create_task(following)
@@ -152,6 +173,10 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         if self._following is not None:
             self._following.cancel()
         if self._admission is not None and self._admission.running:
+            assert self._jobs is not None and self._ledger and self._notices
+            await self._jobs.stop()
+            await self._notices.stop()
+            await self._ledger.stop()
             await self._admission.stop()
 
     def caller_of(self, auth: UserAPIKeyAuth) -> Caller | None:

@@ -8,7 +8,7 @@ thread; `on_change` is called after each change.
 `failing_since` is when the informer last stopped getting answers (None while it gets them),
 so a host can report a cache that has gone stale instead of acting on it silently.
 
-Attempts without progress back off (k8s/backoff.py): a failed list or watch, a 410 after the
+Attempts without progress back off (tokenpools/backoff.py): a failed list or watch, a 410 after the
 first relist in a row, a watch that ends at once with nothing in it. `step` is one attempt and
 its wait (injected), so the tests drive it without threads or sleeps."""
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from tokenpools.backoff import Backoff
 from tokenpools.k8s.api import Kind, Kube, has_labels
-from tokenpools.k8s.backoff import Backoff
 
 log = logging.getLogger("tokenpools.k8s")
 Key = tuple[str, str]  # namespace ("" when cluster-scoped), name

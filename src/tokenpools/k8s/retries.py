@@ -8,9 +8,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from tokenpools.backoff import Backoff
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import BUDGETS, ENTITLEMENTS, EVENTS, POOLS, Kube
-from tokenpools.k8s.backoff import Backoff
 from tokenpools.k8s.errors import describe
 from tokenpools.k8s.operator_metrics import OperatorMetrics
 from tokenpools.k8s.status import Condition, conditions, write_status

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tokenpools.control import pipeline
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.tenancy import Directory
@@ -86,7 +85,7 @@ class TokenPools(AdmissionPolicy):
         self.tenant_of[req.entitlement] = req.tenant
         cost = RequestCost(req.prompt_tokens, req.max_tokens, 1, self.accounts.get(req.entitlement))
         names = self.layers.get(req.entitlement, (req.entitlement,))
-        return pipeline.run(self.core, names, cost, now, req.req_id)
+        return self.core.admit(names, cost, now, req.req_id)
 
     def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
         self.core.settle(req.req_id, Usage(req.prompt_tokens, output_tokens), now)

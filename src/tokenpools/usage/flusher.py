@@ -12,18 +12,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from tokenpools.backoff import doubled
 from tokenpools.control.budgets import SEP
 from tokenpools.control.metering import PendingUsage, UsageRow
-from tokenpools.control.store import INF, Store, StoreUnavailable
+from tokenpools.control.store import INF, StoreUnavailable
 from tokenpools.usage.database import LedgerUnavailable, UsageDatabase
 
 log = logging.getLogger("tokenpools.usage")
 Run = Callable[..., Awaitable[Any]]  # runs a store call where the host runs them
+
+
+class UsageCounts(Protocol):
+    """Where the usage is counted until SQL has it: the decision core's store."""
+
+    def pending_usage(self, pool: str, now: float, limit: int) -> PendingUsage: ...
+
+    def ack_usage(self, pool: str, rows: Sequence[UsageRow], now: float) -> None: ...
+
+
 BATCH = 500  # rows per transaction
 MAX_BATCHES = 20  # per pool and flush: a long backlog drains over several flushes
 MAX_BACKOFF_S = 60.0
@@ -47,7 +57,7 @@ class Flusher:
     def __init__(
         self,
         run: Run,
-        store: Store,
+        store: UsageCounts,
         database: UsageDatabase,
         clock: Callable[[], float],
         durable: bool,
@@ -137,8 +147,7 @@ class Flusher:
 
     def backoff_s(self, interval_s: float) -> float:
         """How long until the next flush: the interval, doubled per failure in a row."""
-        streak = min(self._streak, 16)
-        return min(MAX_BACKOFF_S, max(interval_s, interval_s * math.pow(2, streak)))
+        return min(MAX_BACKOFF_S, max(interval_s, doubled(interval_s, self._streak, INF)))
 
     async def final(self, pools: Sequence[str], timeout_s: float) -> None:
         """At shutdown: one last flush. If it fails, a durable store keeps the rows for the

@@ -19,31 +19,20 @@ from typing import Any
 
 import aiohttp
 
-from tokenpools.control.budgets import budget_status, crossed
+from tokenpools.backoff import doubled
+from tokenpools.control.budgets import claim_notices
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.store import StoreUnavailable
 from tokenpools.model.budgets import Webhook
 
 log = logging.getLogger("tokenpools.budgets")
 Sleep = Callable[[float], Awaitable[None]]
+NOTICE_BACKOFF_MAX_S = 60.0  # between a webhook's attempts: 1 s doubling to this
 
 
 def signature(secret: bytes, timestamp: str, body: bytes) -> str:
     digest = hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
     return f"sha256={digest}"
-
-
-def due(core: DecisionCore, now: float) -> list[dict[str, Any]]:
-    """The notices this replica claimed now (on the store; run it off the event loop)."""
-    notices = []
-    budgets = core.budgets
-    for row in budget_status(core, now):
-        budget = budgets.by_name[row["name"]]
-        for threshold in crossed(budget, row["used"], row["held"], row["exhausted"]):
-            hold = budgets.hold(budget, now)
-            if core.store.claim_notice(hold, threshold, now):
-                notices.append({**row, "threshold": threshold, "time": now})
-    return notices
 
 
 class Notifier:
@@ -59,7 +48,7 @@ class Notifier:
         if not core.budgets:
             return
         try:
-            notices = await run(due, core, now)
+            notices = await run(claim_notices, core, now)
         except StoreUnavailable:
             return
         for notice in notices:
@@ -95,7 +84,7 @@ class Notifier:
                     notice["name"], webhook.url, why, attempt + 1, webhook.attempts,
                 )  # fmt: skip
                 if attempt + 1 < webhook.attempts:
-                    await self._sleep(min(60.0, 2.0**attempt))
+                    await self._sleep(doubled(1.0, attempt, NOTICE_BACKOFF_MAX_S))
         return False
 
     async def aclose(self) -> None:

@@ -1,6 +1,7 @@
 """How long to wait before trying again after attempts in a row without progress (pure): the
-operator's one backoff, for its watchers and for an object whose reconcile keeps failing
-(reconciler.py: 1 s doubling to 5 min, no jitter).
+one backoff of every retry loop — the operator's watchers and its objects whose reconcile keeps
+failing (k8s/retries.py: 1 s doubling to 5 min, no jitter), the usage ledger's flushes while
+its database is away (usage/flusher.py), a budget notice's webhook (usage/notices.py).
 
 A watch that keeps failing — an error, a 410 Gone after every relist, a stream that ends as
 soon as it opens — must not turn into a tight list-and-watch loop against the API server: each
@@ -18,6 +19,11 @@ from dataclasses import dataclass, field
 FIRST_S, MAX_S, JITTER = 1.0, 30.0, 0.2
 
 
+def doubled(first_s: float, failures: int, max_s: float) -> float:
+    """`first_s`, doubled for each failure in a row, at most `max_s`."""
+    return float(min(max_s, first_s * 2 ** min(failures, 32)))
+
+
 @dataclass
 class Backoff:
     first_s: float = FIRST_S
@@ -27,7 +33,7 @@ class Backoff:
 
     def next(self) -> float:
         """The wait before the next attempt, counting this failure."""
-        base = min(self.max_s, self.first_s * 2 ** min(self.failures, 32))
+        base = doubled(self.first_s, self.failures, self.max_s)
         self.failures += 1
         return float(min(self.max_s, base * (1 + JITTER * self.jitter())))
 
