@@ -12,7 +12,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -23,6 +23,34 @@ MERGE = "application/merge-patch+json"
 # an object name as the API server accepts it in a path (DNS subdomain, and the few kinds that
 # also allow ':' or upper case); nothing that could be '..', a '/', '%', '?' or '#'
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.:]{0,251}[A-Za-z0-9])?$")
+
+
+class ObjectMeta(TypedDict, total=False):
+    """An object's metadata, the fields the operator and the gateway read or write."""
+
+    name: str
+    namespace: str
+    uid: str
+    resourceVersion: str
+    generation: int
+    creationTimestamp: str
+    deletionTimestamp: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    finalizers: list[str]
+    ownerReferences: list[dict[str, Any]]
+
+
+class KubeObject(TypedDict, total=False):
+    """An object as the API server reads and writes it (spec, status and a Secret's data stay
+    free-form here: each kind's own module checks the shape it needs)."""
+
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: dict[str, Any]
+    status: dict[str, Any]
+    data: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -148,10 +176,10 @@ class Kube:
         finally:
             resp.response.release_conn()
 
-    def get(self, kind: Kind, namespace: str | None, name: str, sub: str = "") -> Any:
-        return self.request("GET", kind.path(namespace, name, sub))
+    def get(self, kind: Kind, namespace: str | None, name: str, sub: str = "") -> KubeObject:
+        return _object(self.request("GET", kind.path(namespace, name, sub)))
 
-    def find(self, kind: Kind, namespace: str | None, name: str) -> Any:
+    def find(self, kind: Kind, namespace: str | None, name: str) -> KubeObject | None:
         try:
             return self.get(kind, namespace, name)
         except ApiException as exc:
@@ -165,7 +193,7 @@ class Kube:
         namespace: str | None = None,
         labels: Mapping[str, str] | None = None,
         fields: Mapping[str, str] | None = None,
-    ) -> list[Any]:
+    ) -> list[KubeObject]:
         return self.list_with_version(kind, namespace, labels, fields)[0]
 
     def list_with_version(
@@ -175,7 +203,7 @@ class Kube:
         labels: Mapping[str, str] | None = None,
         fields: Mapping[str, str] | None = None,
         page: int = 500,
-    ) -> tuple[builtins.list[Any], str]:
+    ) -> tuple[builtins.list[KubeObject], str]:
         """Every matching object, read in pages of `page` (the API server's `limit` and
         `continue`), and the list's resourceVersion to watch from."""
         query: dict[str, Any] = {"limit": page}
@@ -183,7 +211,7 @@ class Kube:
             query["labelSelector"] = selector(labels)
         if fields:
             query["fieldSelector"] = ",".join(f"{k}={v}" for k, v in fields.items())
-        items: builtins.list[Any] = []
+        items: builtins.list[KubeObject] = []
         while True:
             listing = self.request("GET", kind.path(namespace), query=query)
             items += listing["items"]
@@ -195,14 +223,20 @@ class Kube:
             items = [i for i in items if has_labels(i, labels)]
         return items, str((listing.get("metadata") or {}).get("resourceVersion") or "")
 
-    def create(self, kind: Kind, namespace: str | None, obj: Any) -> Any:
-        return self.request("POST", kind.path(namespace), obj)
+    def create(self, kind: Kind, namespace: str | None, obj: Mapping[str, Any]) -> KubeObject:
+        return _object(self.request("POST", kind.path(namespace), obj))
 
-    def replace(self, kind: Kind, namespace: str | None, name: str, obj: Any) -> Any:
-        return self.request("PUT", kind.path(namespace, name), obj)
+    def replace(
+        self, kind: Kind, namespace: str | None, name: str, obj: Mapping[str, Any]
+    ) -> KubeObject:
+        return _object(self.request("PUT", kind.path(namespace, name), obj))
 
-    def patch(self, kind: Kind, namespace: str | None, name: str, patch: Any, sub: str = "") -> Any:
-        return self.request("PATCH", kind.path(namespace, name, sub), patch, content_type=MERGE)
+    def patch(
+        self, kind: Kind, namespace: str | None, name: str, patch: Mapping[str, Any], sub: str = ""
+    ) -> KubeObject:
+        return _object(
+            self.request("PATCH", kind.path(namespace, name, sub), patch, content_type=MERGE)
+        )
 
     def delete(
         self, kind: Kind, namespace: str | None, name: str, grace_s: int | None = None
@@ -213,6 +247,13 @@ class Kube:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+
+
+def _object(answer: Any) -> KubeObject:
+    """The object the API server answered with: a JSON object, or a clear error."""
+    if not isinstance(answer, dict):
+        raise ValueError(f"the API server answered with {type(answer).__name__}, not an object")
+    return answer  # type: ignore[return-value]  # the kind's own module checks its fields
 
 
 def selector(labels: Mapping[str, str]) -> str:

@@ -5,7 +5,7 @@ what the cluster says about each object (`ClusterConfig`). Shared by every kind'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,8 @@ def meta_of(obj: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def held(
-    objects: list[Mapping[str, Any]], names: Callable[[Mapping[str, Any], Mapping[str, Any]], Any]
+    objects: Sequence[Mapping[str, Any]],
+    names: Callable[[Mapping[str, Any], Mapping[str, Any]], Any],
 ) -> dict[str, str]:
     """Who holds each name (a served model, a key hash) in force: the object whose applied
     spec has it (`names(obj, applied spec)`), the older one first should two have it. A later
@@ -107,5 +108,5 @@ def no_replaced(spec: Mapping[str, Any], replaced: tuple[str, ...], extras: Any)
         extras.model_validate(given)
 
 
-def live(objects: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def live(objects: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [o for o in objects if not o["metadata"].get("deletionTimestamp")]

@@ -53,8 +53,8 @@ from tokenpools.model.keys import hash_key, is_key_hash
 
 
 def config_data(
-    pools: list[Mapping[str, Any]],
-    entitlements: list[Mapping[str, Any]],
+    pools: Sequence[Mapping[str, Any]],
+    entitlements: Sequence[Mapping[str, Any]],
     namespaces: Mapping[str, Mapping[str, str]] | None = None,
     base: Mapping[str, Any] | None = None,
     applied_only: bool = False,
