@@ -1,7 +1,8 @@
 """What the front door reads off a body and writes back into it, as pure functions on the
 parsed body: the request's demand (the sequences it generates and its output ceiling), the
 `max_tokens` the reservation assumed written back, the stream's usage chunk asked of the
-engine, and the headers an admitted request is answered with.
+engine, the engine priority of the request's class, and the headers an admitted request is
+answered with.
 
 One word per meaning here: a body's *demand* (`n`, `max_tokens`); the stream's *usage chunk*
 (`stream_options.include_usage`, OpenAI's own name); *asking* is reserved for the engine's
@@ -15,6 +16,8 @@ from typing import Any
 
 from tokenpools.control.decisions import Admit
 from tokenpools.control.views import EntitlementView
+from tokenpools.model.objectives import engine_priority
+from tokenpools.model.service_class import ServiceClass
 from tokenpools.openai_api import (
     CHAT,
     COMPLETIONS,
@@ -61,6 +64,29 @@ def include_usage(path: str, body: dict[str, Any]) -> bool:
     if not body.get("stream") or path not in (CHAT, COMPLETIONS) or includes_usage(body):
         return False
     body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return True
+
+
+# the body field vLLM orders its waiting queue by under --scheduling-policy priority
+ENGINE_PRIORITY = "priority"
+
+
+def write_priority(
+    path: str, body: dict[str, Any], scheduling_policy: str, service_class: ServiceClass
+) -> bool:
+    """The engine's `priority` is the gateway's to set, never the client's (a tenant that set
+    its own would jump the engine's queue): the class's on a chat or completions request to a
+    pool whose engines schedule by priority; removed otherwise (vLLM in fcfs mode refuses a
+    non-zero one). Returns whether the body changed."""
+    if scheduling_policy == "priority" and path in (CHAT, COMPLETIONS):
+        value = engine_priority(service_class)
+        if body.get(ENGINE_PRIORITY) == value and type(body[ENGINE_PRIORITY]) is int:
+            return False
+        body[ENGINE_PRIORITY] = value
+        return True
+    if ENGINE_PRIORITY not in body:
+        return False
+    del body[ENGINE_PRIORITY]
     return True
 
 

@@ -26,6 +26,7 @@ from tokenpools.admission.clearing import (
     include_usage,
     includes_usage,
     write_back,
+    write_priority,
 )
 from tokenpools.admission.metrics import AdmissionMetrics
 from tokenpools.admission.runtime import AdmissionRuntime
@@ -185,9 +186,11 @@ class FrontDoor:
         client_usage = includes_usage(body)
         rewritten = write_back(path, body, decision, wants.max_tokens)
         rewritten = include_usage(path, body) or rewritten
+        service_class = admission.entitlements[decision.lease.entitlement].ent.service_class
+        scheduling = admission.pools[route.pool].pool.scheduling_policy
+        rewritten = write_priority(path, body, scheduling, service_class) or rewritten
         headers = cleared_headers(decision, admission.entitlements)
         admitted = admission.track(decision, task)
-        service_class = admission.entitlements[decision.lease.entitlement].ent.service_class
         stream = bool(body.get("stream"))
         return Cleared(
             decision,

@@ -24,7 +24,7 @@ from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.layers import charged_to
 from tokenpools.control.snapshot import Snapshot, snapshot
 from tokenpools.control.tenancy import Directory
-from tokenpools.control.views import EntitlementView
+from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.config import Config
 from tokenpools.model.policy import Policy
 from tokenpools.model.request import RequestCost, Usage
@@ -114,6 +114,11 @@ class AdmissionRuntime:
     def entitlements(self) -> Mapping[str, EntitlementView]:
         """The entitlements as configured and bound, by name."""
         return self.core.entitlements
+
+    @property
+    def pools(self) -> Mapping[str, PoolView]:
+        """The pools as configured, with their capacity now, by name."""
+        return self.core.pools
 
     @property
     def budgets(self) -> Budgets:

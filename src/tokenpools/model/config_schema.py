@@ -8,7 +8,7 @@ Kubernetes CRDs are generated from these same classes.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -120,6 +120,9 @@ class PoolSpec(Strict):
     # (tokenizer.json or a GGUF model, read with the `tokenizer` extra)
     tokenizer: Annotated[str, Field(min_length=1)] = "estimate"
     prices: PricesSpec | None = None  # what tokens cost, for budgets in money and the ledger
+    # the engines' --scheduling-policy (vLLM): with "priority" each admitted request carries its
+    # class's priority in the body (`priority`, lower first), and a client's own is overwritten
+    schedulingPolicy: Literal["fcfs", "priority"] = "fcfs"
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
@@ -164,6 +167,7 @@ class PoolSpec(Strict):
             else self.capacityFeedback.to_feedback(),
             tokenizer=self.tokenizer,
             prices=Prices() if self.prices is None else self.prices.to_prices(),
+            scheduling_policy=self.schedulingPolicy,
         )
 
 

@@ -34,6 +34,14 @@ PRIORITY: dict[ServiceClass, int] = {
     ServiceClass.PREEMPTIBLE: -20,
 }
 
+
+
+def engine_priority(service_class: ServiceClass) -> int:
+    """The class's priority as vLLM reads it under --scheduling-policy priority (lower is
+    served first): its band negated, as llm-d's router writes it into the body."""
+    return -PRIORITY[service_class]
+
+
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 _MAX_NAME = 63
 

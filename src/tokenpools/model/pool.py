@@ -51,6 +51,9 @@ class Pool:
     capacity_feedback: CapacityFeedback | None = None
     tokenizer: str = "estimate"  # how the gateway counts prompt tokens: estimate, backend, a file
     prices: Prices = field(default_factory=Prices)  # micro-units per million tokens
+    # how the pool's engines order their queues (vLLM's --scheduling-policy): "priority" has
+    # the gateway write each admitted request's class priority into its body
+    scheduling_policy: str = "fcfs"
 
     @property
     def models(self) -> tuple[str, ...]:
