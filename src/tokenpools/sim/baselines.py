@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import ServiceClass
+from tokenpools.sim.llmd_parts import utilization_saturation
 from tokenpools.sim.policy import (
     AdmissionPolicy,
     Cluster,
@@ -104,9 +105,10 @@ class StaticConcurrency(AdmissionPolicy):
 
 class PriorityShed(AdmissionPolicy):
     """Gateway API Inference Extension style: sheddable traffic (negative priority: spot and
-    preemptible by default) is rejected while the engines are saturated — a waiting queue of
-    at least `queue_threshold` or KV usage of at least `kv_threshold` (the extension's
-    defaults); everything else goes through. No Retry-After."""
+    preemptible by default) is rejected while the engines are saturated — per endpoint the
+    larger of waiting / `queue_threshold` and KV use / `kv_threshold`, averaged over the
+    endpoints, at least 1.0, as llm-d's legacy admission reads it (its utilisation detector and
+    defaults), here without scrape lag; everything else goes through. No Retry-After."""
 
     name = "priority-shed"
 
@@ -121,11 +123,10 @@ class PriorityShed(AdmissionPolicy):
         self.queue_threshold, self.kv_threshold = queue_threshold, kv_threshold
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
-        saturated = (
-            self.cluster.waiting >= self.queue_threshold
-            or self.cluster.kv_usage >= self.kv_threshold
-        )
-        if saturated and self.limits[req.tenant].sheddable:
+        if not self.limits[req.tenant].sheddable:
+            return Send()
+        endpoints = self.cluster.endpoints
+        if utilization_saturation(endpoints, self.queue_threshold, self.kv_threshold) >= 1.0:
             return Refuse("shed")
         return Send()
 
