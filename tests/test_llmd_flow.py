@@ -56,13 +56,14 @@ def test_holdback_gives_the_lowest_band_min_ceiling_by_rank_or_by_value() -> Non
         (0.4, 2, "1111111111"),
         # s = 0.5: round(0.5 / 0.5) = 1, open on every cycle
         (0.5, 3, "1111111111"),
-        # s = 0.7: round(0.7 / 0.3) = round(2.33) = 2, open on cycles 0, 2, 4, ...
-        (0.7, 2, "1010101010"),
-        # s = 0.75: round(3) = 3, open on cycles 0, 3, 6, 9
-        (0.75, 2, "1001001001"),
-        (0.75, 4, "1001001001"),
-        # s = 0.8: round(4) = 4, open on cycles 0, 4, 8
-        (0.8, 3, "1000100010"),
+        # s = 0.7: round(0.7 / 0.3) = round(2.33) = 2: the tick reads 1, 2, 3, ... and the
+        # bands open when it is a multiple of 2
+        (0.7, 2, "0101010101"),
+        # s = 0.75: round(3) = 3, open on the 3rd, 6th and 9th cycles
+        (0.75, 2, "0010010010"),
+        (0.75, 4, "0010010010"),
+        # s = 0.8: round(4) = 4, open on the 4th and 8th
+        (0.8, 3, "0001000100"),
         # saturated: closed
         (1.0, 2, "0000000000"),
         (1.3, 5, "0000000000"),
@@ -72,24 +73,24 @@ def test_soft_ceiling_opens_gated_bands_on_one_cycle_in_a_period(
     sat: float, bands: int, lowest: str
 ) -> None:
     policy = SoftReflectiveCeiling()
-    runs = [policy.ceilings(sat, bands, k * 0.001) for k in range(10)]  # cycles 0-9, 1 ms apart
+    runs = [policy.ceilings(sat, bands) for _ in range(10)]  # ten cycles
     assert all(r[0] == 1.0 for r in runs)  # band 0 is never gated by the policy
     assert "".join(str(int(r[-1])) for r in runs) == lowest
     # monotone in rank: a band is never closed while a lower one is open
     assert all(r == sorted(r, reverse=True) for r in runs)
 
 
-def test_soft_ceiling_follows_the_clock_not_the_number_of_calls() -> None:
-    # s = 0.75: open on cycles 0, 3, 6, ... Asked any number of times within one cycle, the
-    # answer is the same; within cycle 1 (1.0-1.999 ms) it stays closed.
+def test_soft_ceiling_counts_the_calls_made_while_a_band_alternates() -> None:
+    # s = 0.75: open on every 3rd call made while some band alternates; calls below s = 0.5
+    # (no band alternates) leave the tick where it was
     policy = SoftReflectiveCeiling()
-    for now in (0.0010, 0.0010, 0.0010, 0.0013, 0.0019, 0.0019):
-        assert policy.ceilings(0.75, 2, now) == [1.0, 0.0]
-    assert policy.ceilings(0.75, 2, 0.003) == [1.0, 1.0]
-    assert policy.ceilings(0.75, 2, 0.0035) == [1.0, 1.0]
-    assert policy.ceilings(0.75, 2, 0.004) == [1.0, 0.0]
-    # float sums that land a hair under a cycle boundary count as that cycle
-    assert policy.ceilings(0.75, 2, 0.001 + 0.001 + 0.001) == [1.0, 1.0]
+    assert [policy.ceilings(0.75, 2)[1] for _ in range(2)] == [0.0, 0.0]
+    assert policy.ceilings(0.3, 2) == [1.0, 1.0]
+    assert policy.calls_to_open(0.75) == 1
+    assert policy.ceilings(0.75, 2) == [1.0, 1.0]
+    assert policy.calls_to_open(0.75) == 3
+    policy.advance(0.75, 2, 2)  # two cycles that did not need their ceilings
+    assert policy.ceilings(0.75, 2) == [1.0, 1.0]
 
 
 @given(
@@ -232,7 +233,12 @@ def _two_tenants(llmd: dict[str, Any], clients: int = 24) -> Scenario:
 
 
 def test_a_starved_band_times_out_after_the_ttl_and_a_full_band_refuses() -> None:
-    result = Simulation(_two_tenants({"request_ttl_s": 30}), "llm-d").run()
+    # The concurrency detector reads llm-d's own counters, so guaranteed's band is never below
+    # its ceiling while it has work queued; the utilisation detector's 50 ms-old scrape would
+    # let a stale window release spot requests too (tests/test_llmd_upstream.py).
+    result = Simulation(
+        _two_tenants({"request_ttl_s": 30, "detector": "concurrency"}), "llm-d"
+    ).run()
     timed_out = [a for a in result.attempts if a.reason == "queue_timeout"]
     assert timed_out and {a.req.tenant for a in timed_out} == {"s"}
     # swept once a second: refused between 30 and 31 s after it was sent, never earlier
@@ -243,14 +249,17 @@ def test_a_starved_band_times_out_after_the_ttl_and_a_full_band_refuses() -> Non
     assert refused and all(a.finished_at == a.req.sent_at for a in refused)
 
 
-def test_priority_holdback_keeps_the_engine_queue_the_lower_band_builds_shorter() -> None:
-    """Spot's band stops at saturation 0.2 under holdback (two bands: ceilings 1.0 and 0.2),
-    at 1.0 under the static ceiling: the engine queue it builds is about one request, not five."""
+def test_priority_holdback_keeps_the_lower_band_to_its_ceiling() -> None:
+    """The four declared bands (10, 0, −10, −20) by rank put spot's ceiling at
+    1 − 2 · 0.8 / 3 ≈ 0.47 under holdback with minCeiling 0.2, against 1.0 under the static
+    ceiling: with the concurrency detector (16 in flight is saturation 1.0) spot holds about 7
+    of the engine's 16 slots, not 12."""
 
-    def mean_waiting(llmd: dict[str, Any]) -> float:
+    def spot_running(llmd: dict[str, Any]) -> float:
         result = Simulation(_two_tenants(llmd, clients=4), "llm-d").run()
-        waiting = [s.waiting for s in result.samples if s.t >= 30]
-        return sum(waiting) / len(waiting)
+        running = [s.running_by_tenant.get("s", 0) for s in result.samples if s.t >= 30]
+        return sum(running) / len(running)
 
-    assert mean_waiting({}) > 4
-    assert mean_waiting({"usage_limit": "priority-holdback", "min_ceiling": 0.2}) < 1.5
+    assert spot_running({"detector": "concurrency"}) > 10
+    held = {"detector": "concurrency", "usage_limit": "priority-holdback", "min_ceiling": 0.2}
+    assert 6 < spot_running(held) < 8

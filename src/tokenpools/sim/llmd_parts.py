@@ -1,7 +1,8 @@
 """The pieces of llm-d's flow control (llm-d/llm-d-router, pkg/epp/flowcontrol and
 pkg/epp/framework/plugins/flowcontrol), restated with their defaults: the saturation detectors,
-the usage-limit policies, program-aware fairness (least attained service) and the sizing of
-in-flight eviction. sim/llmd_flow.py puts them together as a simulator policy.
+the usage-limit policies, program-aware fairness (least attained service), the sizing of
+in-flight eviction and its confirmation grace. sim/llmd_flow.py puts them together as a
+simulator policy.
 
 Pure: no clock of their own (time is passed in, in seconds) and no I/O.
 """
@@ -42,14 +43,22 @@ def concurrency_saturation(endpoints: Sequence[EndpointLoad], max_concurrency: i
     return inflight / (max_concurrency * len(endpoints))
 
 
-# -- usage-limit policies: one ceiling per band, highest band first ---------------------------
+# -- the clock: dispatch cycles and scrapes -----------------------------------------------------
 
-CYCLE_S = 0.001  # the dispatch ticker: a cycle every millisecond while work waits
+CYCLE_S = 0.001  # the processor's dispatch ticker (processor.go Run: time.Millisecond)
+# The data layer refreshes each endpoint's metrics every 50 ms (--refresh-metrics-interval,
+# server/options.go) and flow control caches the endpoint list as long (runner.go,
+# NewCachedEndpointCandidates): one scrape per 50 ticks.
+SCRAPE_TICKS = 50
 
 
 def cycle(now: float) -> int:
-    """The dispatch cycle simulated time `now` falls in (a hair of slack for float sums)."""
+    """The ticker's last tick at or before simulated time `now` (a hair of slack for float
+    sums, so that k × CYCLE_S is tick k)."""
     return math.floor(now / CYCLE_S + 1e-6)
+
+
+# -- usage-limit policies: one ceiling per band, highest band first ---------------------------
 
 
 def static_ceilings(bands: int, threshold: float = 1.0) -> list[float]:
@@ -75,21 +84,32 @@ def holdback_ceilings(
 
 
 class SoftReflectiveCeiling:
-    """soft-reflective-ceiling-policy: band i's reflective ceiling is 1 − i·s/(N − 1); a band
-    at or past it is open on one dispatch cycle in round(s / (1 − s)), all such bands on the
-    same cycles (one shared tick); at s ≥ 1 they are closed. Band 0 is always 1.0.
+    """soft-reflective-ceiling-policy (usagelimits/softreflectiveceiling/policy.go): band i's
+    reflective ceiling is 1 − i·s/(N − 1); a band at or past it is open on one call in
+    round(s / (1 − s)), all such bands on the same calls (one shared tick); at s ≥ 1 they are
+    closed. Band 0 is always 1.0.
 
-    The tick is llm-d's 1 ms dispatch ticker, so the cycle is read from simulated time,
-    floor(now / CYCLE_S), not counted per call: asked again at the same instant, the answer
-    is the same."""
+    The tick advances on each call made while some band alternates (s in [0.5, 1)), and the
+    processor calls once per dispatch cycle: it counts cycles, not time."""
 
-    def ceilings(self, saturation: float, bands: int, now: float) -> list[float]:
+    def __init__(self) -> None:
+        self.tick = 0
+
+    @staticmethod
+    def _period(saturation: float) -> int | None:
+        """Calls per open one while some band alternates; None when none does."""
+        if not 1.0 - saturation <= saturation < 1.0:
+            return None
+        return max(1, round(saturation / (1.0 - saturation + 1e-9)))
+
+    def ceilings(self, saturation: float, bands: int) -> list[float]:
         if bands <= 1:
             return [1.0] * bands
+        period = self._period(saturation)
         open_now = False
-        if 1.0 - saturation <= saturation < 1.0:  # some band alternates on the ticker
-            period = max(1, round(saturation / (1.0 - saturation + 1e-9)))
-            open_now = cycle(now) % period == 0
+        if period is not None:
+            self.tick += 1
+            open_now = self.tick % period == 0
         out = [1.0]
         for i in range(1, bands):
             reflective = 1.0 - i * saturation / (bands - 1)
@@ -100,6 +120,18 @@ class SoftReflectiveCeiling:
             else:
                 out.append(1.0 if open_now else 0.0)
         return out
+
+    def advance(self, saturation: float, bands: int, calls: int) -> None:
+        """`calls` cycles ran at this saturation without needing their ceilings (each would
+        have been blocked): the tick moves as if they had asked."""
+        if bands > 1 and self._period(saturation) is not None:
+            self.tick += calls
+
+    def calls_to_open(self, saturation: float) -> int | None:
+        """How many calls from now until the alternating bands are next open (1: the next
+        call); None when no band alternates at this saturation."""
+        period = self._period(saturation)
+        return None if period is None else period - self.tick % period
 
 
 # -- program-aware fairness: least attained service -------------------------------------------
@@ -181,3 +213,22 @@ def revocations(
     if target < 0:
         return 0
     return min(max(1, math.ceil(target / credit)), max_per_decision, evictable)
+
+
+# -- the confirmation grace between reclamation decisions ---------------------------------------
+
+# The grace is derived from the detector, not configured (cmd/epp/runner/runner.go,
+# deriveEvictionConfirmationGrace). The concurrency detector's counters drop when the evicted
+# stream ends, so only dispatch-loop jitter separates confirmation from visibility; a scraped
+# detector sees the room only once the engine has reclaimed it and a fresh scrape has landed.
+LEADING_SENSOR_GRACE_S = 0.010  # evictionLeadingSensorGrace
+REFRESH_METRICS_S = SCRAPE_TICKS * CYCLE_S  # --refresh-metrics-interval, 50 ms
+METRICS_STALENESS_S = 2.0  # --metrics-staleness-threshold, server/options.go's default
+ENGINE_RECLAIM_S = 0.250  # evictionEngineReclaimBudget: engine abort and KV garbage collection
+
+
+def confirmation_grace(detector: str) -> float:
+    """Seconds after a revocation is confirmed before the next reclamation decision."""
+    if detector == "concurrency":
+        return LEADING_SENSOR_GRACE_S
+    return REFRESH_METRICS_S + METRICS_STALENESS_S + ENGINE_RECLAIM_S

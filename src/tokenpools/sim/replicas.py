@@ -45,6 +45,7 @@ class Replicas:
         self.fraction = 1.0  # of each replica's slots and KV (capacity events)
         self.meter = ReplicaMeter(count, 0.0)
         self._where: dict[str, int] = {}  # request id → the replica it was routed to
+        self._pinned: dict[str, int] = {}  # request id → the replica a policy's picker chose
 
     # -- the cluster, as policies see it ----------------------------------------------------
 
@@ -102,13 +103,20 @@ class Replicas:
 
     # -- requests -------------------------------------------------------------------------
 
+    def pin(self, req_id: str, replica: int) -> None:
+        """A policy's endpoint picker chose the replica for this request (`route` honours it
+        while that replica serves)."""
+        self._pinned[req_id] = replica
+
     def route(self, req: SimRequest) -> int:
-        """Hand a request to the serving replica with the fewest requests (the lowest index
-        among equals); returns that replica."""
-        index = min(
-            self.serving,
-            key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
-        )
+        """Hand a request to the replica pinned for it, else to the serving replica with the
+        fewest requests (the lowest index among equals); returns that replica."""
+        index = self._pinned.pop(req.req_id, None) if self._pinned else None
+        if index is None or index in self.draining or index in self.released:
+            index = min(
+                self.serving,
+                key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
+            )
         self.engines[index].add(req.req_id, req.prompt_tokens, req.output_tokens, req.tenant)
         self._where[req.req_id] = index
         return index

@@ -203,7 +203,8 @@ class LlmdSpec(_Strict):
     band_max_bytes: Annotated[int, Field(gt=0)] = 1_000_000_000
     eviction: bool = True
     max_revocations: Annotated[int, Field(gt=0)] = 2
-    confirmation_grace_s: NonNeg = 0.5
+    # None: derived from the detector as llm-d's runner does (sim/llmd_parts.py)
+    confirmation_grace_s: NonNeg | None = None
 
     @model_validator(mode="after")
     def _check(self) -> LlmdSpec:
