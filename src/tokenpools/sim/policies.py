@@ -1,6 +1,7 @@
 """The admission policies the simulator runs, by name: tokenpools (sim/tokenpools_policy.py),
-what people run today (sim/baselines.py), llm-d's flow control (sim/llmd_flow.py) and tokenpools
-in front of it (sim/tokenpools_llmd.py)."""
+what people run today (sim/baselines.py), llm-d's flow control (sim/llmd_flow.py) and its legacy
+admission without it (sim/llmd_legacy.py), and tokenpools in front of llm-d's flow control
+(sim/tokenpools_llmd.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tokenpools.sim.baselines import (
     derive_limits,
 )
 from tokenpools.sim.llmd_flow import LlmdFlowControl
+from tokenpools.sim.llmd_legacy import LlmdLegacyAdmission
 from tokenpools.sim.policy import AdmissionPolicy, Cluster, TenantLimits
 from tokenpools.sim.scenario import LlmdSpec
 from tokenpools.sim.tokenpools_llmd import TokenPoolsThenLlmd
@@ -33,6 +35,7 @@ POLICIES = (
     "priority-shed",
     "vtc",
     "llm-d",
+    "llm-d-legacy",
     "tokenpools",
     "tokenpools+llm-d",
 )
@@ -57,6 +60,7 @@ def make_policy(
         "priority-shed": lambda: PriorityShed(limits, cluster),
         "vtc": VirtualTokenCounter,
         "llm-d": lambda: LlmdFlowControl(config, cluster, llmd),
+        "llm-d-legacy": lambda: LlmdLegacyAdmission(config, cluster, llmd),
         "tokenpools": lambda: TokenPools(config, now, absent, layered),
         "tokenpools+llm-d": lambda: TokenPoolsThenLlmd(config, now, cluster, llmd, absent, layered),
     }

@@ -177,9 +177,10 @@ class AutoscalingSpec(_Strict):
 
 class LlmdSpec(_Strict):
     """How llm-d's flow control is configured for the `llm-d` and `tokenpools+llm-d` policies
-    (sim/llmd_flow.py). Defaults are llm-d's own (pkg/epp/flowcontrol and its plugins), except
-    where noted: fairness `program-aware` and in-flight eviction on, which a platform team
-    comparing it with tokenpools would turn on (llm-d ships global-strict and eviction off)."""
+    (sim/llmd_flow.py) and its legacy admission for `llm-d-legacy` (sim/llmd_legacy.py).
+    Defaults are llm-d's own (pkg/epp/flowcontrol and its plugins), except where noted:
+    fairness `program-aware` and in-flight eviction on, which a platform team comparing it with
+    tokenpools would turn on (llm-d ships global-strict and eviction off)."""
 
     # service class → band (InferenceObjective priority); default: model/objectives.PRIORITY
     priorities: dict[str, int] | None = None
