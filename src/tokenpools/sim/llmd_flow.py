@@ -116,6 +116,8 @@ class LlmdFlowControl(AdmissionPolicy):
         """File the request under its band and flow; a band at its request or byte capacity
         refuses it (429 `queue at capacity`, no Retry-After). Either way a cycle follows."""
         self.owed += 1
+        if not self.queues:  # the ticks since the queue emptied had nothing to do
+            self.ticked = max(self.ticked, math.ceil(now / CYCLE_S - 1e-6) - 1)
         if not self.queues.add(req, self.queues.band(priority), program, now):
             return Refuse("queue_full")
         return None
@@ -141,8 +143,8 @@ class LlmdFlowControl(AdmissionPolicy):
         return []
 
     def _skipped(self, ticks: int) -> None:
-        """Ticks not run since the last cycle: each would have been blocked on what that cycle
-        read, and would have moved the soft ceiling's tick."""
+        """Ticks not run since the last cycle while requests waited: each would have been
+        blocked on what that cycle read, and would have moved the soft ceiling's tick."""
         if ticks > 0 and self.queues and self.spec.usage_limit == "soft-reflective-ceiling":
             self.soft.advance(self.saturation, len(self.queues.order), ticks)
 
