@@ -198,6 +198,10 @@ def emulate(
     speed: Annotated[
         float, typer.Option(help="time runs this many times faster; 0: no delay")
     ] = 1.0,
+    scheduling_policy: Annotated[
+        str,
+        typer.Option(help="vLLM's: fcfs, or priority (a body's `priority`, lower served first)"),
+    ] = "fcfs",
 ) -> None:
     """Run an OpenAI-compatible server driven by the engine model in real time."""
     from aiohttp import web
@@ -205,12 +209,18 @@ def emulate(
     from tokenpools.emulator.app import make_app
     from tokenpools.engine.profile import ProfileError, load_profile
 
+    if scheduling_policy not in ("fcfs", "priority"):
+        fail(f"--scheduling-policy is fcfs or priority, not {scheduling_policy!r}")
     try:
         loaded = load_profile(profile)
     except ProfileError as exc:
         fail(str(exc))
     web.run_app(
-        make_app(loaded, speed), host=host, port=port, handler_cancellation=True, access_log=None
+        make_app(loaded, speed, "priority" if scheduling_policy == "priority" else "fcfs"),
+        host=host,
+        port=port,
+        handler_cancellation=True,
+        access_log=None,
     )
 
 

@@ -20,12 +20,15 @@ from tokenpools.emulator.server import (
     models,
 )
 from tokenpools.engine.profile import EngineProfile
+from tokenpools.engine.queues import SchedulingPolicy
 from tokenpools.openai_api import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 
 
-def make_app(profile: EngineProfile, speed: float = 1.0) -> web.Application:
+def make_app(
+    profile: EngineProfile, speed: float = 1.0, scheduling_policy: SchedulingPolicy = "fcfs"
+) -> web.Application:
     app = web.Application()
-    app[EMULATOR] = EmulatedEngine(profile, speed)
+    app[EMULATOR] = EmulatedEngine(profile, speed, scheduling_policy)
     app.router.add_post(CHAT, chat)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(RESPONSES, responses)

@@ -4,6 +4,8 @@ One task steps the engine and sleeps each step's duration (divided by `speed`); 
 every request gets the tokens it generated, streamed as SSE chunks or gathered into one
 response. A client that disconnects aborts its request in the engine. /metrics uses vLLM's
 names so the gateway's capacity feedback and dashboards read it as they would read vLLM.
+Chat and completions bodies may carry vLLM's `priority` (lower is served first), which only an
+engine started with `--scheduling-policy priority` accepts other than 0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 
 from tokenpools.engine.model import Engine
 from tokenpools.engine.profile import EngineProfile
+from tokenpools.engine.queues import SchedulingPolicy, priority_refusal
 from tokenpools.openai_api import (
     BadRequest,
     error_body,
@@ -42,8 +45,13 @@ class _Request:
 
 
 class EmulatedEngine:
-    def __init__(self, profile: EngineProfile, speed: float = 1.0) -> None:
-        self.engine = Engine(profile)
+    def __init__(
+        self,
+        profile: EngineProfile,
+        speed: float = 1.0,
+        scheduling_policy: SchedulingPolicy = "fcfs",
+    ) -> None:
+        self.engine = Engine(profile, scheduling_policy)
         self.speed = speed
         self.requests: dict[str, _Request] = {}
         self._wake = asyncio.Event()
@@ -63,11 +71,11 @@ class EmulatedEngine:
         )
         self.model = profile.name
 
-    def submit(self, prompt_tokens: int, output_tokens: int) -> _Request:
+    def submit(self, prompt_tokens: int, output_tokens: int, priority: int = 0) -> _Request:
         self.submitted += 1
         req = _Request(f"emu-{next(self._ids)}", prompt_tokens, time.monotonic())
         self.requests[req.req_id] = req
-        self.engine.add(req.req_id, prompt_tokens, output_tokens)
+        self.engine.add(req.req_id, prompt_tokens, output_tokens, priority=priority)
         self._wake.set()
         return req
 
@@ -134,11 +142,26 @@ async def read_body(request: web.Request) -> dict[str, Any] | web.Response:
     try:
         return parse_body(await request.read(), request.path)
     except BadRequest as exc:
-        return web.Response(
-            status=400,
-            body=error_body(str(exc), "invalid_request_error", None, exc.param),
-            content_type="application/json",
-        )
+        return _bad_request(exc)
+
+
+def read_priority(body: dict[str, Any], policy: SchedulingPolicy) -> int:
+    """The body's `priority`, 0 when absent. vLLM's protocol types it `int` (so a string, a
+    float or null is a 400) and refuses any but 0 without priority scheduling."""
+    value: object = body.get("priority", 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'priority' must be an integer, got {value!r}", "priority")
+    if refusal := priority_refusal(policy, value):
+        raise BadRequest(refusal, "priority")
+    return value
+
+
+def _bad_request(exc: BadRequest) -> web.Response:
+    return web.Response(
+        status=400,
+        body=error_body(str(exc), "invalid_request_error", None, exc.param),
+        content_type="application/json",
+    )
 
 
 async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
@@ -146,9 +169,13 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     body = await read_body(request)
     if isinstance(body, web.Response):
         return body
+    try:
+        priority = read_priority(body, emu.engine.scheduling_policy)
+    except BadRequest as exc:
+        return _bad_request(exc)
     prompt = estimate_prompt_tokens(body, 4.0)
     output = max_tokens(body) or DEFAULT_MAX_TOKENS
-    req = emu.submit(prompt, output)
+    req = emu.submit(prompt, output, priority)
     rid = f"cmpl-{req.req_id}"
     model = body["model"]
     usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}

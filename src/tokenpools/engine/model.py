@@ -9,50 +9,48 @@ keeps a step O(1) plus its events, whatever the batch size.
 KV accounting is per sequence in tokens; blocks are counted as ⌈tokens/16⌉ per sequence,
 bounded from above by (Σ tokens + 15·n)/16 so the check is O(1). The bound can preempt up to one
 block per sequence earlier than vLLM would — a documented approximation.
+
+The scheduling policy is vLLM's `--scheduling-policy` (vllm/v1/core/sched/scheduler.py):
+"fcfs" (the default) serves the waiting queue in arrival order and preempts the latest arrival;
+"priority" serves it by (priority, arrival), lower first, and preempts the running request with
+the largest (priority, arrival). Either way only a running request that cannot get KV blocks
+preempts; a waiting one waits (docs/simulation.md, "The engine's scheduling policy").
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter
+from operator import attrgetter
 
 from tokenpools.engine.profile import EngineProfile
+from tokenpools.engine.queues import (
+    POLICIES,
+    FcfsQueue,
+    PriorityQueue,
+    SchedulingPolicy,
+    priority_refusal,
+)
+from tokenpools.engine.sequence import Sequence, StepResult, by_priority_then_order
 
-
-@dataclass(slots=True)
-class Sequence:
-    req_id: str
-    tag: str  # who it belongs to (tenant), for per-tag accounting
-    prompt_tokens: int
-    output_tokens: int  # how many it will generate before it stops
-    order: int  # arrival order; preemption takes the latest
-    generated: int = 0  # as of `base_step` while decoding
-    computed: int = 0  # tokens with KV, as of `base_step` while decoding
-    base_step: int = -1  # -1: not decoding
-    preemptions: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.generated
-
-
-@dataclass(slots=True)
-class StepResult:
-    duration_s: float
-    prefill_tokens: int
-    decode_seqs: int
-    first_tokens: list[str] = field(default_factory=list)  # produced their first token
-    finished: list[Sequence] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
+__all__ = ["Engine", "Sequence", "StepResult"]  # the engine's face: what a step reports
 
 
 class Engine:
-    def __init__(self, profile: EngineProfile) -> None:
+    def __init__(
+        self, profile: EngineProfile, scheduling_policy: SchedulingPolicy = "fcfs"
+    ) -> None:
+        if scheduling_policy not in POLICIES:
+            raise ValueError(f"Unknown scheduling policy: {scheduling_policy}")
         self.profile = profile
+        self.scheduling_policy = scheduling_policy
+        self._priority = scheduling_policy == "priority"
         self.step_count = 0
         self._order = 0
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: FcfsQueue | PriorityQueue = PriorityQueue() if self._priority else FcfsQueue()
+        # The preemption victim is the max of this over the running requests. In fcfs every
+        # priority is 0 (`add` refuses others), so (priority, order) and order agree there.
+        self._victim_key = by_priority_then_order if self._priority else attrgetter("order")
         self._prefilling: list[Sequence] = []  # running, KV not yet complete
         self._decoding: dict[str, Sequence] = {}
         self._finish_heap: list[tuple[int, int, str]] = []  # (step it finishes at, order, id)
@@ -70,15 +68,19 @@ class Engine:
 
     # -- requests in and out ---------------------------------------------------------------
 
-    def add(self, req_id: str, prompt_tokens: int, output_tokens: int, tag: str = "") -> None:
+    def add(
+        self, req_id: str, prompt_tokens: int, output_tokens: int, tag: str = "", priority: int = 0
+    ) -> None:
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already in the engine")
         if prompt_tokens < 1 or output_tokens < 1:
             raise ValueError("a request needs at least one prompt and one output token")
+        if refusal := priority_refusal(self.scheduling_policy, priority):
+            raise ValueError(refusal)
         self._order += 1
-        seq = Sequence(req_id, tag, prompt_tokens, output_tokens, self._order)
+        seq = Sequence(req_id, tag, prompt_tokens, output_tokens, self._order, priority)
         self._seqs[req_id] = seq
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def abort(self, req_id: str) -> Sequence | None:
         """Drop a request wherever it is, freeing its slot and KV blocks."""
@@ -94,7 +96,8 @@ class Engine:
 
     def resize(self, max_num_seqs: int, kv_blocks: int) -> list[str]:
         """Change the engine's capacity at once (a replica losing or regaining GPUs). Running
-        sequences above the new limits are preempted, latest first; returns their ids."""
+        sequences above the new limits are preempted by the victim rule (fcfs: latest first;
+        priority: largest (priority, arrival) first); returns their ids."""
         self.profile = self.profile.model_copy(
             update={"max_num_seqs": max_num_seqs, "kv_blocks": kv_blocks}
         )
@@ -102,7 +105,7 @@ class Engine:
         while self.num_running > max_num_seqs or (
             self.num_running and self.kv_blocks_used() > kv_blocks
         ):
-            self._preempt_latest(result)
+            self._preempt(self._victim(), result)
         return result.preempted
 
     def output_tokens_by_tag(self) -> dict[str, int]:
@@ -152,33 +155,37 @@ class Engine:
         profile = self.profile
         result = StepResult(0.0, 0, 0)
         total_blocks = profile.kv_blocks
-        # Decoding sequences each need one more KV slot; make room by preempting the latest.
+        # Decoding sequences each need one more KV slot; make room by preempting victims.
         while self._decoding and self.kv_blocks_used(len(self._decoding)) > total_blocks:
-            self._preempt_latest(result)
+            self._preempt(self._victim(), result)
         budget = profile.max_num_batched_tokens - len(self._decoding)
         chunks: list[tuple[Sequence, int]] = []
         extra_tokens = len(self._decoding)
-        for seq in list(self._prefilling):
-            if budget <= 0:
-                break
-            chunk = min(seq.total_tokens - seq.computed, budget)
-            while self.kv_blocks_used(extra_tokens + chunk) > total_blocks:
-                if not self._preempt_latest(result, keep=seq):
-                    chunk = 0
+        if self._priority:
+            chunks, budget, extra_tokens = self._prefill_by_priority(result, budget, extra_tokens)
+        else:  # fcfs, exactly as before priority mode existed (the experiments depend on it)
+            for seq in list(self._prefilling):
+                if budget <= 0:
                     break
-            if seq.req_id not in self._seqs or chunk <= 0:
-                continue
-            chunks.append((seq, chunk))
-            extra_tokens += chunk
-            budget -= chunk
+                chunk = min(seq.total_tokens - seq.computed, budget)
+                while self.kv_blocks_used(extra_tokens + chunk) > total_blocks:
+                    if not self._preempt(self._victim(keep=seq), result):  # never the asker
+                        chunk = 0
+                        break
+                if seq.req_id not in self._seqs or chunk <= 0:
+                    continue
+                chunks.append((seq, chunk))
+                extra_tokens += chunk
+                budget -= chunk
         if not result.preempted:
             headroom = total_blocks * (1.0 - profile.watermark)
-            while self.waiting and self.num_running < profile.max_num_seqs and budget > 0:
-                seq = self.waiting[0]
+            waiting = self.waiting
+            while waiting and self.num_running < profile.max_num_seqs and budget > 0:
+                seq = waiting.peek()
                 chunk = min(seq.total_tokens - seq.computed, budget)
                 if self.kv_blocks_used(extra_tokens + chunk, 1) > headroom:
-                    break
-                self.waiting.popleft()
+                    break  # the head waits, and so does everything behind it (as in vLLM)
+                waiting.pop_next()
                 self._prefilling.append(seq)
                 self.running_by_tag[seq.tag] += 1
                 chunks.append((seq, chunk))
@@ -223,6 +230,39 @@ class Engine:
                 self._finish(done, result)
         return result
 
+    def _prefill_by_priority(
+        self, result: StepResult, budget: int, extra_tokens: int
+    ) -> tuple[list[tuple[Sequence, int]], int, int]:
+        """The prefilling sequences' chunks under vLLM's priority rules (scheduler.py, the
+        RUNNING loop of `schedule`). A chunk that cannot get its KV blocks preempts the running
+        request with the largest (priority, arrival) — which may be the one asking: then it is
+        preempted and no further running request is scheduled this step. A victim already
+        scheduled this step (a decode, an earlier chunk) gives its tokens back to the budget.
+        Returns the chunks, the budget left and the tokens they and the decodes add."""
+        chunks: dict[str, tuple[Sequence, int]] = {}
+        for seq in list(self._prefilling):
+            if budget <= 0:
+                break
+            if seq.req_id in result.preempted:
+                continue  # preempted for an earlier chunk this step
+            chunk = min(seq.total_tokens - seq.computed, budget)
+            while self.kv_blocks_used(extra_tokens + chunk) > self.profile.kv_blocks:
+                victim = self._victim()
+                assert victim is not None  # `seq` itself is running
+                if victim.req_id in self._decoding:
+                    gives_back = 1  # its decode token
+                else:  # its chunk, if it was scheduled before this one
+                    gives_back = chunks.pop(victim.req_id, (victim, 0))[1]
+                self._preempt(victim, result)
+                if victim is seq:
+                    return list(chunks.values()), budget, extra_tokens
+                extra_tokens -= gives_back
+                budget += gives_back
+            chunks[seq.req_id] = (seq, chunk)
+            extra_tokens += chunk
+            budget -= chunk
+        return list(chunks.values()), budget, extra_tokens
+
     # -- internals -------------------------------------------------------------------------
 
     def _generated(self, seq: Sequence) -> int:
@@ -258,16 +298,21 @@ class Engine:
         del self._seqs[seq.req_id]
         result.finished.append(seq)
 
-    def _preempt_latest(self, result: StepResult, keep: Sequence | None = None) -> bool:
-        """Preempt by recompute the latest-arrived running sequence (never `keep`): its KV is
-        freed and it goes back to the front of the queue to prefill prompt + output so far."""
+    def _victim(self, keep: Sequence | None = None) -> Sequence | None:
+        """The running sequence to preempt (never `keep`): the latest arrival in fcfs, the
+        largest (priority, arrival) in priority mode (scheduler.py: `max(self.running, ...)`)."""
         candidates = [s for s in (*self._prefilling, *self._decoding.values()) if s is not keep]
-        if not candidates:
+        return max(candidates, key=self._victim_key, default=None)
+
+    def _preempt(self, victim: Sequence | None, result: StepResult) -> bool:
+        """Preempt `victim` by recompute (scheduler.py, `_preempt_request`): its KV is freed and
+        it goes back to the waiting queue (fcfs: the front; priority: by its own key) to
+        prefill prompt + output so far. False when there is none to preempt."""
+        if victim is None:
             return False
-        victim = max(candidates, key=lambda s: s.order)
         self._release(victim)
         victim.computed = 0
         victim.preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.prepend(victim)
         result.preempted.append(victim.req_id)
         return True

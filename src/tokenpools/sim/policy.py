@@ -24,6 +24,7 @@ class SimRequest:
     output_tokens: int  # what the engine will generate (the simulator knows; a gateway doesn't)
     max_tokens: int
     sent_at: float
+    priority: int = 0  # the engine priority a policy sends (vLLM's: lower is served first)
 
 
 @dataclass(slots=True)

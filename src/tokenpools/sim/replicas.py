@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from tokenpools.engine.model import Engine, StepResult
 from tokenpools.engine.profile import EngineProfile
+from tokenpools.engine.queues import SchedulingPolicy
 from tokenpools.sim.policy import EndpointLoad, SimRequest
 
 
@@ -35,9 +36,12 @@ class ReplicaMeter:
 
 
 class Replicas:
-    def __init__(self, profile: EngineProfile, count: int) -> None:
+    def __init__(
+        self, profile: EngineProfile, count: int, scheduling_policy: SchedulingPolicy = "fcfs"
+    ) -> None:
         self.profile = profile
-        self.engines = [Engine(profile) for _ in range(count)]
+        self.scheduling_policy = scheduling_policy  # every engine's (vLLM's --scheduling-policy)
+        self.engines = [Engine(profile, scheduling_policy) for _ in range(count)]
         self.busy = [False] * count  # a step is under way: its end is on the timeline
         self.serving = list(range(count))  # replicas that take new requests, in index order
         self.draining: set[int] = set()  # take no new requests; released when empty
@@ -117,7 +121,12 @@ class Replicas:
                 self.serving,
                 key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
             )
-        self.engines[index].add(req.req_id, req.prompt_tokens, req.output_tokens, req.tenant)
+        # a fcfs engine refuses any priority but 0 (as vLLM says it does): only a priority
+        # engine is sent the request's
+        priority = req.priority if self.scheduling_policy == "priority" else 0
+        self.engines[index].add(
+            req.req_id, req.prompt_tokens, req.output_tokens, req.tenant, priority
+        )
         self._where[req.req_id] = index
         return index
 
@@ -167,7 +176,7 @@ class Replicas:
 
     def add(self) -> None:
         """A replica asked for serves (its cold start is over), at the pool's capacity."""
-        engine = Engine(self.profile)
+        engine = Engine(self.profile, self.scheduling_policy)
         if self.fraction != 1.0:
             engine.resize(*self.profile.limits_at(self.fraction))
         self.engines.append(engine)

@@ -217,6 +217,7 @@ class LlmdSpec(_Strict):
 class EngineSpec(_Strict):
     profile: str
     replicas: int = Field(default=1, ge=1)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # vLLM's --scheduling-policy
 
 
 class Scenario(_Strict):

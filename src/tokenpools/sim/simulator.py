@@ -61,7 +61,9 @@ class Simulation:
         }
         layered = frozenset(t.entitlement or t.name for t in scenario.tenants if t.layered)
         self.timeline = Timeline()
-        self.replicas = Replicas(self.profile, scenario.engine.replicas)
+        self.replicas = Replicas(
+            self.profile, scenario.engine.replicas, scenario.engine.scheduling_policy
+        )
         self.policy: AdmissionPolicy = make_policy(
             policy,
             self.config,
