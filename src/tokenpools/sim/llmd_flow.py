@@ -173,6 +173,8 @@ class LlmdFlowControl(AdmissionPolicy):
             self.queues.remove(req.req_id)
             self.in_flight[req.req_id] = _InFlight(req, priority, now)
             self.scrape.pick(req, now)
+            if self.spec.propagate_priority:  # vLLM serves lower values first
+                req.priority = -priority
             self.blocked = False
             return req
         self.blocked = False

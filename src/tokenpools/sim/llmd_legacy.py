@@ -29,4 +29,6 @@ class LlmdLegacyAdmission(AdmissionPolicy):
         if priority < 0 and self.scrape.saturation(now) >= 1.0:
             return Refuse("shed")  # "system saturated, sheddable request dropped"
         self.scrape.pick(req, now)
+        if self.spec.propagate_priority:  # vLLM serves lower values first
+            req.priority = -priority
         return Send()

@@ -206,6 +206,9 @@ class LlmdSpec(_Strict):
     max_revocations: Annotated[int, Field(gt=0)] = 2
     # None: derived from the detector as llm-d's runner does (sim/llmd_parts.py)
     confirmation_grace_s: NonNeg | None = None
+    # llm-d's propagatePriority (openai parser, off by default): the router writes the
+    # request's priority into the body for the engine, negated for vLLM (lower runs first)
+    propagate_priority: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> LlmdSpec:
