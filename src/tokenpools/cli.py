@@ -39,6 +39,13 @@ def main(
     """tokenpools: token-pool admission control for multi-tenant LLM inference."""
 
 
+class Scheduling(StrEnum):
+    """How the engines order their queues (vLLM's --scheduling-policy)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
 @app.command()
 def simulate(
     scenario: Annotated[
@@ -49,6 +56,10 @@ def simulate(
     ] = None,
     seed: Annotated[int | None, typer.Option(help="default: the scenario's")] = None,
     out: Annotated[Path, typer.Option(help="output folder")] = Path("out/simulate"),
+    scheduling_policy: Annotated[
+        Scheduling | None,
+        typer.Option(help="the engines' (vLLM's --scheduling-policy); default: the scenario's"),
+    ] = None,
 ) -> None:
     """Simulate one scenario under one or more admission policies."""
     from tokenpools.sim.experiments import run_scenario, write_outputs
@@ -62,6 +73,8 @@ def simulate(
         fail(f"unknown policy {unknown[0]!r} (known: {', '.join(POLICIES)})")
     try:
         loaded = load_scenario(scenario_path(scenario))
+        if scheduling_policy is not None:
+            loaded = loaded.on_engines(scheduling_policy.value)
         with progress(loaded.duration_s) as advance:
             summary, results = run_scenario(loaded, policies, seed, advance)
     except ConfigError as exc:
@@ -82,9 +95,13 @@ def experiments(
         list[str] | None, typer.Option("--policy", "-p", help="repeatable; default: all")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="default: each scenario's")] = None,
+    scheduling_policy: Annotated[
+        list[Scheduling] | None,
+        typer.Option(help="the engines' (vLLM's --scheduling-policy), repeatable; default: both"),
+    ] = None,
 ) -> None:
-    """Run every scenario of a folder (the shipped ones by default) under every policy into
-    one report."""
+    """Run every scenario of a folder (the shipped ones by default) under every policy, on
+    engines that schedule first come first served and by priority, into one report."""
     from tokenpools.sim.experiments import run_experiments
     from tokenpools.sim.policies import POLICIES
 
@@ -96,6 +113,7 @@ def experiments(
                 policy or list(POLICIES),
                 seed,
                 lambda s, p, t: advance(f"{s} {p}", t),
+                engines=[m.value for m in scheduling_policy or list(Scheduling)],
             )
     except ConfigError as exc:
         fail(str(exc))
@@ -199,9 +217,9 @@ def emulate(
         float, typer.Option(help="time runs this many times faster; 0: no delay")
     ] = 1.0,
     scheduling_policy: Annotated[
-        str,
+        Scheduling,
         typer.Option(help="vLLM's: fcfs, or priority (a body's `priority`, lower served first)"),
-    ] = "fcfs",
+    ] = Scheduling.FCFS,
 ) -> None:
     """Run an OpenAI-compatible server driven by the engine model in real time."""
     from aiohttp import web
@@ -209,14 +227,12 @@ def emulate(
     from tokenpools.emulator.app import make_app
     from tokenpools.engine.profile import ProfileError, load_profile
 
-    if scheduling_policy not in ("fcfs", "priority"):
-        fail(f"--scheduling-policy is fcfs or priority, not {scheduling_policy!r}")
     try:
         loaded = load_profile(profile)
     except ProfileError as exc:
         fail(str(exc))
     web.run_app(
-        make_app(loaded, speed, "priority" if scheduling_policy == "priority" else "fcfs"),
+        make_app(loaded, speed, scheduling_policy.value),
         host=host,
         port=port,
         handler_cancellation=True,

@@ -20,6 +20,7 @@ Progress = Callable[[str, float], None]  # (policy, simulated time)
 log = logging.getLogger("tokenpools.sim")
 STATIC_PEAK = "tokenpools-static-peak"  # tokenpools on maxReplicas throughout
 FAMILY_MEMBERS = 12  # of each generated family, in the experiments report
+ENGINES = ("fcfs", "priority")  # the engines' scheduling policies the experiments run on
 
 
 def run_scenario(
@@ -73,25 +74,39 @@ def run_experiments(
     seed: int | None = None,
     progress: Callable[[str, str, float], None] | None = None,
     family_members: int = FAMILY_MEMBERS,
+    engines: Sequence[str] = ENGINES,
 ) -> Path:
     """Every scenario in `folder` under every policy, then a slice of each generated family
-    (`family_members` members, 0 for none); one REPORT.md linking them all."""
-    sections = []
-    for path in sorted(folder.glob("*.yaml")):
-        scenario = load_scenario(path)
-        callback = None if progress is None else (lambda p, t, s=scenario.name: progress(s, p, t))
-        summary, results = run_scenario(scenario, policies, seed, callback)
-        report = write_outputs(scenario, summary, results, out / scenario.name)
-        # Figures live next to each scenario's report; point the combined report at them.
-        sections.append(re.sub(r"!\[([^\]]*)\]\(", rf"![\1]({scenario.name}/", report))
-    if family_members > 0:
-        families = run_families(policies, family_members)
+    (`family_members` members, 0 for none), on engines of each scheduling policy in `engines`
+    (fcfs: into `out`; another: into `out/<policy>-engines`); one REPORT.md linking them all,
+    families.json with each's aggregates by engine scheduling."""
+    sections, families = [], {}
+    for scheduling in engines:
+        where = Path(".") if scheduling == "fcfs" else Path(f"{scheduling}-engines")
+        sections.append(f"# Engines scheduling {scheduling}\n")
+        for path in sorted(folder.glob("*.yaml")):
+            scenario = load_scenario(path).on_engines(scheduling)
+            if progress is None:
+                callback = None
+            else:
+                shown = scenario.name if scheduling == "fcfs" else f"{scenario.name} ({scheduling})"
+                callback = lambda p, t, s=shown: progress(s, p, t)  # noqa: E731
+            summary, results = run_scenario(scenario, policies, seed, callback)
+            folder_of = where / scenario.name
+            report = write_outputs(scenario, summary, results, out / folder_of)
+            # Figures live next to each scenario's report; point the combined report at them.
+            sections.append(re.sub(r"!\[([^\]]*)\]\(", rf"![\1]({folder_of.as_posix()}/", report))
+        if family_members > 0:
+            families[scheduling] = run_families(policies, family_members, (1,), scheduling)
+            sections.append(families_report(families[scheduling], family_members, (1,), scheduling))
+    if families:
         (out / "families.json").write_text(json.dumps(families, indent=2) + "\n")
-        sections.append(families_report(families, family_members, (1,)))
     index = out / "REPORT.md"
     index.write_text(
-        "# Experiments\n\nEvery scenario of `experiments/` under every policy, written by "
-        "`tokenpools experiments`. Each scenario's folder holds its summary.json; the "
-        "generated families' aggregates are in families.json.\n\n" + "\n".join(sections)
+        "# Experiments\n\nEvery scenario of `experiments/` under every policy, on engines that "
+        "schedule first come first served (vLLM's default) and by priority (`--scheduling-policy "
+        "priority`), written by `tokenpools experiments`. Each scenario's folder holds its "
+        "summary.json; the generated families' aggregates are in families.json, by engine "
+        "scheduling.\n\n" + "\n".join(sections)
     )
     return index

@@ -20,13 +20,26 @@ CLASSES = ("dedicated", "guaranteed", "elastic", "spot", "preemptible")
 
 
 def run_families(
-    policies: Sequence[str], members: int, seeds: Sequence[int] = (1,)
+    policies: Sequence[str],
+    members: int,
+    seeds: Sequence[int] = (1,),
+    scheduling: str = "fcfs",
 ) -> dict[str, dict[str, Any]]:
-    """family → policy → the aggregate of its runs (members 0..members-1 × seeds)."""
+    """family → policy → the aggregate of its runs (members 0..members-1 × seeds), on
+    engines that schedule by `scheduling` (Scenario.on_engines)."""
     return {
-        name: {p: aggregate(run_family(range(members), seeds, [p], family)) for p in policies}
+        name: {
+            p: aggregate(run_family(range(members), seeds, [p], _on(family, scheduling)))
+            for p in policies
+        }
         for name, family in FAMILIES.items()
     }
+
+
+def _on(family: Callable[[int], Scenario], scheduling: str) -> Callable[[int], Scenario]:
+    if scheduling == "fcfs":
+        return family  # as generated
+    return lambda member: family(member).on_engines(scheduling)
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -63,9 +76,14 @@ def family_table(aggregates: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def families_report(results: dict[str, dict[str, Any]], members: int, seeds: Sequence[int]) -> str:
+def families_report(
+    results: dict[str, dict[str, Any]],
+    members: int,
+    seeds: Sequence[int],
+    scheduling: str = "fcfs",
+) -> str:
     parts = [
-        "## Generated families",
+        f"## Generated families, engines scheduling {scheduling}",
         "",
         f"Members 0–{members - 1} of each family, seeds {', '.join(map(str, seeds))}, under "
         "every policy. *Promised* phases are a protected tenant's phases within its baseline "

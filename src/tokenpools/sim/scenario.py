@@ -249,8 +249,22 @@ class Scenario(_Strict):
         return self
 
     def config(self) -> Config:
+        """The tokenpools config, its pool scheduling as the scenario's engines do (a pool that
+        says otherwise is an error: the gateway would send priorities the engine ignores)."""
+        pools = self.tokenpools.get("pools")
+        if isinstance(pools, list) and len(pools) == 1 and isinstance(pools[0], dict):
+            said = pools[0].get("schedulingPolicy", self.engine.scheduling_policy)
+            if said != self.engine.scheduling_policy:
+                raise ConfigError(
+                    f"scenario {self.name!r}: the pool's schedulingPolicy {said!r} is not the "
+                    f"engine's scheduling_policy {self.engine.scheduling_policy!r}"
+                )
+            pool = {**pools[0], "schedulingPolicy": self.engine.scheduling_policy}
+            data = {**self.tokenpools, "pools": [pool]}
+        else:
+            data = self.tokenpools
         try:
-            config = parse_config(self.tokenpools)
+            config = parse_config(data)
         except ConfigError as exc:
             raise ConfigError(f"scenario {self.name!r}, tokenpools config:\n{exc}") from None
         if len(config.pools) != 1:
@@ -274,6 +288,23 @@ class Scenario(_Strict):
                 "engine": self.engine.model_copy(update={"replicas": peak}),
                 "tokenpools": config,
                 "autoscaling": spec.model_copy(update={"enabled": False}),
+            }
+        )
+
+    def on_engines(self, scheduling: str) -> Scenario:
+        """The same scenario on engines that schedule by `scheduling` (vLLM's
+        --scheduling-policy), every policy using it as it would: tokenpools' pool follows the
+        engine (config()), and with priority engines llm-d passes its priority through."""
+        engine = EngineSpec.model_validate(
+            {**self.engine.model_dump(), "scheduling_policy": scheduling}
+        )
+        pools = [{**p, "schedulingPolicy": scheduling} for p in self.tokenpools.get("pools", [])]
+        llmd = self.llmd.model_copy(update={"propagate_priority": scheduling == "priority"})
+        return self.model_copy(
+            update={
+                "engine": engine,
+                "tokenpools": {**self.tokenpools, "pools": pools},
+                "llmd": llmd,
             }
         )
 
