@@ -35,7 +35,6 @@ PRIORITY: dict[ServiceClass, int] = {
 }
 
 
-
 def engine_priority(service_class: ServiceClass) -> int:
     """The class's priority as vLLM reads it under --scheduling-policy priority (lower is
     served first): its band negated, as llm-d's router writes it into the body."""
