@@ -34,6 +34,9 @@ class Pool:
     def endpoints(self) -> list[EndpointLoad]:
         return list(self.loads)
 
+    def endpoint(self, replica: int) -> EndpointLoad:
+        return self.loads[replica]
+
     @property
     def waiting(self) -> int:
         return sum(e.waiting for e in self.loads)
@@ -199,7 +202,7 @@ def test_the_next_revocations_wait_for_the_grace() -> None:
     assert len(policy.aftermath(0.011).evict) == 1
 
 
-# -- 4. the utilisation detector and the picker read a scrape up to 50 ms old ------------------
+# -- 4. the utilisation detector and the picker read each endpoint's last scrape -------------
 
 
 def test_the_utilisation_detector_reads_the_last_scrape_not_the_engines_now() -> None:
@@ -216,6 +219,38 @@ def test_the_utilisation_detector_reads_the_last_scrape_not_the_engines_now() ->
     live = _flow(pool, detector="concurrency")
     live.admit(_req("g"), 0.020)
     assert _drain(live, 0.020) == []
+
+
+def test_each_endpoint_is_scraped_on_its_own_timer_their_phases_spread() -> None:
+    # two endpoints from the start: scraped at ticks 0 and 25 (mod 50), llm-d's one ticker per
+    # endpoint (datalayer/runtime.go); a read between their scrapes sees one fresh, one stale
+    busy = EndpointLoad(5, 16, 16, 0.5)  # roofline 1.0
+    pool = Pool(IDLE, IDLE)
+    policy = _flow(pool)
+    first = _req("g")
+    policy.admit(first, 0.001)
+    assert len(_drain(policy, 0.001)) == 1  # both read idle at 1 ms
+    assert pool.pinned[first.req_id] == 0
+    assert policy.aftermath(0.001).wake_at == pytest.approx(0.025)  # endpoint 1's scrape
+    pool.loads = [busy, busy]
+    assert policy.scrape.read(0.010) == [IDLE, IDLE]  # neither scraped since
+    _drain(policy, 0.025)
+    assert policy.scrape.read(0.030) == [IDLE, busy]  # endpoint 1 fresh, endpoint 0 stale
+    second = _req("g")
+    policy.admit(second, 0.030)
+    assert len(_drain(policy, 0.030)) == 1  # saturation (0 + 1.0) / 2 = 0.5
+    assert pool.pinned[second.req_id] == 0  # the picker, too, reads endpoint 0 as idle
+    assert policy.aftermath(0.030).wake_at == pytest.approx(0.050)  # endpoint 0's scrape
+    policy.admit(_req("g"), 0.050)
+    assert _drain(policy, 0.050) == []  # both busy now: 1.0
+    # an endpoint that joins is read when first seen and every 50 ms from then
+    pool.loads.append(IDLE)
+    pool.serving = [0, 1, 2]
+    assert policy.scrape.read(0.0613) == [busy, busy, IDLE]
+    pool.loads[2] = busy
+    assert policy.scrape.next_window(0.070) == 75  # endpoint 1's; endpoint 2's is tick 111
+    assert policy.scrape.read(0.110)[2] == IDLE
+    assert policy.scrape.read(0.111)[2] == busy
 
 
 def test_the_picker_sends_to_the_least_loaded_endpoint_of_the_scrape() -> None:

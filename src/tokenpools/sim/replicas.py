@@ -87,6 +87,11 @@ class Replicas:
             for e in (self.engines[i] for i in self.serving)
         ]
 
+    def endpoint(self, replica: int) -> EndpointLoad:
+        """One replica as a picker reads it (llm-d scrapes each on its own timer)."""
+        e = self.engines[replica]
+        return EndpointLoad(e.num_waiting, e.num_running, e.profile.max_num_seqs, e.kv_usage)
+
     # -- what samples and phases record -------------------------------------------------------
 
     @property
