@@ -46,12 +46,17 @@ def run_scenario(
 
 
 def write_outputs(
-    scenario: Scenario, summary: dict[str, Any], results: list[RunResult], out: Path
+    scenario: Scenario,
+    summary: dict[str, Any],
+    results: list[RunResult],
+    out: Path,
+    figures: bool = True,
 ) -> str:
-    """Write summary.json, report.md and the figures into `out`; return the report text."""
+    """Write summary.json, report.md and (unless `figures` is False) the figures into `out`;
+    return the report text."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    written = write_figures(results, out)
+    written = write_figures(results, out) if figures else []
     report = scenario_report(scenario, summary, [p.name for p in written])
     (out / "report.md").write_text(report)
     return report
@@ -93,7 +98,11 @@ def run_experiments(
                 callback = lambda p, t, s=shown: progress(s, p, t)  # noqa: E731
             summary, results = run_scenario(scenario, policies, seed, callback)
             folder_of = where / scenario.name
-            report = write_outputs(scenario, summary, results, out / folder_of)
+            # figures for the fcfs run only: the priority run's would double the report's size
+            # for curves its tables already compare
+            report = write_outputs(
+                scenario, summary, results, out / folder_of, figures=scheduling == "fcfs"
+            )
             # Figures live next to each scenario's report; point the combined report at them.
             sections.append(re.sub(r"!\[([^\]]*)\]\(", rf"![\1]({folder_of.as_posix()}/", report))
         if family_members > 0:
