@@ -11,8 +11,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from tokenpools.cli import Scheduling
 from tokenpools.model.config import ConfigError
 from tokenpools.model.objectives import engine_priority
+from tokenpools.model.pool import SCHEDULING_POLICIES
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.shipped import SCENARIOS
 from tokenpools.sim.experiments import run_experiments
@@ -95,3 +97,7 @@ def test_on_priority_engines_llm_d_passes_its_priority_through() -> None:
         back.llmd.propagate_priority is False
         and back.config().pools["qwen3-8b"].scheduling_policy == "fcfs"
     )
+
+
+def test_the_cli_offers_the_scheduling_policies_the_config_declares() -> None:
+    assert tuple(s.value for s in Scheduling) == SCHEDULING_POLICIES

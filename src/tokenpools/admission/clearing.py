@@ -16,7 +16,8 @@ from typing import Any
 
 from tokenpools.control.decisions import Admit
 from tokenpools.control.views import EntitlementView
-from tokenpools.model.objectives import engine_priority
+from tokenpools.model.objectives import carried_priority
+from tokenpools.model.pool import SchedulingPolicy
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.openai_api import (
     CHAT,
@@ -72,14 +73,17 @@ ENGINE_PRIORITY = "priority"
 
 
 def write_priority(
-    path: str, body: dict[str, Any], scheduling_policy: str, service_class: ServiceClass
+    path: str,
+    body: dict[str, Any],
+    scheduling_policy: SchedulingPolicy,
+    service_class: ServiceClass,
 ) -> bool:
     """The engine's `priority` is the gateway's to set, never the client's (a tenant that set
     its own would jump the engine's queue): the class's on a chat or completions request to a
     pool whose engines schedule by priority; removed otherwise (vLLM in fcfs mode refuses a
     non-zero one). Returns whether the body changed."""
-    if scheduling_policy == "priority" and path in (CHAT, COMPLETIONS):
-        value = engine_priority(service_class)
+    value = carried_priority(scheduling_policy, service_class)
+    if value is not None and path in (CHAT, COMPLETIONS):
         if body.get(ENGINE_PRIORITY) == value and type(body[ENGINE_PRIORITY]) is int:
             return False
         body[ENGINE_PRIORITY] = value

@@ -25,13 +25,13 @@ from operator import attrgetter
 
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.engine.queues import (
-    POLICIES,
     FcfsQueue,
     PriorityQueue,
     SchedulingPolicy,
     priority_refusal,
 )
 from tokenpools.engine.sequence import Sequence, StepResult, by_priority_then_order
+from tokenpools.model.pool import SCHEDULING_POLICIES
 
 __all__ = ["Engine", "Sequence", "StepResult"]  # the engine's face: what a step reports
 
@@ -40,7 +40,7 @@ class Engine:
     def __init__(
         self, profile: EngineProfile, scheduling_policy: SchedulingPolicy = "fcfs"
     ) -> None:
-        if scheduling_policy not in POLICIES:
+        if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"Unknown scheduling policy: {scheduling_policy}")
         self.profile = profile
         self.scheduling_policy = scheduling_policy

@@ -11,12 +11,11 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterator
-from typing import Literal
 
 from tokenpools.engine.sequence import Sequence, by_priority_then_order
+from tokenpools.model.pool import SchedulingPolicy
 
-SchedulingPolicy = Literal["fcfs", "priority"]
-POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
+__all__ = ["FcfsQueue", "PriorityQueue", "SchedulingPolicy", "priority_refusal"]
 
 
 def priority_refusal(policy: SchedulingPolicy, priority: int) -> str | None:

@@ -8,7 +8,7 @@ Kubernetes CRDs are generated from these same classes.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
@@ -17,7 +17,7 @@ from tokenpools.model.budgets_schema import BudgetSpec, PricesSpec, UsageSpec
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.identity_schema import TenantSpec
 from tokenpools.model.keys import is_key_hash
-from tokenpools.model.pool import Backend, CapacityFeedback, Pool
+from tokenpools.model.pool import Backend, CapacityFeedback, Pool, SchedulingPolicy
 from tokenpools.model.profile import BUILTIN_PROFILES, ModelProfile
 from tokenpools.model.resources import Resources
 from tokenpools.model.schema_base import NonNeg, Pos, Strict
@@ -122,7 +122,7 @@ class PoolSpec(Strict):
     prices: PricesSpec | None = None  # what tokens cost, for budgets in money and the ledger
     # the engines' --scheduling-policy (vLLM): with "priority" each admitted request carries its
     # class's priority in the body (`priority`, lower first), and a client's own is overwritten
-    schedulingPolicy: Literal["fcfs", "priority"] = "fcfs"
+    schedulingPolicy: SchedulingPolicy = "fcfs"
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import re
 
+from tokenpools.model.pool import SchedulingPolicy
 from tokenpools.model.service_class import ServiceClass
 
 # llm-d reads these off the request (pkg/epp: the objective's name, and the flow's fairness key)
@@ -39,6 +40,15 @@ def engine_priority(service_class: ServiceClass) -> int:
     """The class's priority as vLLM reads it under --scheduling-policy priority (lower is
     served first): its band negated, as llm-d's router writes it into the body."""
     return -PRIORITY[service_class]
+
+
+def carried_priority(
+    scheduling_policy: SchedulingPolicy, service_class: ServiceClass
+) -> int | None:
+    """The engine priority an admitted request of the class carries to engines that schedule
+    by `scheduling_policy`; None: it carries none (a fcfs engine orders by arrival). The gateway
+    writes it into the body (admission/clearing.py), the simulator hands it to its engines."""
+    return engine_priority(service_class) if scheduling_policy == "priority" else None
 
 
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from tokenpools.model.budgets import Prices
 from tokenpools.model.profile import ModelProfile
@@ -35,6 +36,12 @@ class CapacityFeedback:
     interval_s: float = 2.0
 
 
+# How a pool's engines order their queues: vLLM's --scheduling-policy. One declaration for the
+# config, the engine model, the simulator's scenarios and the emulator.
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
+
+
 @dataclass(frozen=True, slots=True)
 class Pool:
     name: str
@@ -53,7 +60,7 @@ class Pool:
     prices: Prices = field(default_factory=Prices)  # micro-units per million tokens
     # how the pool's engines order their queues (vLLM's --scheduling-policy): "priority" has
     # the gateway write each admitted request's class priority into its body
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     @property
     def models(self) -> tuple[str, ...]:

@@ -37,8 +37,7 @@ def run_families(
 
 
 def _on(family: Callable[[int], Scenario], scheduling: str) -> Callable[[int], Scenario]:
-    if scheduling == "fcfs":
-        return family  # as generated
+    """The family's members on engines that schedule by `scheduling`."""
     return lambda member: family(member).on_engines(scheduling)
 
 

@@ -82,10 +82,7 @@ class Replicas:
     def endpoints(self) -> list[EndpointLoad]:
         """The serving replicas as a picker reads them, without scrape lag: a request handed
         to an engine counts as waiting at once (docs/simulation.md, llm-d)."""
-        return [
-            EndpointLoad(e.num_waiting, e.num_running, e.profile.max_num_seqs, e.kv_usage)
-            for e in (self.engines[i] for i in self.serving)
-        ]
+        return [self.endpoint(i) for i in self.serving]
 
     def endpoint(self, replica: int) -> EndpointLoad:
         """One replica as a picker reads it (llm-d scrapes each on its own timer)."""

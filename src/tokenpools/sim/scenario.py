@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokenpools.model.config import Config, ConfigError, parse_config
+from tokenpools.model.pool import SchedulingPolicy
 
 NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Pos = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -220,7 +221,7 @@ class LlmdSpec(_Strict):
 class EngineSpec(_Strict):
     profile: str
     replicas: int = Field(default=1, ge=1)
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # vLLM's --scheduling-policy
+    scheduling_policy: SchedulingPolicy = "fcfs"  # vLLM's --scheduling-policy
 
 
 class Scenario(_Strict):

@@ -9,7 +9,7 @@ from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Decision
 from tokenpools.control.tenancy import Directory
 from tokenpools.model.config import Config
-from tokenpools.model.objectives import engine_priority
+from tokenpools.model.objectives import carried_priority
 from tokenpools.model.request import Account, RequestCost, Usage
 from tokenpools.model.resources import Resources
 from tokenpools.sim.policy import (
@@ -47,7 +47,7 @@ class TokenPools(AdmissionPolicy):
         self.core = DecisionCore(self._current(), self.store, now=now)
         self.pool = next(iter(config.pools))
         self.per_replica = config.pools[self.pool].per_replica
-        self.by_priority = config.pools[self.pool].scheduling_policy == "priority"
+        self.scheduling = config.pools[self.pool].scheduling_policy
         self.replicas = config.pools[self.pool].replicas
         self.capacity_now = self.per_replica  # after capacity events
         self.tenant_of: dict[str, str] = {}  # entitlement → tenant
@@ -79,9 +79,10 @@ class TokenPools(AdmissionPolicy):
     def admit(self, req: SimRequest, now: float) -> Verdict:
         decision = self.decide(req, now)
         if isinstance(decision, Admit):
-            if self.by_priority:  # what the gateway writes into the body (admission/clearing)
-                charged = self.config.entitlements[decision.lease.entitlement]
-                req.priority = engine_priority(charged.service_class)
+            charged = self.config.entitlements[decision.lease.entitlement]
+            carried = carried_priority(self.scheduling, charged.service_class)
+            if carried is not None:  # what the gateway writes into the body
+                req.priority = carried
             return Send([lease.lease_id for lease in decision.evict])
         return Refuse(decision.reason.value, decision.retry_after_s)
 
