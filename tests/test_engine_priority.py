@@ -195,9 +195,9 @@ def test_fcfs_refuses_a_priority_as_vllm_says_and_unknown_policies_are_refused()
 
 
 def test_fcfs_runs_the_trace_it_ran_before_priority_scheduling() -> None:
-    """The steps with events of a KV-tight fcfs run, as the engine produced them before the
-    scheduling policy existed (the shipped experiments stay byte-identical too)."""
-    engine = Engine(tiny(kv_blocks=12, max_num_batched_tokens=48))
+    """The steps with events of a KV-tight fcfs run without prefix caching, as the engine
+    produced them before the scheduling policy and the prefix cache existed."""
+    engine = Engine(tiny(kv_blocks=12, max_num_batched_tokens=48, prefix_caching=False))
     for i, (prompt, output) in enumerate([(40, 30), (20, 50), (60, 10), (30, 40), (10, 20)]):
         engine.add(f"r{i}", prompt, output)
     trace = steps(engine, 53)

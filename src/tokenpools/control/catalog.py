@@ -16,14 +16,13 @@ from tokenpools.control import plans
 from tokenpools.control.backfill import BORROWERS, first_claim, rescaled
 from tokenpools.control.binding import bind, external_states
 from tokenpools.control.budgets import Budgets
-from tokenpools.control.eviction import may_evict
+from tokenpools.control.eviction import is_lent, may_evict
 from tokenpools.control.priority import priority, slo_reference
 from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
 from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.pool import Pool
-from tokenpools.model.service_class import ServiceClass
 
 
 class Catalog:
@@ -140,7 +139,7 @@ class Catalog:
                     state=state,
                     plan=plan,
                     own_bucket=own,
-                    preemptible=ent.service_class == ServiceClass.PREEMPTIBLE,
+                    preemptible=is_lent(ent.service_class, policy),
                     protected=ent.protected,
                     default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
                     size_limit_tokens=limit_tokens,

@@ -7,11 +7,23 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 from tokenpools.control.store import Lease, PoolCounters, ReservePlan
+from tokenpools.model.policy import Policy
 from tokenpools.model.service_class import PROTECTED, ServiceClass
 
 # An elastic entitlement under-served by more than this (debt, a fraction of its baseline) is
 # owed capacity. Not 0: debt decays geometrically, so any past shortfall stays above 0.
 OWED_DEBT = 0.01
+
+
+def is_lent(service_class: ServiceClass, policy: Policy) -> bool:
+    """Whether a class's requests run on lent capacity: they may fill what the pool owes
+    others (unused protected baselines included), and are taken back when an owner needs it.
+    Preemptible work always is (taking it back ends it); spot work too where taking back
+    suspends instead (docs/decisions.md, "Lending, and taking back"): a suspended spot request
+    loses nothing but time, so there is no reason to keep it off idle capacity."""
+    if service_class == ServiceClass.PREEMPTIBLE:
+        return True
+    return policy.suspend and service_class == ServiceClass.SPOT
 
 
 def may_evict(service_class: ServiceClass, debt: float) -> bool:

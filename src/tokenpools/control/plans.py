@@ -18,6 +18,7 @@ The capacity rules, per dimension, with C the pool capacity and o = overcommit Ã
 from __future__ import annotations
 
 from tokenpools.control.backfill import BORROWERS
+from tokenpools.control.eviction import is_lent
 from tokenpools.control.store import INF, BucketSpec, ReservePlan
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.policy import Policy
@@ -45,6 +46,16 @@ def own_bucket(ent: Entitlement, policy: Policy) -> BucketSpec:
     return BucketSpec(rate, rate * policy.burst_window_s)
 
 
+def leaves_claims(pool: Pool, policy: Policy) -> bool:
+    """Whether surplus work leaves the others' claims free (control/backfill.py). Not where
+    taking back suspends and the engines schedule by priority: there an owner's request is
+    prefilled before lent work and the lent work it displaces is suspended, not lost, so
+    holding capacity back in advance buys nothing (docs/decisions.md, "Lending, and taking
+    back", with the measurements). On fcfs engines an owner's prefill queues behind lent
+    prefills: the claims keep its TTFT."""
+    return not (policy.suspend and pool.scheduling_policy == "priority")
+
+
 def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> ReservePlan:
     cap = pool.capacity
     over = 1.0 + policy.overcommit
@@ -61,7 +72,7 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         not ent.protected and ceiling is not None and ceiling.throughput < INF
     )
     reserved = ent.protected and bound
-    preemptible = ent.service_class == ServiceClass.PREEMPTIBLE
+    preemptible = is_lent(ent.service_class, policy)  # never holds what others are owed
     return ReservePlan(
         ent_concurrency=ent_concurrency,
         ent_kv=ent_kv,
@@ -78,7 +89,7 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         shared_kv=cap.kv_tokens,
         nonpreemptible_concurrency=INF if preemptible else cap.concurrency,
         nonpreemptible_kv=INF if preemptible else cap.kv_tokens,
-        surplus=ent.service_class in BORROWERS,
+        surplus=ent.service_class in BORROWERS and leaves_claims(pool, policy),
         shared_bucket_floor=0.0,
         nonpreemptible_bucket_floor=-lend * depth,
         contended_concurrency=cap.concurrency * (1.0 - policy.headroom),

@@ -15,6 +15,10 @@ The scheduling policy is vLLM's `--scheduling-policy` (vllm/v1/core/sched/schedu
 "priority" serves it by (priority, arrival), lower first, and preempts the running request with
 the largest (priority, arrival). Either way only a running request that cannot get KV blocks
 preempts; a waiting one waits (docs/simulation.md, "The engine's scheduling policy").
+
+With prefix caching on (vLLM v1's default), the KV a request leaves behind stays cached in the
+free blocks until allocations overwrite it (engine/prefix_cache.py): a request that continues
+it (a resumed request, a preempted one scheduled again) prefills only what was lost.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import heapq
 from collections import Counter
 from operator import attrgetter
 
+from tokenpools.engine.prefix_cache import PrefixCache
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.engine.queues import (
     FcfsQueue,
@@ -65,12 +70,21 @@ class Engine:
         # token per step, so only changes of their number need bookkeeping.
         self._tokens_by_tag: Counter[str] = Counter()
         self._tag_since: dict[str, int] = {}
+        self.cache = PrefixCache(profile.block_size) if profile.prefix_caching else None
 
     # -- requests in and out ---------------------------------------------------------------
 
     def add(
-        self, req_id: str, prompt_tokens: int, output_tokens: int, tag: str = "", priority: int = 0
+        self,
+        req_id: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        tag: str = "",
+        priority: int = 0,
+        prefix: str = "",
     ) -> None:
+        """`prefix`: the prefix-cache key of what the prompt continues (a resumed request's
+        original); by default the request's own id (its own KV, should it be preempted)."""
         if req_id in self._seqs:
             raise ValueError(f"request {req_id!r} is already in the engine")
         if prompt_tokens < 1 or output_tokens < 1:
@@ -78,7 +92,15 @@ class Engine:
         if refusal := priority_refusal(self.scheduling_policy, priority):
             raise ValueError(refusal)
         self._order += 1
-        seq = Sequence(req_id, tag, prompt_tokens, output_tokens, self._order, priority)
+        seq = Sequence(
+            req_id,
+            tag,
+            prompt_tokens,
+            output_tokens,
+            self._order,
+            priority,
+            prefix=prefix or req_id,
+        )
         self._seqs[req_id] = seq
         self.waiting.add(seq)
 
@@ -106,6 +128,8 @@ class Engine:
             self.num_running and self.kv_blocks_used() > kv_blocks
         ):
             self._preempt(self._victim(), result)
+        if self.cache is not None:
+            self.cache.trim(kv_blocks - self.kv_blocks_used())
         return result.preempted
 
     def output_tokens_by_tag(self) -> dict[str, int]:
@@ -118,6 +142,10 @@ class Engine:
         since = self._tag_since.get(tag, self.step_count)
         self._tokens_by_tag[tag] += self.decoding_by_tag[tag] * (self.step_count - since)
         self._tag_since[tag] = self.step_count
+
+    def sequence(self, req_id: str) -> Sequence | None:
+        """A request the engine holds (read-only: the engine's own record)."""
+        return self._seqs.get(req_id)
 
     def generated(self, req_id: str) -> int:
         seq = self._seqs.get(req_id)
@@ -180,12 +208,17 @@ class Engine:
         if not result.preempted:
             headroom = total_blocks * (1.0 - profile.watermark)
             waiting = self.waiting
+            cache = self.cache
             while waiting and self.num_running < profile.max_num_seqs and budget > 0:
                 seq = waiting.peek()
-                chunk = min(seq.total_tokens - seq.computed, budget)
-                if self.kv_blocks_used(extra_tokens + chunk, 1) > headroom:
+                hit = 0 if cache is None else cache.peek(seq.prefix, seq.total_tokens)
+                chunk = min(seq.total_tokens - hit, budget)
+                if self.kv_blocks_used(extra_tokens + hit + chunk, 1) > headroom:
                     break  # the head waits, and so does everything behind it (as in vLLM)
                 waiting.pop_next()
+                if cache is not None:  # its cached blocks are in use again
+                    seq.computed = seq.cached = cache.take(seq.prefix, seq.total_tokens)
+                    self.kv_tokens += seq.computed
                 self._prefilling.append(seq)
                 self.running_by_tag[seq.tag] += 1
                 chunks.append((seq, chunk))
@@ -218,6 +251,8 @@ class Engine:
                     self.decoding_by_tag[seq.tag] += 1
                     finish_at = step + seq.output_tokens - seq.generated
                     heapq.heappush(self._finish_heap, (finish_at, seq.order, seq.req_id))
+        if self.cache is not None:  # this step's allocations overwrite cached blocks
+            self.cache.trim(self.profile.kv_blocks - self.kv_blocks_used())
         heap = self._finish_heap
         while heap and heap[0][0] <= step:
             _, order, req_id = heapq.heappop(heap)
@@ -292,6 +327,8 @@ class Engine:
         self.running_by_tag[seq.tag] -= 1
         self._settle_progress(seq)
         self.kv_tokens -= seq.computed
+        if self.cache is not None:  # its blocks are free, their contents kept
+            self.cache.keep(seq.prefix, seq.computed)
 
     def _finish(self, seq: Sequence, result: StepResult) -> None:
         self._release(seq)

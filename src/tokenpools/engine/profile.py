@@ -27,6 +27,7 @@ class EngineProfile(BaseModel):
     prefill_s_per_token: float = Field(ge=0)
     decode_s_per_seq: float = Field(ge=0)
     kv_read_s_per_token: float = Field(default=0.0, ge=0)
+    prefix_caching: bool = True  # vLLM v1's default (engine/prefix_cache.py)
 
     @property
     def kv_tokens(self) -> int:

@@ -17,6 +17,8 @@ class Sequence:
     computed: int = 0  # tokens with KV, as of `base_step` while decoding
     base_step: int = -1  # -1: not decoding
     preemptions: int = 0
+    prefix: str = ""  # the prefix cache's key of what it continues ("": its own id)
+    cached: int = 0  # prompt tokens served from the prefix cache when it last started
 
     @property
     def total_tokens(self) -> int:

@@ -11,6 +11,17 @@ def _default_weights() -> dict[ServiceClass, float]:
     return {cls: sem.weight for cls, sem in CLASS_SEMANTICS.items()}
 
 
+def _default_deadlines() -> dict[ServiceClass, float]:
+    # Batch-like classes wait long for room; interactive ones about a client's patience.
+    return {
+        ServiceClass.DEDICATED: 60.0,
+        ServiceClass.GUARANTEED: 60.0,
+        ServiceClass.ELASTIC: 120.0,
+        ServiceClass.SPOT: 300.0,
+        ServiceClass.PREEMPTIBLE: 600.0,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     class_weights: dict[ServiceClass, float] = field(default_factory=_default_weights)
@@ -37,3 +48,8 @@ class Policy:
     retry_after_min_s: float = 1.0
     retry_after_max_s: float = 60.0
     retry_after_jitter: float = 0.2  # ± fraction, derived from the request id
+    # Lent work taken back is suspended (kept, resumed when room returns) rather than ended
+    # (docs/decisions.md, "Lending, and taking back"); one suspended longer than its class's
+    # deadline here ends as an evicted request does.
+    suspend: bool = True
+    suspend_deadline_s: dict[ServiceClass, float] = field(default_factory=_default_deadlines)

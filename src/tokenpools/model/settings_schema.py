@@ -35,6 +35,8 @@ class PolicySpec(Strict):
     retryAfterMinS: Pos = 1.0
     retryAfterMaxS: Pos = 60.0
     retryAfterJitter: Fraction = 0.2
+    suspend: bool = True
+    suspendDeadlineS: dict[ServiceClass, Pos] = {}
 
     @model_validator(mode="after")
     def _check(self) -> PolicySpec:
@@ -65,6 +67,8 @@ class PolicySpec(Strict):
             retry_after_min_s=self.retryAfterMinS,
             retry_after_max_s=self.retryAfterMaxS,
             retry_after_jitter=self.retryAfterJitter,
+            suspend=self.suspend,
+            suspend_deadline_s=Policy().suspend_deadline_s | dict(self.suspendDeadlineS),
         )
 
 

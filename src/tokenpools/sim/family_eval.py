@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.sim.family import family_scenario, protected_phases
-from tokenpools.sim.metrics import summarize
+from tokenpools.sim.metrics import percentile, summarize
 from tokenpools.sim.scenario import Scenario
 from tokenpools.sim.simulator import simulate
 
@@ -50,6 +50,15 @@ class MemberRun:
     jain_index: float | None = None  # the summary's fairness measures (sim/fairness.py)
     service_difference: float | None = None  # VTC's, worst class, worst window
     slo_attainment: tuple[tuple[str, float | None], ...] = ()  # per class
+    # suspension, over every tenant: attempts suspended, each one's time suspended in all,
+    # prompt tokens prefilled again by continuations against all prompt tokens admitted, and
+    # output tokens thrown away (ended attempts) against all generated
+    suspended_s: tuple[float, ...] = ()
+    suspensions: int = 0
+    recomputed_tokens: int = 0
+    prompt_tokens: int = 0
+    thrown_away_tokens: int = 0
+    output_tokens: int = 0
 
     @property
     def completed_per_admitted(self) -> float | None:
@@ -80,6 +89,8 @@ def run_member(
     )
     fairness = block["fairness"]
     diff = fairness["vtc_service_difference"]
+    admitted = [a for a in result.attempts if a.outcome not in ("rejected", "pending")]
+    suspended = [a for a in admitted if a.suspensions]
     checks = []
     for pp in protected_phases(scenario):
         m = block["tenants"][pp.tenant]["phases"][pp.phase]
@@ -108,6 +119,12 @@ def run_member(
         fairness["jain_index"],
         None if diff is None else diff["max"],
         tuple(fairness["slo_attainment"].items()),
+        tuple(a.suspended_s for a in suspended),
+        sum(a.suspensions for a in suspended),
+        sum(a.recomputed_tokens for a in suspended),
+        sum(a.req.prompt_tokens for a in admitted),
+        sum(a.output_tokens for a in admitted if a.outcome == "evicted"),
+        sum(a.output_tokens for a in admitted),
     )
 
 
@@ -153,11 +170,29 @@ def aggregate(runs: Sequence[MemberRun]) -> dict[str, Any]:
         "surplus_goodput_tok_s": round(statistics.fmean(r.surplus_goodput for r in runs), 2),
         "jain_index_mean": _mean([r.jain_index for r in runs]),
         "service_difference_mean": _mean([r.service_difference for r in runs]),
+        "suspensions": sum(r.suspensions for r in runs),
+        "suspended_p50_s": _percentile([x for r in runs for x in r.suspended_s], 50),
+        "suspended_p99_s": _percentile([x for r in runs for x in r.suspended_s], 99),
+        "recomputed_prompt_share": _share(
+            sum(r.recomputed_tokens for r in runs), sum(r.prompt_tokens for r in runs)
+        ),
+        "thrown_away_output_share": _share(
+            sum(r.thrown_away_tokens for r in runs), sum(r.output_tokens for r in runs)
+        ),
         "slo_attainment": {
             cls: _mean([dict(r.slo_attainment).get(cls) for r in runs])
             for cls in sorted({c for r in runs for c, _ in r.slo_attainment})
         },
     }
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    value = percentile(values, q)
+    return None if value is None else round(value, 3)
+
+
+def _share(part: int, whole: int) -> float | None:
+    return round(part / whole, 5) if whole else None
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

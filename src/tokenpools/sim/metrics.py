@@ -44,8 +44,15 @@ def tenant_metrics(
     good = 0
     counts: dict[str, int] = defaultdict(int)
     wasted = [0.0, 0.0, 0.0]  # output tokens, slot-seconds, KV-token-seconds of evictions
+    suspended_s: list[float] = []  # per suspended attempt, its time suspended in all
+    recomputed = resumed = 0
     for a in attempts:
         counts[a.outcome] += 1
+        if a.suspensions:
+            suspended_s.append(a.suspended_s)
+            counts["suspensions"] += a.suspensions
+            recomputed += a.recomputed_tokens
+            resumed += a.resumes
         if a.outcome == "evicted":
             wasted[0] += a.output_tokens
             wasted[1] += a.wasted_slot_s
@@ -92,6 +99,12 @@ def tenant_metrics(
         "wasted_output_tokens": int(wasted[0]),
         "wasted_slot_s": _r(wasted[1]),
         "wasted_kv_token_s": _r(wasted[2]),
+        "suspended": len(suspended_s),  # attempts suspended at least once
+        "suspensions": counts["suspensions"],
+        "resumed": resumed,  # continuations admitted
+        "suspended_p50_s": _r(percentile(suspended_s, 50)),
+        "suspended_p99_s": _r(percentile(suspended_s, 99)),
+        "recomputed_prompt_tokens": recomputed,  # prefilled again by continuations
         "output_tok_s": _r(output_tokens / seconds if seconds > 0 else 0.0),
         "goodput_rps": _r(good / seconds if seconds > 0 else 0.0),
         "new_requests": new,

@@ -25,6 +25,22 @@ class SimRequest:
     max_tokens: int
     sent_at: float
     priority: int = 0  # the engine priority a policy sends (vLLM's: lower is served first)
+    continues: str = ""  # a resumed request: the id of the request it continues ("": none)
+
+    def continuation(self, req_id: str, generated: int, now: float) -> SimRequest:
+        """The request that resumes this one after `generated` output tokens: its prompt is
+        the original and the text so far, it asks for what is left (sim/suspension.py)."""
+        return SimRequest(
+            req_id,
+            self.tenant,
+            self.entitlement,
+            self.prompt_tokens + generated,
+            self.output_tokens - generated,
+            self.max_tokens - generated,
+            now,
+            self.priority,
+            continues=self.continues or self.req_id,
+        )
 
 
 @dataclass(slots=True)
@@ -97,9 +113,17 @@ class TenantLimits:
 class AdmissionPolicy:
     name = "none"
     holds_requests = False  # keeps attempts and releases them through `dispatch`
+    # What an eviction does to the attempts it takes back: end them (the client retries), or
+    # suspend them (kept, and resumed through `admit` when it admits their continuation).
+    suspends = False
 
     def admit(self, req: SimRequest, now: float) -> Verdict:
         return Send()
+
+    def suspend_deadline_s(self, req: SimRequest) -> float:
+        """How long a suspended attempt may wait to resume before it ends (policies that
+        suspend)."""
+        return 0.0
 
     def dispatch(self, now: float, free_slots: int) -> list[SimRequest]:
         """Queued attempts to send now. The host calls it again after sending them, until it

@@ -64,6 +64,12 @@ class Attempt:
     # What an evicted attempt held for nothing: its time in the engine and ∫ its KV dt.
     wasted_slot_s: float = 0.0
     wasted_kv_token_s: float = 0.0
+    # Suspension (a policy that suspends): how often, for how long in all, and the prompt
+    # tokens its continuations prefilled again (not served from the engine's prefix cache).
+    suspensions: int = 0
+    resumes: int = 0
+    suspended_s: float = 0.0
+    recomputed_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from tokenpools.engine.model import Engine, StepResult
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.engine.queues import SchedulingPolicy
 from tokenpools.sim.policy import EndpointLoad, SimRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """What an aborted request had done on its replica: output tokens generated, and prompt
+    tokens prefilled (not served from the prefix cache)."""
+
+    generated: int
+    prefilled: int
 
 
 class ReplicaMeter:
@@ -50,6 +60,10 @@ class Replicas:
         self.meter = ReplicaMeter(count, 0.0)
         self._where: dict[str, int] = {}  # request id → the replica it was routed to
         self._pinned: dict[str, int] = {}  # request id → the replica a policy's picker chose
+        # Aborts asked for during a replica's step: vLLM frees an aborted request's slot and
+        # blocks when the step under way ends (its engine core loop handles aborts between
+        # steps), so the room an abort makes comes one step later.
+        self._aborting: dict[int, list[str]] = {}
 
     # -- the cluster, as policies see it ----------------------------------------------------
 
@@ -119,37 +133,53 @@ class Replicas:
         fewest requests (the lowest index among equals); returns that replica."""
         index = self._pinned.pop(req.req_id, None) if self._pinned else None
         if index is None or index in self.draining or index in self.released:
-            index = min(
-                self.serving,
-                key=lambda i: (self.engines[i].num_running + self.engines[i].num_waiting, i),
-            )
+            index = min(self.serving, key=lambda i: (self._load(i), i))
         # a fcfs engine refuses any priority but 0 (as vLLM says it does): only a priority
         # engine is sent the request's
         priority = req.priority if self.scheduling_policy == "priority" else 0
         self.engines[index].add(
-            req.req_id, req.prompt_tokens, req.output_tokens, req.tenant, priority
+            req.req_id, req.prompt_tokens, req.output_tokens, req.tenant, priority, req.continues
         )
         self._where[req.req_id] = index
         return index
+
+    def _load(self, index: int) -> int:
+        """Requests on a replica, those it is aborting not counted (the router closed their
+        connections: it knows they are going)."""
+        engine = self.engines[index]
+        return engine.num_running + engine.num_waiting - len(self._aborting.get(index, ()))
 
     def finished(self, req_id: str) -> None:
         """A request's engine reported it finished: it is no longer on a replica."""
         self._where.pop(req_id, None)
 
-    def abort(self, req_id: str) -> int:
-        """Take a request off its replica; returns the output tokens it had generated (0 when
-        no replica holds it)."""
+    def where(self, req_id: str) -> int | None:
+        """The replica a request is on (None: none)."""
+        return self._where.get(req_id)
+
+    def abort(self, req_id: str) -> Aborted:
+        """Take a request off its replica: at once if the replica is between steps, else when
+        its step ends. Returns what it had done (nothing when no replica holds it)."""
         index = self._where.pop(req_id, None)
         if index is None:
-            return 0
-        generated = self.engines[index].generated(req_id)
-        self.engines[index].abort(req_id)
-        return generated
+            return Aborted(0, 0)
+        engine = self.engines[index]
+        seq = engine.sequence(req_id)
+        generated = engine.generated(req_id)
+        started = seq is not None and (generated > 0 or seq.computed > 0 or seq.base_step >= 0)
+        prefilled = seq.prompt_tokens - seq.cached if seq is not None and started else 0
+        if self.busy[index]:
+            self._aborting.setdefault(index, []).append(req_id)
+        else:
+            engine.abort(req_id)
+        return Aborted(generated, prefilled)
 
     def step(self, index: int, now: float) -> StepResult | None:
         """Start a replica's next engine step; None when it has no work (it is idle then, and
         released if it was draining). The caller schedules the step's end."""
         engine = self.engines[index]
+        for req_id in self._aborting.pop(index, ()):
+            engine.abort(req_id)  # a no-op if it finished in the step that just ended
         if not engine.has_work:
             self.busy[index] = False
             if index in self.draining:

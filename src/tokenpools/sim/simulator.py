@@ -173,13 +173,14 @@ class Simulation:
         self.policy.join(entitlement, self.timeline.now)
 
     def _leave(self, entitlement: str) -> None:
-        self.in_flight.evict_all(self.policy.leave(entitlement, self.timeline.now))
+        self.in_flight.end_all(self.policy.leave(entitlement, self.timeline.now))
 
     def _tick(self) -> None:
         now = self.timeline.now
-        self.in_flight.evict_all(self.policy.tick(now))
+        self.in_flight.end_all(self.policy.tick(now))  # leases expired: nobody settled them
         if self.policy.holds_requests:
             self.in_flight.aftermath()
+        self.in_flight.suspension.resume()
         self.timeline.at(now + 0.5, self._tick)
 
     def _sample(self) -> None:

@@ -43,6 +43,7 @@ class TokenPools(AdmissionPolicy):
             ent = config.entitlements[name]
             self.layers[name] = directory.layers(ent.tenant_id)[ent.pool]
         self.absent = set(absent)  # entitlements not created yet
+        self.suspends = config.policy.suspend
         self.store = MemoryStore()
         self.core = DecisionCore(self._current(), self.store, now=now)
         self.pool = next(iter(config.pools))
@@ -93,8 +94,14 @@ class TokenPools(AdmissionPolicy):
         names = self.layers.get(req.entitlement, (req.entitlement,))
         return self.core.admit(names, cost, now, req.req_id)
 
+    def suspend_deadline_s(self, req: SimRequest) -> float:
+        cls = self.config.entitlements[req.entitlement].service_class
+        return self.config.policy.suspend_deadline_s[cls]
+
     def finished(self, req: SimRequest, output_tokens: int, now: float) -> None:
-        self.core.settle(req.req_id, Usage(req.prompt_tokens, output_tokens), now)
+        # a continuation's prompt was counted with the request it continues
+        prompt = 0 if req.continues else req.prompt_tokens
+        self.core.settle(req.req_id, Usage(prompt, output_tokens), now)
 
     def ended_early(self, req: SimRequest, now: float) -> None:
         self.core.release(req.req_id, now, refund=False)
