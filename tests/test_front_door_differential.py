@@ -36,8 +36,10 @@ TENANTS = ("acme", "bolt", "crow")
 def config_data(state: dict[str, Any]) -> dict[str, Any]:
     return {
         "state": state,
-        # leases outlive the trace: the gateway renews its leases, the simulator has no need to
-        "policy": {"retryAfterMinS": 1, "backfillWindowS": 40, "leaseTtlS": 3600},
+        # leases outlive the trace: the gateway renews its leases, the simulator has no need to;
+        # the simulator suspends what is taken back, the gateway ends it: both as the gateway
+        "policy": {"retryAfterMinS": 1, "backfillWindowS": 40, "leaseTtlS": 3600,
+                   "suspend": False},
         "pools": [
             {"name": "p", "model": "Qwen3-8B", "servedModels": [MODEL], "replicas": 1,
              "perReplica": {"tokensPerSecond": 4000, "kvTokens": 20000, "concurrency": 8}},

@@ -105,11 +105,18 @@ def test_exp2_without_the_priority_margin_copilot_is_shed_on_window_noise() -> N
 # -- preemptible work that completes --------------------------------------------------------
 
 
-def test_preemptible_work_mostly_completes_without_costing_protection_or_utilisation() -> None:
+def _with_policy(scenario: Scenario, **policy: object) -> Scenario:
+    tokenpools = scenario.tokenpools | {"policy": scenario.tokenpools.get("policy", {}) | policy}
+    return scenario.model_copy(update={"tokenpools": tokenpools})
+
+
+def test_lent_work_taken_back_is_suspended_and_completes_without_costing_protection() -> None:
     _, s = run("beyond-preemptible-waste", "tokenpools")
     batch = s["tenants"]["batch"]["totals"]
-    assert batch["completed_per_admitted"] >= 0.8
-    assert 0 < batch["wasted_output_tokens"] < 2000
+    assert batch["completed_per_admitted"] >= 0.95
+    assert batch["wasted_output_tokens"] == 0  # nothing thrown away: suspended, then resumed
+    assert batch["suspensions"] > 0 and batch["resumed"] > 0
+    assert batch["recomputed_prompt_tokens"] > 0  # what the prefix cache did not hold
     assert min(s["useful_utilization"].values()) >= 0.75
     scenario = load_scenario(EXPERIMENTS / "beyond-preemptible-waste.yaml")
     slo = {t.name: t.slo_ttft_s for t in scenario.tenants}
@@ -122,12 +129,21 @@ def test_preemptible_work_mostly_completes_without_costing_protection_or_utilisa
     assert (
         waste_table(exp1, {"policies": {"tokenpools": run("paper-exp1", "tokenpools")[1]}}) is None
     )
-    # Claiming nothing (backfillWindowS 0; who may evict is unchanged) wastes several times
-    # more, and what it admits mostly does not complete.
-    literal = scenario.tokenpools | {
-        "policy": scenario.tokenpools["policy"] | {"backfillWindowS": 0}
-    }
-    lent = summarize(simulate(scenario.model_copy(update={"tokenpools": literal}), "tokenpools"))
+
+
+def test_without_suspension_the_claims_keep_eviction_waste_low() -> None:
+    """Taking back by ending requests (suspend: false): the claims make preemptible work
+    mostly complete; claiming nothing (backfillWindowS 0) wastes several times more, and what
+    it admits mostly does not complete."""
+    scenario = _with_policy(
+        load_scenario(EXPERIMENTS / "beyond-preemptible-waste.yaml"), suspend=False
+    )
+    evicting = summarize(simulate(scenario, "tokenpools"))
+    batch = evicting["tenants"]["batch"]["totals"]
+    assert batch["completed_per_admitted"] >= 0.8
+    assert 0 < batch["wasted_output_tokens"] < 2000
+    assert batch["suspensions"] == 0
+    lent = summarize(simulate(_with_policy(scenario, backfillWindowS=0), "tokenpools"))
     lent_batch = lent["tenants"]["batch"]["totals"]
     assert lent_batch["wasted_output_tokens"] > 3 * batch["wasted_output_tokens"]
     assert lent_batch["completed_per_admitted"] < 0.5

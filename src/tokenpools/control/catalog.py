@@ -22,6 +22,7 @@ from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
 from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
+from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
 
 
@@ -29,15 +30,16 @@ class Catalog:
     """What is configured and how it is bound: a view per pool and per entitlement (with its
     reserve plan and priority), and the binding bookkeeping."""
 
-    def __init__(self, store: Store, config: Config, now: float) -> None:
+    def __init__(self, store: Store, config: Config, now: float, suspends: bool = False) -> None:
         self.store = store
+        self._host_suspends = suspends
         self._pools: dict[str, PoolView] = {}
         self._ents: dict[str, EntitlementView] = {}
         self._since: dict[str, int] = {}  # when each entitlement last bound or started waiting
         self._transitions = itertools.count()
         self._next_expiry = math.inf  # earliest expiresAt of an entitlement not yet Expired
         self.config = config
-        self.policy = config.policy
+        self.policy = self._policy(config)
         self.apply_config(config, now)
 
     # -- configuration -------------------------------------------------------------------
@@ -46,7 +48,7 @@ class Catalog:
         """Adopt a new config, keeping the state of entitlements that remain. Returns the
         leases of removed entitlements: the host must end those requests."""
         self.config = config
-        self.policy = config.policy
+        self.policy = self._policy(config)
         self.budgets = Budgets(config)
         ended: list[Lease] = []
         for name, view in list(self._ents.items()):
@@ -156,6 +158,13 @@ class Catalog:
             default=math.inf,
         )
         return changed
+
+    def _policy(self, config: Config) -> Policy:
+        """The config's policy, suspension off where the host cannot suspend."""
+        policy = config.policy
+        return (
+            policy if self._host_suspends or not policy.suspend else replace(policy, suspend=False)
+        )
 
     def arrange_surplus(self, view: PoolView) -> None:
         """From the members' latest scores: the order preemptible entitlements are evicted in."""

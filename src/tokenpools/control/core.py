@@ -49,14 +49,18 @@ class DecisionCore:
         now: float = 0.0,
         replica: str = "r0",
         fallback_store: LocalStore | None = None,
+        suspends: bool = False,
     ) -> None:
         """`store` holds the ledger; `fallback_store`, a private one, holds what the outage
-        policy admits while a shared `store` is unreachable (none: everything fails closed)."""
+        policy admits while a shared `store` is unreachable (none: everything fails closed).
+        `suspends`: the host suspends the requests the core takes back (and resumes them) as
+        the policy's `suspend` asks; a host that cannot ends them, and the core lends as if
+        `suspend` were off (docs/decisions.md, "Lending, and taking back")."""
         self.store = store
         self.fallback = LocalFallback(
             config.state.fallback_fraction, config.state.retry_interval_s, fallback_store
         )
-        self.catalog = Catalog(store, config, now)
+        self.catalog = Catalog(store, config, now, suspends)
         self.gatekeeper = Gatekeeper(self.catalog, store, self.fallback, replica)
         self.endings = Endings(self.catalog, store, self.fallback)
         self.periodic = Periodic(self.catalog, store, self.fallback)

@@ -18,7 +18,7 @@ seed and the tenant's name, and simultaneous events run in the order they were s
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 
 from tokenpools.engine.model import Engine
@@ -33,6 +33,7 @@ from tokenpools.sim.policy import AdmissionPolicy, Queue, Send
 from tokenpools.sim.records import Attempt, RunResult, Sample
 from tokenpools.sim.replicas import Replicas
 from tokenpools.sim.scenario import Scenario
+from tokenpools.sim.suspension import Suspended
 from tokenpools.sim.timeline import Timeline
 
 
@@ -93,6 +94,16 @@ class Simulation:
     @property
     def engines(self) -> list[Engine]:
         return self.replicas.engines
+
+    @property
+    def running(self) -> Mapping[str, Attempt]:
+        """Attempts on the replicas, by the id of the request the engine runs."""
+        return self.in_flight.attempts
+
+    @property
+    def suspended(self) -> Mapping[str, Suspended]:
+        """Suspended attempts, by their original request id."""
+        return self.in_flight.suspension.waiting
 
     def _admitted(self, attempt: Attempt, verdict: Send | Queue) -> None:
         # Clients hand admitted attempts to InFlight, which tells them how each ended: the
