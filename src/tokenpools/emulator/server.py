@@ -6,6 +6,12 @@ response. A client that disconnects aborts its request in the engine. /metrics u
 names so the gateway's capacity feedback and dashboards read it as they would read vLLM.
 Chat and completions bodies may carry vLLM's `priority` (lower is served first), which only an
 engine started with `--scheduling-policy priority` accepts other than 0.
+
+Continuation, as vLLM serves it: a chat request with `continue_final_message: true` (and
+`add_generation_prompt: false`) continues its final assistant message; a completions prompt
+with the output appended continues it by itself. Either reuses the KV its text left behind,
+if the engine's prefix cache still holds it (emulator/prefixes.py), and reports the tokens
+it reused as `usage.prompt_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
+from tokenpools.emulator.prefixes import Prefixes, answer_opening, prompt_text
 from tokenpools.engine.model import Engine
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.engine.queues import SchedulingPolicy, priority_refusal
@@ -32,6 +39,7 @@ from tokenpools.openai_api import (
 from tokenpools.prompt import estimate_prompt_tokens
 
 DEFAULT_MAX_TOKENS = 16
+ANSWER_TOKEN = "tok "  # every generated token's text
 
 
 @dataclass
@@ -39,7 +47,10 @@ class _Request:
     req_id: str
     prompt_tokens: int
     sent_at: float
+    prefix: str = ""  # the engine's prefix-cache key of what its KV holds
+    text: str = ""  # the text its KV holds before its answer (emulator/prefixes.py)
     delivered: int = 0
+    cached: int = 0  # prompt tokens served from the prefix cache
     done: bool = False
     updates: asyncio.Queue[int] = field(default_factory=asyncio.Queue)  # tokens, -1 = done
 
@@ -70,12 +81,19 @@ class EmulatedEngine:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40),
         )
         self.model = profile.name
+        self.prefixes = Prefixes()
 
-    def submit(self, prompt_tokens: int, output_tokens: int, priority: int = 0) -> _Request:
+    def submit(
+        self, prompt_tokens: int, output_tokens: int, priority: int = 0, text: str = ""
+    ) -> _Request:
+        """`text`: what the request's KV will hold before its answer (its prompt, and a chat
+        answer's opening); a request whose text continues an earlier one's shares its KV."""
         self.submitted += 1
-        req = _Request(f"emu-{next(self._ids)}", prompt_tokens, time.monotonic())
+        req_id = f"emu-{next(self._ids)}"
+        prefix = (self.prefixes.continued(text) if text else "") or req_id
+        req = _Request(req_id, prompt_tokens, time.monotonic(), prefix, text)
         self.requests[req.req_id] = req
-        self.engine.add(req.req_id, prompt_tokens, output_tokens, priority=priority)
+        self.engine.add(req.req_id, prompt_tokens, output_tokens, priority=priority, prefix=prefix)
         self._wake.set()
         return req
 
@@ -84,6 +102,12 @@ class EmulatedEngine:
             self.engine.abort(req.req_id)
             self.requests.pop(req.req_id, None)
             req.done = True
+            self._left(req)
+
+    def _left(self, req: _Request) -> None:
+        """Its KV stays cached (the engine's rule): remember the text it holds."""
+        if req.text:
+            self.prefixes.left(req.prefix, req.text + ANSWER_TOKEN * req.delivered)
 
     async def run(self) -> None:
         while True:
@@ -97,8 +121,12 @@ class EmulatedEngine:
                 await asyncio.sleep(result.duration_s / self.speed)
             else:
                 await asyncio.sleep(0)
-            finished = {seq.req_id: seq.generated for seq in result.finished}
+            ended = {seq.req_id: seq for seq in result.finished}
+            finished = {req_id: seq.generated for req_id, seq in ended.items()}
             for req_id, req in list(self.requests.items()):
+                seq = ended.get(req_id) or self.engine.sequence(req_id)
+                if seq is not None:
+                    req.cached = seq.cached
                 total = finished.get(req_id)
                 generated = total if total is not None else self.engine.generated(req_id)
                 if generated > req.delivered:
@@ -110,6 +138,7 @@ class EmulatedEngine:
                     req.done = True
                     req.updates.put_nowait(-1)
                     del self.requests[req_id]
+                    self._left(req)
             self._publish()
 
     def _publish(self) -> None:
@@ -156,6 +185,24 @@ def read_priority(body: dict[str, Any], policy: SchedulingPolicy) -> int:
     return value
 
 
+def check_continuation(body: dict[str, Any], kind: str) -> None:
+    """A chat request that continues its final assistant message (vLLM's
+    `continue_final_message`) is refused as vLLM refuses it: with `add_generation_prompt`, or
+    without an assistant message last."""
+    if kind != "chat" or not body.get("continue_final_message"):
+        return
+    if body.get("add_generation_prompt", True):
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    last = body["messages"][-1] if body["messages"] else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        raise BadRequest(
+            "`continue_final_message` needs an assistant message last", "continue_final_message"
+        )
+
+
 def _bad_request(exc: BadRequest) -> web.Response:
     return web.Response(
         status=400,
@@ -173,9 +220,13 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         priority = read_priority(body, emu.engine.scheduling_policy)
     except BadRequest as exc:
         return _bad_request(exc)
+    try:
+        check_continuation(body, kind)
+    except BadRequest as exc:
+        return _bad_request(exc)
     prompt = estimate_prompt_tokens(body, 4.0)
     output = max_tokens(body) or DEFAULT_MAX_TOKENS
-    req = emu.submit(prompt, output, priority)
+    req = emu.submit(prompt, output, priority, prompt_text(body) + answer_opening(body))
     rid = f"cmpl-{req.req_id}"
     model = body["model"]
     usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
@@ -187,7 +238,8 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
             emu.abort(req)
             raise
         usage["total_tokens"] = prompt + usage["completion_tokens"]
-        text = "tok " * usage["completion_tokens"]
+        usage["prompt_tokens_details"] = {"cached_tokens": req.cached}
+        text = ANSWER_TOKEN * usage["completion_tokens"]
         payload = _chunk(kind, rid, model, text, "length")
         if kind == "chat":
             choice = payload["choices"][0]
@@ -203,13 +255,14 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         while (n := await req.updates.get()) >= 0:
             for _ in range(n):
                 usage["completion_tokens"] += 1
-                data = _chunk(kind, rid, model, "tok ", None)
+                data = _chunk(kind, rid, model, ANSWER_TOKEN, None)
                 await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
         await response.write(
             b"data: " + json.dumps(_chunk(kind, rid, model, "", "length")).encode() + b"\n\n"
         )
         if include_usage:
             usage["total_tokens"] = prompt + usage["completion_tokens"]
+            usage["prompt_tokens_details"] = {"cached_tokens": req.cached}
             tail = _chunk(kind, rid, model, "", None) | {"choices": [], "usage": usage}
             await response.write(b"data: " + json.dumps(tail).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
