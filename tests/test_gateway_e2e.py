@@ -225,21 +225,6 @@ def test_client_disconnect_releases_the_lease_and_cancels_upstream(
     wait_until(lambda: emulator_running(emulator) == 0)
 
 
-def test_preemptible_stream_is_evicted_with_an_error_event(gateway: ServerThread) -> None:
-    streams = open_streams(gateway, "batch", 8, max_tokens=2000)  # the whole pool
-    reply = client(gateway).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
-    )
-    assert reply.usage is not None
-    preempted = 0
-    for s in streams[-1:] + streams[:-1]:  # the newest is the one to go
-        lines = s.rest() if s is streams[-1] else []
-        if any('"preempted"' in line for line in lines):
-            preempted += 1
-        s.close()
-    assert preempted == 1
-
-
 def test_a_backend_killed_mid_stream_ends_the_stream_with_an_error(
     gateway: ServerThread, emulator: ServerThread
 ) -> None:

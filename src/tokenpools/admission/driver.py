@@ -144,12 +144,13 @@ class StoreDriver:
             self._worker.shutdown(wait=True)
 
 
-def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
-    """The decision core on the store the config names, and the driver that runs it."""
+def open_driver(config: Config, now: float, replica: str, suspends: bool = False) -> StoreDriver:
+    """The decision core on the store the config names, and the driver that runs it
+    (`suspends`: the host suspends what the core takes back, control/core.py)."""
     settings = config.state
     if settings.backend == "memory":
         local = MemoryStore(counters_on_admit=True)  # every answer's x-ratelimit-* headers
-        return StoreDriver(DecisionCore(config, local, now=now, replica=replica))
+        return StoreDriver(DecisionCore(config, local, now=now, replica=replica, suspends=suspends))
     # redis-py only where it is used
     from tokenpools.state.redis.hot_path import RedisHotPath
     from tokenpools.state.redis.store import RedisStore
@@ -164,7 +165,9 @@ def open_driver(config: Config, now: float, replica: str) -> StoreDriver:
         replica_timeout_s=settings.replica_timeout_s,
     )
     # The private store holds what the outage policy admits while Redis is unreachable.
-    core = DecisionCore(config, store, now=now, replica=replica, fallback_store=MemoryStore())
+    core = DecisionCore(
+        config, store, now=now, replica=replica, fallback_store=MemoryStore(), suspends=suspends
+    )
     return StoreDriver(core, RedisHotPath(store))
 
 

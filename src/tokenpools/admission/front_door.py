@@ -37,6 +37,7 @@ from tokenpools.model.request import Account, RequestCost
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.openai_api import BadRequest, parse_body
 from tokenpools.openai_api.answer_tap import AnswerTap
+from tokenpools.openai_api.continuation import suspendable
 from tokenpools.openai_api.refusals import (
     Refusal,
     bad_request,
@@ -114,6 +115,17 @@ class FrontDoor:
     def models(self, caller: Caller) -> list[str]:
         """The models this caller may use (GET /v1/models)."""
         return self.admission.directory.models(caller)
+
+    def suspend_deadline_s(self, cleared: Cleared, path: str) -> float | None:
+        """How long the host may keep this request suspended, if the core may suspend it
+        (lent work the host can resume from its text, where the policy suspends); None: the
+        core's taking it back ends it."""
+        policy = self.admission.core.policy
+        if not (policy.suspend and cleared.decision.lease.preemptible):
+            return None
+        if not suspendable(path, cleared.body):
+            return None
+        return policy.suspend_deadline_s[cleared.service_class]
 
     async def identify(
         self, record: RequestRecord, shown: Credentials, declared_length: int | None

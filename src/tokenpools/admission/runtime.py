@@ -8,6 +8,7 @@ logs hear about decisions as listeners; the runtime knows no HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -48,10 +49,14 @@ class AdmissionRuntime:
         config: Config,
         clock: Callable[[], float] = time.time,
         replica: str | None = None,
+        suspends: bool = False,
     ) -> None:
+        """`suspends`: the host suspends the lent requests the core takes back and resumes
+        them (the gateway); otherwise they are ended (control/core.py)."""
         self.config, self.clock = config, clock
         self.replica = replica or replica_name()
-        self.driver: StoreDriver = open_driver(config, clock(), self.replica)
+        self.driver: StoreDriver = open_driver(config, clock(), self.replica, suspends)
+        self._room = asyncio.Event()  # set, and replaced, whenever a request here ends
         self.core = self.driver.core
         self.in_flight: dict[str, Admitted] = {}  # by lease id
         self.listeners: list[DecisionListener] = []
@@ -86,11 +91,22 @@ class AdmissionRuntime:
         self.in_flight.pop(admitted.lease.lease_id, None)
         ending = self.driver.end(admitted.lease, usage, self.clock(), refund=refund)
         admitted.charge = ending.charge
+        self._room_freed()
 
     def evict(self, lease_id: str) -> None:
         admitted = self.in_flight.pop(lease_id, None)
         if admitted is not None:
             admitted.evict()
+
+    def _room_freed(self) -> None:
+        self._room.set()
+        self._room = asyncio.Event()
+
+    async def room(self, timeout_s: float) -> None:
+        """Wait until a request this process admitted ends, or `timeout_s` (room freed by
+        another replica is only seen then): when a suspended request asks again."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room.wait(), max(0.0, timeout_s))
 
     # -- reads a host may make ------------------------------------------------------------
     # The store reads (`snapshot`, `budget_status`) may wait on a shared store: a host calls

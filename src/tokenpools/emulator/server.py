@@ -229,7 +229,11 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     req = emu.submit(prompt, output, priority, prompt_text(body) + answer_opening(body))
     rid = f"cmpl-{req.req_id}"
     model = body["model"]
-    usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": 0,
+        "total_tokens": prompt,
+    }
     if not body.get("stream"):
         try:
             while (n := await req.updates.get()) >= 0:

@@ -76,6 +76,11 @@ class Exchange:
     def first_token_at(self) -> float | None:
         return self.tap.first_token_at
 
+    @property
+    def usage(self) -> Usage | None:
+        """What the request was settled on, as the access log reports it."""
+        return self.admitted.usage
+
     def _so_far(self) -> Usage:
         """The engine's usage, or the estimate from what was streamed."""
         return self.tap.so_far(self.prompt_tokens)

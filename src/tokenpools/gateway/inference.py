@@ -14,6 +14,7 @@ from tokenpools.admission import Stopped
 from tokenpools.admission.access_log import RequestRecord, request_id
 from tokenpools.gateway.exchange import TRACE_HEADERS, Exchange
 from tokenpools.gateway.responses import answer, error
+from tokenpools.gateway.resumable import Resumable
 from tokenpools.gateway.runtime import GATEWAY, HEALTH_INTERVAL, Gateway
 from tokenpools.gateway.tracing import Tracing
 from tokenpools.identity import Credentials
@@ -82,14 +83,19 @@ async def _answer(
             )
         record.backend = backend.spec.url
         forward = None if result.rewritten else raw  # unchanged bodies go as they came
-        exchange = Exchange(
-            gw, admitted, backend, path, result.prompt_tokens, headers, trace, result.tap(path)
+        tap = result.tap(path)
+        parts = (gw, admitted, backend, path, result.prompt_tokens, headers, trace, tap)
+        deadline_s = gw.door.suspend_deadline_s(result, path)
+        exchange = (
+            Exchange(*parts)
+            if deadline_s is None
+            else Resumable(*parts, caller=caller, cleared=result, deadline_s=deadline_s)
         )
         try:
             return await exchange.run(request, result.body, forward)
         finally:
             admitted = exchange.admitted
-            record.settled(admitted.usage, admitted.charge, admitted.evicted)
+            record.settled(exchange.usage, admitted.charge, admitted.evicted)
             record.first_token(exchange.first_token_at)
     finally:
         admitted.close()

@@ -53,7 +53,8 @@ class Gateway:
 
     def __post_init__(self) -> None:
         # admission, and its services (each on its own loop once started)
-        self.admission = AdmissionRuntime(self.config, self.clock, self.replica)
+        # the gateway suspends the lent requests the core takes back (gateway/resumable.py)
+        self.admission = AdmissionRuntime(self.config, self.clock, self.replica, suspends=True)
         self.jobs = PeriodicJobs(self.admission)
         self.ledger = Ledger(self.admission)
         self.notices = BudgetNotices(self.admission)

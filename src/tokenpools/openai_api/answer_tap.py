@@ -103,6 +103,20 @@ class AnswerTap:
         return True
 
 
+def split_events(data: bytes) -> tuple[list[bytes], bytes]:
+    """The whole server-sent events at the start of `data`, and the bytes after them."""
+    events, start = [], 0
+    while (cut := _event_end(data, start)) >= 0:
+        events.append(data[start:cut])
+        start = cut
+    return events, data[start:]
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The data of one server-sent event (its `data:` lines joined); None: it has none."""
+    return _data_of(event)
+
+
 def _event_end(data: bytes, start: int) -> int:
     """Where the event that begins at `start` ends (after its blank line); -1: not yet whole."""
     ends = [i for i in (data.find(b"\n\n", start), data.find(b"\r\n\r\n", start)) if i >= 0]
