@@ -124,7 +124,19 @@ def test_a_suspended_stream_pauses_and_resumes_into_one_answer(
     assert usage == [{"prompt_tokens": usage[0]["prompt_tokens"], "completion_tokens": 60,
                       "total_tokens": usage[0]["prompt_tokens"] + 60}]  # fmt: skip
     assert submitted(emulator) == 8 + 1 + 1  # the eight, gold's, and one continuation
-    assert admin(gateway, "entitlements")["batch"]["in_flight"] == 0
+    wait_all_ended(gateway)
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
+    # the continuation's prompt is the original and the text so far; the engine had most of
+    # it cached (whole 16-token blocks), and prefilled the rest
+    assert 1 <= metric(metrics, "tokenpools_recomputed_prompt_tokens_total", "batch") <= 16
+
+
+def metric(text: str, name: str, entitlement: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'entitlement="{entitlement}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for {entitlement}")
 
 
 def test_a_whole_answer_is_stitched_from_its_segments(

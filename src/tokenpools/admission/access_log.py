@@ -61,6 +61,10 @@ class RequestRecord:
     cached_tokens: int | None = None  # of the prompt, from the engine's prefix cache
     cost_micros: int | None = None  # what it cost at its pool's prices (docs/budgets.md)
     evicted: bool = False
+    # suspended and resumed (the gateway): how often, and the prompt tokens its continuations'
+    # engines prefilled again (not from their prefix cache) — the engine work it cost
+    suspensions: int | None = None
+    recomputed_prompt_tokens: int | None = None
     ttft_s: float | None = None  # to the first streamed event, or to the whole answer
     duration_s: float = 0.0
 

@@ -51,6 +51,8 @@ class _Bound:
     cost: Counter
     ttft: Histogram
     tpot: Histogram
+    suspended: Counter
+    recomputed: Counter
 
 
 class AdmissionMetrics:
@@ -102,6 +104,19 @@ class AdmissionMetrics:
             buckets=TPOT_BUCKETS,
             registry=r,
         )
+        self.suspended = Counter(
+            "tokenpools_suspended",
+            "Suspensions of lent requests (taken back, kept, resumed when room returns)",
+            LABELS,
+            registry=r,
+        )
+        self.recomputed = Counter(
+            "tokenpools_recomputed_prompt_tokens",
+            "Prompt tokens resumed requests' engines prefilled again (not from their prefix "
+            "cache): the engine work suspension cost",
+            LABELS,
+            registry=r,
+        )
         self.duration = Histogram(
             "gen_ai_server_request_duration_seconds",
             "Time from arrival to the last byte of admitted requests",
@@ -134,6 +149,8 @@ class AdmissionMetrics:
                 self.cost.labels(*labels),
                 self.ttft.labels(*labels),
                 self.tpot.labels(*labels),
+                self.suspended.labels(*labels),
+                self.recomputed.labels(*labels),
             )
             self._series[entitlement] = bound
         return bound
@@ -175,6 +192,9 @@ class AdmissionMetrics:
         bound.completion_tokens.inc(completion)
         if record.cost_micros:
             bound.cost.inc(record.cost_micros)
+        if record.suspensions:
+            bound.suspended.inc(record.suspensions)
+            bound.recomputed.inc(record.recomputed_prompt_tokens or 0)
         if record.stream and record.ttft_s is not None:
             bound.ttft.observe(record.ttft_s)
             if completion > 1:

@@ -96,6 +96,9 @@ async def _answer(
         finally:
             admitted = exchange.admitted
             record.settled(exchange.usage, admitted.charge, admitted.evicted)
+            if isinstance(exchange, Resumable) and exchange.suspensions:
+                record.suspensions = exchange.suspensions
+                record.recomputed_prompt_tokens = exchange.recomputed
             record.first_token(exchange.first_token_at)
     finally:
         admitted.close()

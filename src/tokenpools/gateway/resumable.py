@@ -59,6 +59,11 @@ class Resumable(Exchange):
         self._before = 0  # output tokens of the segments before the one under way
 
     @property
+    def recomputed(self) -> int:
+        """Prompt tokens the continuations' engines prefilled again (their usage says)."""
+        return self.transcript.recomputed
+
+    @property
     def usage(self) -> Usage:
         """What the client received: the original prompt once, every output token once."""
         counts = self.transcript.usage()
