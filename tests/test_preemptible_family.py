@@ -48,7 +48,10 @@ def test_useful_utilisation_is_the_busy_share_less_what_evictions_threw_away(
         assert 0 <= r.useful_utilization <= r.utilization <= 1
         if r.wasted_slot_s == 0:
             assert r.useful_utilization == pytest.approx(r.utilization, abs=1e-3)
-    assert any(r.useful_utilization < r.utilization - 1e-3 for r in runs)
+    # taking back suspends: lent work is kept, so nothing is thrown away and all of the busy
+    # share is useful (an evicting policy's waste: tests/test_llmd_flow.py)
+    assert sum(r.suspensions for r in runs) > 0
+    assert all(r.thrown_away_tokens == 0 and r.wasted_slot_s == 0 for r in runs)
 
 
 def test_the_family_covers_what_it_promises_and_is_the_same_every_time() -> None:

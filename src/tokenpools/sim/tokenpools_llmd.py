@@ -17,6 +17,7 @@ from tokenpools.sim.tokenpools_policy import TokenPools
 class TokenPoolsThenLlmd(TokenPools):
     name = "tokenpools+llm-d"
     holds_requests = True
+    host_suspends = False  # what it takes back leaves llm-d's queue or engine: ended
 
     def __init__(
         self,

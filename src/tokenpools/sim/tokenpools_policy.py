@@ -26,6 +26,7 @@ class TokenPools(AdmissionPolicy):
     """The decision core itself, called exactly as the gateway calls it."""
 
     name = "tokenpools"
+    host_suspends = True  # this host suspends what the core takes back (sim/suspension.py)
 
     def __init__(
         self,
@@ -43,9 +44,9 @@ class TokenPools(AdmissionPolicy):
             ent = config.entitlements[name]
             self.layers[name] = directory.layers(ent.tenant_id)[ent.pool]
         self.absent = set(absent)  # entitlements not created yet
-        self.suspends = config.policy.suspend  # the simulator suspends what the core takes back
+        self.suspends = config.policy.suspend and self.host_suspends
         self.store = MemoryStore()
-        self.core = DecisionCore(self._current(), self.store, now=now, suspends=True)
+        self.core = DecisionCore(self._current(), self.store, now=now, suspends=self.host_suspends)
         self.pool = next(iter(config.pools))
         self.per_replica = config.pools[self.pool].per_replica
         self.scheduling = config.pools[self.pool].scheduling_policy
@@ -133,7 +134,7 @@ class TokenPools(AdmissionPolicy):
         # A new core, told the capacity the old one had been told, on the old store if it is
         # kept; on a new one, the requests in flight settle as unknown leases (a no-op).
         self.store = self.store if store_kept else MemoryStore()
-        self.core = DecisionCore(self._current(), self.store, now=now, suspends=True)
+        self.core = DecisionCore(self._current(), self.store, now=now, suspends=self.host_suspends)
         if self.capacity_now != self.per_replica:
             self.core.set_capacity(self.pool, now, per_replica=self.capacity_now)
         if self.replicas != self.config.pools[self.pool].replicas:
