@@ -190,7 +190,9 @@ class FrontDoor:
         asker = self.ask(route.pool) if self.ask is not None and counter.mode == BACKEND else None
         prompt_tokens = await counter.count(body, path, asker)
         account = Account(caller.tenant, caller.credential, str(model))
-        cost = RequestCost(prompt_tokens, wants.max_tokens, wants.sequences, account)
+        cost = RequestCost(
+            prompt_tokens, wants.max_tokens, wants.sequences, account, suspendable(path, body)
+        )
         decision = await admission.admit(route.entitlements, cost)
         if isinstance(decision, Reject):
             first = route.entitlements[0]

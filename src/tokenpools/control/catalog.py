@@ -24,6 +24,7 @@ from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
+from tokenpools.model.service_class import ServiceClass
 
 
 class Catalog:
@@ -134,18 +135,21 @@ class Catalog:
                 )
                 if bound and previous.get(ent.name) != BindingState.BOUND:
                     self._claim_baseline(ent, now, rebound=ent.name in previous)
-                plan = plans.reserve_plan(pool, ent, bound, policy)
+                lent = is_lent(ent.service_class, policy)
+                plan = plans.reserve_plan(pool, ent, bound, policy, lent)
+                kept = lent and ent.service_class != ServiceClass.PREEMPTIBLE
                 limit_tokens, limit_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
                 self._ents[ent.name] = EntitlementView(
                     ent=ent,
                     state=state,
                     plan=plan,
                     own_bucket=own,
-                    preemptible=is_lent(ent.service_class, policy),
+                    preemptible=lent,
                     protected=ent.protected,
                     default_max_tokens=ent.default_max_tokens or policy.default_max_tokens,
                     size_limit_tokens=limit_tokens,
                     size_limit_kv=limit_kv,
+                    kept_plan=plans.reserve_plan(pool, ent, bound, policy, False) if kept else None,
                 )
                 self._refresh_priority(ent.name, now)
             self.arrange_surplus(view)

@@ -19,8 +19,10 @@ def is_lent(service_class: ServiceClass, policy: Policy) -> bool:
     """Whether a class's requests run on lent capacity: they may fill what the pool owes
     others (unused protected baselines included), and are taken back when an owner needs it.
     Preemptible work always is (taking it back ends it); spot work too where taking back
-    suspends instead (docs/decisions.md, "Lending, and taking back"): a suspended spot request
-    loses nothing but time, so there is no reason to keep it off idle capacity."""
+    suspends instead (docs/decisions.md, "Lending, and taking back"): a suspended request loses
+    nothing but time, so there is no reason to keep it off idle capacity. (A spot request the
+    host cannot resume is not lent: `RequestCost.resumable`.) Elastic work is not lent: its
+    baseline is its own, and the debt mechanism, not suspension, gives it back its share."""
     if service_class == ServiceClass.PREEMPTIBLE:
         return True
     return policy.suspend and service_class == ServiceClass.SPOT

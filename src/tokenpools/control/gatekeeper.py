@@ -114,6 +114,9 @@ class Gatekeeper:
 
         lease_id = self.new_lease_id() if request_id is None else request_id
         account = cost.account
+        # a request of a lent class the host cannot resume is kept off lent capacity
+        kept = not cost.resumable and view.kept_plan is not None
+        plan = view.kept_plan if kept and view.kept_plan is not None else view.plan
         lease = Lease(
             lease_id,
             pool.name,
@@ -122,7 +125,7 @@ class Gatekeeper:
             kv,
             now,
             now + self.catalog.policy.lease_ttl_s,
-            view.preemptible,
+            view.preemptible and not kept,
             meter=None
             if account is None
             else self.catalog.budgets.meter(account, ent, pool, cost.input_tokens, out, now),
@@ -142,7 +145,7 @@ class Gatekeeper:
         )
         return Pending(
             lease,
-            view.plan,
+            plan,
             tokens,
             order,
             count,

@@ -18,7 +18,6 @@ The capacity rules, per dimension, with C the pool capacity and o = overcommit Ã
 from __future__ import annotations
 
 from tokenpools.control.backfill import BORROWERS
-from tokenpools.control.eviction import is_lent
 from tokenpools.control.store import INF, BucketSpec, ReservePlan
 from tokenpools.model.entitlement import Entitlement
 from tokenpools.model.policy import Policy
@@ -56,7 +55,10 @@ def leaves_claims(pool: Pool, policy: Policy) -> bool:
     return not (policy.suspend and pool.scheduling_policy == "priority")
 
 
-def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> ReservePlan:
+def reserve_plan(
+    pool: Pool, ent: Entitlement, bound: bool, policy: Policy, lent: bool
+) -> ReservePlan:
+    """`lent`: the plan of requests on lent capacity (control/eviction.py `is_lent`)."""
     cap = pool.capacity
     over = 1.0 + policy.overcommit
     lend = policy.overcommit
@@ -72,7 +74,7 @@ def reserve_plan(pool: Pool, ent: Entitlement, bound: bool, policy: Policy) -> R
         not ent.protected and ceiling is not None and ceiling.throughput < INF
     )
     reserved = ent.protected and bound
-    preemptible = is_lent(ent.service_class, policy)  # never holds what others are owed
+    preemptible = lent  # lent work may fill what others are owed; it is taken back
     return ReservePlan(
         ent_concurrency=ent_concurrency,
         ent_kv=ent_kv,

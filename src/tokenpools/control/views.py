@@ -21,9 +21,9 @@ class EntitlementView:
 
     ent: Entitlement
     state: BindingState
-    plan: ReservePlan
+    plan: ReservePlan  # its requests' (lent ones', if its class is lent)
     own_bucket: BucketSpec
-    preemptible: bool
+    preemptible: bool  # its class is lent (control/eviction.py `is_lent`)
     protected: bool  # dedicated or guaranteed: may overcommit past a full pool
     default_max_tokens: int
     # the size limit: a request whose weighted tokens or KV exceed it can never be admitted
@@ -32,6 +32,9 @@ class EntitlementView:
     priority: float = 0.0
     scores: Scores = field(default_factory=Scores)  # the latest, priority included
     may_evict: bool = False  # control/eviction.py, from the class and the debt
+    # the plan of a request of a lent class that the host cannot resume: not lent (None: the
+    # class is not lent, or preemptible, whose requests are lent whatever ends them)
+    kept_plan: ReservePlan | None = None
 
 
 @dataclass(slots=True)

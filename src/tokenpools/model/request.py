@@ -17,6 +17,9 @@ class RequestCost:
     max_output_tokens: int | None = None
     sequences: int = 1  # generated from one prompt (`n`, `best_of`): each may reach the ceiling
     account: Account | None = None  # None: no budgets, no ledger (the simulator's requests)
+    # the host can suspend and resume it (docs/decisions.md, "Lending, and taking back"); a
+    # spot or elastic request that cannot be resumed is never lent (taking it back would end it)
+    resumable: bool = True
 
     def __init__(
         self,
@@ -24,6 +27,7 @@ class RequestCost:
         max_output_tokens: int | None = None,
         sequences: int = 1,
         account: Account | None = None,
+        resumable: bool = True,
     ) -> None:
         if input_tokens < 0:
             raise ValueError(f"input_tokens must be >= 0, got {input_tokens}")
@@ -35,6 +39,7 @@ class RequestCost:
         object.__setattr__(self, "max_output_tokens", max_output_tokens)
         object.__setattr__(self, "sequences", sequences)
         object.__setattr__(self, "account", account)
+        object.__setattr__(self, "resumable", resumable)
 
 
 @dataclass(frozen=True, slots=True)

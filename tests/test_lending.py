@@ -1,0 +1,86 @@
+"""Who is lent what (control/eviction.py `is_lent`, control/plans.py `leaves_claims`), through
+the decision core: where the host suspends, spot work fills the unused protected baselines and
+is taken back when an owner comes; a spot request the host cannot resume, or any spot request
+where the host cannot suspend, keeps off them as before; the claims go where the engines
+schedule by priority."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.builders import make_config
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit
+from tokenpools.model.request import RequestCost
+from tokenpools.state.memory import MemoryStore
+
+ENTS = [
+    {"name": "gold", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 4},
+    {"name": "spot", "serviceClass": "spot"},
+]
+
+
+def core(suspends: bool, scheduling: str = "priority", **policy: object) -> DecisionCore:
+    config = make_config(
+        ENTS,
+        concurrency=8,
+        tokens_per_s=100000,
+        policy={"backfillWindowS": 40, **policy},
+        pool_extra={"schedulingPolicy": scheduling},
+    )
+    return DecisionCore(config, MemoryStore(), now=0.0, suspends=suspends)
+
+
+def fill(c: DecisionCore, name: str, resumable: bool, tries: int = 12) -> list[Admit]:
+    admitted = []
+    for i in range(tries):
+        d = c.admit(name, RequestCost(100, 50, resumable=resumable), 1.0, f"{name}-{i}")
+        if isinstance(d, Admit):
+            admitted.append(d)
+    return admitted
+
+
+def test_where_the_host_suspends_spot_fills_the_protected_baseline_and_gives_it_back() -> None:
+    c = core(suspends=True)
+    spot = fill(c, "spot", resumable=True)
+    assert len(spot) == 8  # the whole pool, gold's idle baseline included
+    assert all(d.lease.preemptible for d in spot)
+    gold = c.admit("gold", RequestCost(100, 50), 1.0, "gold-0")
+    assert isinstance(gold, Admit)
+    assert [v.lease_id for v in gold.evict] == ["spot-7"]  # the newest lent request
+
+
+@pytest.mark.parametrize(
+    ("suspends", "resumable"),
+    [(True, False), (False, True), (False, False)],
+    ids=["cannot-resume", "host-does-not-suspend", "neither"],
+)
+def test_otherwise_spot_keeps_off_the_protected_baseline(suspends: bool, resumable: bool) -> None:
+    c = core(suspends=suspends)
+    spot = fill(c, "spot", resumable=resumable)
+    assert len(spot) == 8 - 4  # gold's baseline stays free
+    assert not any(d.lease.preemptible for d in spot)
+    gold = [c.admit("gold", RequestCost(100, 50), 1.0, f"gold-{i}") for i in range(4)]
+    assert all(isinstance(d, Admit) and not d.evict for d in gold)
+
+
+def test_suspend_false_in_the_config_lends_as_without_suspension() -> None:
+    c = core(suspends=True, suspend=False)
+    assert len(fill(c, "spot", resumable=True)) == 4
+
+
+def test_claims_hold_capacity_back_on_fcfs_engines_only() -> None:
+    """Gold has just bound: its claim is its whole baseline until measured. On a fcfs pool a
+    preemptible request leaves it free; on a priority pool, where taking back suspends, the
+    claim holds nothing back."""
+    ents = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
+    for scheduling, expected in (("fcfs", 4), ("priority", 8)):
+        config = make_config(
+            ents,
+            concurrency=8,
+            tokens_per_s=100000,
+            policy={"backfillWindowS": 40},
+            pool_extra={"schedulingPolicy": scheduling},
+        )
+        c = DecisionCore(config, MemoryStore(), now=0.0, suspends=True)
+        assert len(fill(c, "batch", resumable=True)) == expected, scheduling
