@@ -53,6 +53,9 @@ def family_table(aggregates: dict[str, Any]) -> str:
         "surplus goodput (out tok/s)",
         "util / useful",
         "preemptible completed / ended",
+        "output thrown away",
+        "suspensions (P50 / P99 s suspended)",
+        "prompt recomputed",
         "VTC service difference (mean of worst windows)",
         "Jain (entitled)",
         *(f"{c} SLO attainment" for c in CLASSES),
@@ -67,6 +70,10 @@ def family_table(aggregates: dict[str, Any]) -> str:
             _f(a["surplus_goodput_tok_s"], ".1f"),
             f"{a['utilization']:.0%} / {a['useful_utilization']:.0%}",
             f"{a['preemptible_completed']} / {a['preemptible_ended']}",
+            _f(a["thrown_away_output_share"], ".2%"),
+            f"{a['suspensions']:,} ({_f(a['suspended_p50_s'], '.1f')} / "
+            f"{_f(a['suspended_p99_s'], '.1f')})",
+            _f(a["recomputed_prompt_share"], ".1%"),
             _f(a["service_difference_mean"], ",.0f"),
             _f(a["jain_index_mean"], ".3f"),
             *(_f(a["slo_attainment"].get(c), ".0%") for c in CLASSES),
@@ -88,7 +95,10 @@ def families_report(
         "every policy. *Promised* phases are a protected tenant's phases within its baseline "
         "on capacity that holds every protected baseline; its P99 TTFT there is compared with "
         "its SLO. Surplus goodput: output tokens per second of the spot and preemptible "
-        "requests that completed. Fairness measures as in each scenario (means over members "
+        "requests that completed. Output thrown away: of all output generated, what ended "
+        "requests had generated for nothing; prompt recomputed: of all admitted prompt tokens, "
+        "what resumed requests' engines prefilled again. Fairness measures as in each scenario "
+        "(means over members "
         "where they apply).",
         "",
     ]

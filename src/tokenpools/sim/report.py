@@ -117,7 +117,8 @@ def waste_table(scenario: Scenario, summary: dict[str, Any]) -> str | None:
     if not names:
         return None
     head = ["policy", "admitted", "completed", "completed / admitted (ended)", "evicted"]
-    head += ["output tokens wasted", "slot-seconds wasted"]
+    head += ["output tokens wasted", "slot-seconds wasted", "suspensions (resumed)"]
+    head += ["prompt tokens recomputed"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for policy, b in summary["policies"].items():
         t = [b["tenants"][n]["totals"] for n in names]
@@ -128,6 +129,8 @@ def waste_table(scenario: Scenario, summary: dict[str, Any]) -> str | None:
         cells.append(str(sum(x["evicted"] for x in t)))
         cells.append(f"{sum(x['wasted_output_tokens'] for x in t):,}")
         cells.append(f"{sum(x['wasted_slot_s'] for x in t):,.0f}")
+        cells.append(f"{sum(x['suspensions'] for x in t):,} ({sum(x['resumed'] for x in t):,})")
+        cells.append(f"{sum(x['recomputed_prompt_tokens'] for x in t):,}")
         rows.append("| " + " | ".join(cells) + " |")
     who = ", ".join(names) if len(names) <= 3 else f"{len(names)} tenants"
     return f"Preemptible work ({who}):\n\n" + "\n".join(rows)
