@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from tests.servers import ServerThread, wait_for
+from tests.test_gateway_suspension import Stream, metric
 from tokenpools.control.store import Window
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
@@ -209,3 +211,52 @@ def test_admission_counts_the_prompt_as_the_engine_does(
     assert len(records) == len(prompts) and all(r.status == 200 for r in records)
     assert [r.counted_prompt_tokens for r in records] == [r.prompt_tokens for r in records]
     assert gw.counters["smollm2"].fallbacks == 0
+
+
+def test_a_suspended_completion_resumes_where_it_stopped_on_the_engines_cached_prefix(
+    llama: str,
+) -> None:
+    """The newest of three spot streams is suspended when the guaranteed tenant comes, and
+    resumed once it is served: the client's text is the engine's greedy answer, whole, with
+    its usage counted once, and the continuation prefilled only what llama.cpp's prompt cache
+    did not hold (its `cached_tokens`)."""
+    prompt = "The history of the lighthouse is"
+    asked = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(f"{llama}/v1/completions", json={"model": MODEL, **asked}, timeout=60)
+    expected = alone.json()["choices"][0]["text"]
+    # The pool one slot short of the engine's, so the guaranteed request is served in an idle
+    # slot and the suspended request's slot keeps its KV (llama.cpp caches per slot, and picks
+    # the slot whose cached prompt the continuation shares). No claims: spot may fill gold's
+    # idle baseline.
+    config = gateway_config(llama, SLOTS - 1)
+    running = serve(config | {"policy": config["policy"] | {"backfillWindowS": 0}})
+    server, _ = next(running)
+    try:
+        others = [
+            Stream(server, "spot", "/v1/completions", {"model": MODEL, "prompt": f"Story {i}:",
+                                                       "max_tokens": 60, "ignore_eos": True})
+            for i in range(SLOTS - 2)
+        ]  # fmt: skip
+        newest = Stream(
+            server,
+            "spot",
+            "/v1/completions",
+            {"model": MODEL, **asked, "stream_options": {"include_usage": True}},
+        )
+        wait_for(lambda: len(newest.events), lambda n: n >= 5, what="the newest stream under way")
+        gold = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["gold"], max_retries=0)
+        reply = gold.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+        assert reply.usage is not None
+        assert newest.text("/v1/completions") == expected  # one answer, as if never paused
+        (usage,) = [c["usage"] for c in newest.chunks() if c.get("usage")]
+        assert usage["completion_tokens"] == 48
+        assert usage["prompt_tokens"] == alone.json()["usage"]["prompt_tokens"]
+        for other in others:
+            other.chunks()
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric(metrics, "tokenpools_suspended_total", "spot") == 1
+        # llama.cpp reused the slot's cached prompt: the continuation prefilled a token or a few
+        # (with nothing cached it would prefill the prompt and the tokens before the pause, > 10)
+        assert metric(metrics, "tokenpools_recomputed_prompt_tokens_total", "spot") <= 4
+    finally:
+        next(running, None)

@@ -123,7 +123,8 @@ class FrontDoor:
         policy = self.admission.core.policy
         if not (policy.suspend and cleared.decision.lease.preemptible):
             return None
-        if not suspendable(path, cleared.body):
+        pool = self.admission.pools[cleared.pool].pool
+        if not suspendable(path, cleared.body, pool.chat_continuation):
             return None
         return policy.suspend_deadline_s[cleared.service_class]
 
@@ -190,9 +191,8 @@ class FrontDoor:
         asker = self.ask(route.pool) if self.ask is not None and counter.mode == BACKEND else None
         prompt_tokens = await counter.count(body, path, asker)
         account = Account(caller.tenant, caller.credential, str(model))
-        cost = RequestCost(
-            prompt_tokens, wants.max_tokens, wants.sequences, account, suspendable(path, body)
-        )
+        resumable = suspendable(path, body, admission.pools[route.pool].pool.chat_continuation)
+        cost = RequestCost(prompt_tokens, wants.max_tokens, wants.sequences, account, resumable)
         decision = await admission.admit(route.entitlements, cost)
         if isinstance(decision, Reject):
             first = route.entitlements[0]

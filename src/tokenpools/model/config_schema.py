@@ -123,6 +123,10 @@ class PoolSpec(Strict):
     # the engines' --scheduling-policy (vLLM): with "priority" each admitted request carries its
     # class's priority in the body (`priority`, lower first), and a client's own is overwritten
     schedulingPolicy: SchedulingPolicy = "fcfs"
+    # the engines continue a chat's final assistant message (vLLM's continue_final_message):
+    # a suspended chat request resumes that way; false (llama.cpp's server closes the message)
+    # keeps lent chat requests from being suspended
+    chatContinuation: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> PoolSpec:
@@ -168,6 +172,7 @@ class PoolSpec(Strict):
             tokenizer=self.tokenizer,
             prices=Prices() if self.prices is None else self.prices.to_prices(),
             scheduling_policy=self.schedulingPolicy,
+            chat_continuation=self.chatContinuation,
         )
 
 

@@ -61,6 +61,7 @@ class Pool:
     # how the pool's engines order their queues (vLLM's --scheduling-policy): "priority" has
     # the gateway write each admitted request's class priority into its body
     scheduling_policy: SchedulingPolicy = "fcfs"
+    chat_continuation: bool = True  # the engines continue a final assistant message
 
     @property
     def models(self) -> tuple[str, ...]:

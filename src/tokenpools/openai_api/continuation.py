@@ -28,9 +28,10 @@ from tokenpools.openai_api import CHAT, COMPLETIONS, max_tokens
 _NOT_SUSPENDABLE = ("tools", "functions", "logprobs", "top_logprobs", "best_of", "echo", "suffix")
 
 
-def suspendable(path: str, body: dict[str, Any]) -> bool:
-    """Whether the request can be suspended and resumed from its text."""
-    if path not in (CHAT, COMPLETIONS):
+def suspendable(path: str, body: dict[str, Any], chat_continuation: bool = True) -> bool:
+    """Whether the request can be suspended and resumed from its text (`chat_continuation`:
+    the engine continues a chat's final assistant message)."""
+    if path not in (CHAT, COMPLETIONS) or (path == CHAT and not chat_continuation):
         return False
     if body.get("n", 1) != 1 or any(body.get(key) for key in _NOT_SUSPENDABLE):
         return False
@@ -97,12 +98,16 @@ class Transcript:
             return data
         if not isinstance(chunk, dict):
             return data
-        if chunk.get("usage") and not chunk.get("choices"):
+        if chunk.get("usage"):  # the segment's end (llama.cpp puts it on the last choice)
             self._end_segment(chunk["usage"])
-            if not self.client_wants_usage:
+            if not chunk.get("choices") and not self.client_wants_usage:
                 return None
-            chunk["usage"] = self.usage()
-            return self._as_answer(chunk)
+            if self.client_wants_usage:
+                chunk["usage"] = self.usage()
+            else:
+                del chunk["usage"]
+            if not chunk.get("choices"):
+                return self._as_answer(chunk)
         choices = chunk.get("choices") or []
         if not choices:
             return self._as_answer(chunk)
@@ -118,14 +123,20 @@ class Transcript:
         return self._as_answer(chunk)
 
     def _end_segment(self, usage: Any) -> None:
+        """The engine's counts for the segment. Its prompt is the original and the output
+        before it: less that output, the original prompt as the engine counts it."""
+        before = self.tokens
         counted = usage.get("completion_tokens") if isinstance(usage, dict) else None
         self.tokens += counted if isinstance(counted, int) else self._segment_tokens
         self._segment_tokens = 0
-        if self.segments > 1 and isinstance(usage, dict):
-            prompt = usage.get("prompt_tokens")
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(prompt, int):
+            return
+        self.prompt_tokens = max(1, prompt - before)
+        if self.segments > 1:
             details = usage.get("prompt_tokens_details") or {}
             cached = details.get("cached_tokens", 0) if isinstance(details, dict) else 0
-            if isinstance(prompt, int) and isinstance(cached, int):
+            if isinstance(cached, int):
                 self.recomputed += max(0, prompt - cached)
 
     def usage(self) -> dict[str, int]:
