@@ -217,3 +217,38 @@ def test_without_suspension_taking_back_ends_the_stream(emulator: ServerThread) 
         wait_all_ended(server)
     finally:
         server.stop()
+
+
+def test_a_client_that_leaves_while_suspended_leaves_nothing_behind(
+    emulator: ServerThread,
+) -> None:
+    """Four suspended streams whose clients hang up: nothing resumes for them, every lease
+    ends, and the guaranteed tenant and the other streams are served."""
+    server = start_gateway(emulator)
+    http = httpx.Client(timeout=30)
+    try:
+        older = fill_with_batch(server, 4, 60)
+        newest = []
+        for _ in range(4):
+            request = http.build_request(
+                "POST",
+                server.url + CHAT,
+                json={"model": MODEL, "stream": True, "max_tokens": 400,
+                      "messages": [{"role": "user", "content": "go"}]},
+                headers={"Authorization": f"Bearer {KEYS['batch']}"},
+            )  # fmt: skip
+            response = http.send(request, stream=True)
+            assert next(response.iter_lines()).startswith("data: ")
+            newest.append(response)
+        gold = [Stream(server, "gold", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                              "max_tokens": 60}) for _ in range(4)]  # fmt: skip
+        before = submitted(emulator)
+        for response in newest:  # suspended (the newest lent work): their clients hang up
+            response.close()
+        for s in [*older, *gold]:
+            assert s.text(CHAT) == "tok " * 60
+        wait_all_ended(server)
+        assert submitted(emulator) == before  # no continuation for anyone who left
+    finally:
+        http.close()
+        server.stop()

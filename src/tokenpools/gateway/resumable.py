@@ -99,7 +99,8 @@ class Resumable(Exchange):
             task = asyncio.current_task()
             if self.admitted.evicted and task is not None and not task.cancelling():
                 raise Suspended from None
-            segment.cancel()
+            segment.cancel()  # the client went away: charged what it was sent
+            self._abandon()
             raise
 
     async def _engine_request(
@@ -128,12 +129,22 @@ class Resumable(Exchange):
                 await self._read_events(upstream.content)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             return await self._failed(exc, admitted)
+        except ConnectionResetError:  # the client went away while we wrote
+            self._abandon()
+            return self.response or web.Response(status=499)
         finally:
             backend.open_requests -= 1
         admitted.end(Usage(self._segment_prompt(), self.transcript.tokens - self._before))
         if self.response is not None:
             return self.response
         return web.json_response(self.transcript.whole(), headers=self.headers)
+
+    def _abandon(self) -> None:
+        """The segment broke off (the client or the backend went away): it ends on what was
+        sent."""
+        self.transcript.suspended()
+        used = Usage(self._segment_prompt(), self.transcript.tokens - self._before)
+        self.admitted.end(used, refund=False)
 
     def _segment_prompt(self) -> int:
         # the first segment's lease settles on the prompt; a continuation's prompt (the
@@ -172,7 +183,10 @@ class Resumable(Exchange):
         return web.Response(status=status, body=text, headers=self._passed(upstream.headers))
 
     async def _failed(self, exc: Exception, admitted: Admitted) -> web.StreamResponse:
-        admitted.end(self.usage if self.transcript.tokens else None, refund=False)
+        if self.response is None and not self.transcript.text:
+            admitted.end(None)  # refunded: nothing came of it
+        else:
+            self._abandon()  # charged what was sent
         if isinstance(exc, aiohttp.ClientConnectorError):
             self.backend.healthy = False
         if self.response is not None:
