@@ -252,3 +252,26 @@ def test_a_client_that_leaves_while_suspended_leaves_nothing_behind(
     finally:
         http.close()
         server.stop()
+
+
+def test_suspension_on_a_redis_store_resumes_and_leaves_nothing_booked(
+    emulator: ServerThread, redis_url: str, redis_client: object
+) -> None:
+    """The same taking back on a Redis store: the victim chosen in the store's atomic step,
+    suspended here, resumed when the guaranteed request has ended."""
+    data = config_data(emulator.url)
+    data["state"] = {"backend": "redis", "url": redis_url, "keyPrefix": "susp"}
+    server = ServerThread(make_app(Gateway(parse_config(data))))
+    try:
+        streams = fill_with_batch(server, 8, 50)
+        assert gold_asks(server, 10).status_code == 200
+        for s in streams:
+            assert s.text(CHAT) == "tok " * 50
+        wait_all_ended(server)
+        for p in admin(server, "pools").values():
+            assert p["in_flight"] == 0 and p["reserved"] == {"concurrency": 0, "kv_tokens": 0}
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
+        assert submitted(emulator) == 8 + 1 + 1
+    finally:
+        server.stop()
