@@ -101,7 +101,11 @@ def test_the_measures_on_a_trace_checked_by_hand() -> None:
     assert entitled_jain_index(result) == pytest.approx((4 / 3) ** 2 / (2 * (1 / 9 + 1)))
     # 5 jobs, 3 completed within 5 s (a's took exactly 5 s: within)
     assert slo_attainment_by_class(result) == {"elastic": pytest.approx(0.6)}
-    assert set(fairness_block(result)) == {"vtc_service_difference", "jain_index", "slo_attainment"}
+    block = fairness_block(result)
+    assert set(block) == {
+        "vtc_service_difference", "jain_index", "slo_attainment", "slo_attainment_split"
+    }  # fmt: skip
+    assert block["slo_attainment_split"] == {}  # elastic only: no baseline is promised
 
 
 def test_a_jobs_ttft_runs_from_its_first_attempt_not_its_last_retry() -> None:

@@ -216,8 +216,14 @@ def test_summary_has_the_documented_shape() -> None:
         assert set(tenant["phases"]) == {"before", "overload", "after"}
     assert {"max_waiting", "waiting_at_phase_end"} <= set(s["engine"])
     assert set(s["utilization"]) == {"before", "overload", "after"}
-    assert {"vtc_service_difference", "jain_index", "slo_attainment"} == set(s["fairness"])
+    assert {
+        "vtc_service_difference", "jain_index", "slo_attainment", "slo_attainment_split"
+    } == set(s["fairness"])  # fmt: skip
     assert set(s["fairness"]["slo_attainment"]) == {"guaranteed", "spot"}
+    assert set(s["fairness"]["slo_attainment_split"]) == {"guaranteed"}
+    for tenant in s["tenants"].values():
+        assert {"suspended", "suspensions", "resumed", "suspended_p50_s", "suspended_p99_s",
+                "recomputed_prompt_tokens"} <= set(tenant["totals"])  # fmt: skip
 
 
 # -- baselines behave like the real thing ---------------------------------------------------

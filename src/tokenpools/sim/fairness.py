@@ -24,6 +24,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from tokenpools.model.service_class import PROTECTED, ServiceClass
 from tokenpools.sim.records import Attempt, RunResult
 
 WINDOW_S = 60.0
@@ -160,33 +161,60 @@ def entitled_jain_index(result: RunResult) -> float | None:
     return jain(xs)
 
 
-def jobs_within_slo(result: RunResult) -> dict[str, tuple[int, int]]:
-    """Per tenant: (jobs, jobs that completed within the tenant's TTFT SLO, counted from the
-    job's first attempt to its first token); a job refused or evicted for good misses it; a
-    tenant without an SLO meets it by completing."""
+# Refusals by the entitlement's own limits: the job asked for more than it is entitled to.
+OWN_LIMITS = frozenset(
+    {"concurrency_limit", "throughput_limit", "kv_limit", "exceeds_entitlement",
+     "insufficient_quota"}
+)  # fmt: skip
+
+
+def job_outcomes(result: RunResult) -> dict[str, list[tuple[bool, bool | None]]]:
+    """Per tenant, per job: (completed within the tenant's TTFT SLO, counted from the job's
+    first attempt to its first token; within its entitlement). A job refused or evicted for
+    good misses the SLO; a tenant without an SLO meets it by completing. *Within*: admitted
+    within its entitlement's baseline, or refused by the pool while it asked for no more (the
+    promise the pool did not keep); not within: admitted above it, or refused by its own
+    limits; None where the policy does not say (only tokenpools knows its baselines)."""
     mine: dict[str, list[Attempt]] = defaultdict(list)
     for a in result.attempts:
         mine[a.req.tenant].append(a)
+    told = any(a.req.within is not None for a in result.attempts)
     out = {}
     for tenant in result.scenario.tenants:
         ent = result.config.entitlements[tenant.entitlement or tenant.name]
         slo = tenant.slo_ttft_s or (ent.slo_target_ms / 1000 if ent.slo_target_ms else None)
-        # A job's TTFT runs from its first attempt: time spent refused and retrying counts, as
-        # time queued does under a policy that holds requests instead of refusing them.
-        first_sent: dict[int, float] = {}
+        jobs: dict[int, list[Attempt]] = defaultdict(list)
         for a in mine[tenant.name]:
-            key = id(a.job)
-            first_sent[key] = min(first_sent.get(key, a.req.sent_at), a.req.sent_at)
-        met: dict[int, bool] = {}
-        for a in mine[tenant.name]:
-            ok = (
+            jobs[id(a.job)].append(a)
+        rows = []
+        for attempts in jobs.values():
+            # time spent refused and retrying counts, as time queued does under a policy that
+            # holds requests instead of refusing them
+            first = min(a.req.sent_at for a in attempts)
+            met = any(
                 a.outcome == "completed"
                 and a.first_token_at is not None
-                and (slo is None or a.first_token_at - first_sent[id(a.job)] <= slo)
+                and (slo is None or a.first_token_at - first <= slo)
+                for a in attempts
             )
-            met[id(a.job)] = met.get(id(a.job), False) or ok
-        out[tenant.name] = (len(met), sum(met.values()))
+            rows.append((met, _within(attempts) if told else None))
+        out[tenant.name] = rows
     return out
+
+
+def _within(attempts: list[Attempt]) -> bool:
+    """A job starts as excess when its first attempt is refused by the entitlement's own
+    limits; else it is within if admitted within the baseline, or never admitted at all."""
+    first = min(attempts, key=lambda a: a.req.sent_at)
+    if first.outcome == "rejected" and first.reason in OWN_LIMITS:
+        return False
+    admitted = [a.req.within for a in attempts if a.outcome != "rejected"]
+    return any(admitted) if admitted else True
+
+
+def jobs_within_slo(result: RunResult) -> dict[str, tuple[int, int]]:
+    """Per tenant: (jobs, jobs that completed within the tenant's TTFT SLO)."""
+    return {t: (len(rows), sum(m for m, _ in rows)) for t, rows in job_outcomes(result).items()}
 
 
 def slo_attainment_by_class(result: RunResult) -> dict[str, float | None]:
@@ -196,6 +224,25 @@ def slo_attainment_by_class(result: RunResult) -> dict[str, float | None]:
         jobs = sum(per_tenant[n][0] for n in names)
         good = sum(per_tenant[n][1] for n in names)
         out[cls] = good / jobs if jobs else None
+    return out
+
+
+def slo_attainment_split(result: RunResult) -> dict[str, dict[str, float | None]]:
+    """Per protected class, the SLO attainment of jobs within the entitlement and above it
+    (none where the policy does not say which is which)."""
+    outcomes = job_outcomes(result)
+    out: dict[str, dict[str, float | None]] = {}
+    for cls, names in _classes(result).items():
+        if ServiceClass(cls) not in PROTECTED:
+            continue  # only dedicated and guaranteed baselines are promised
+        rows = [row for n in names for row in outcomes[n] if row[1] is not None]
+        if not rows:
+            continue
+        split: dict[str, float | None] = {}
+        for key, side in (("within", True), ("above", False)):
+            part = [met for met, within in rows if within is side]
+            split[key] = sum(part) / len(part) if part else None
+        out[cls] = split
     return out
 
 
@@ -218,4 +265,8 @@ def fairness_block(result: RunResult, digits: int = 4) -> dict[str, Any]:
         "vtc_service_difference": diff,
         "jain_index": r(entitled_jain_index(result)),
         "slo_attainment": {c: r(v) for c, v in slo_attainment_by_class(result).items()},
+        "slo_attainment_split": {
+            c: {k: r(v) for k, v in split.items()}
+            for c, split in slo_attainment_split(result).items()
+        },
     }

@@ -50,6 +50,8 @@ class MemberRun:
     jain_index: float | None = None  # the summary's fairness measures (sim/fairness.py)
     service_difference: float | None = None  # VTC's, worst class, worst window
     slo_attainment: tuple[tuple[str, float | None], ...] = ()  # per class
+    # per class: (within the entitlement, above it), where the policy says which is which
+    slo_split: tuple[tuple[str, float | None, float | None], ...] = ()
     # suspension, over every tenant: attempts suspended, each one's time suspended in all,
     # prompt tokens prefilled again by continuations against all prompt tokens admitted, and
     # output tokens thrown away (ended attempts) against all generated
@@ -119,6 +121,7 @@ def run_member(
         fairness["jain_index"],
         None if diff is None else diff["max"],
         tuple(fairness["slo_attainment"].items()),
+        tuple((c, v["within"], v["above"]) for c, v in fairness["slo_attainment_split"].items()),
         tuple(a.suspended_s for a in suspended),
         sum(a.suspensions for a in suspended),
         sum(a.recomputed_tokens for a in suspended),
@@ -179,6 +182,13 @@ def aggregate(runs: Sequence[MemberRun]) -> dict[str, Any]:
         "thrown_away_output_share": _share(
             sum(r.thrown_away_tokens for r in runs), sum(r.output_tokens for r in runs)
         ),
+        "slo_attainment_split": {
+            cls: {
+                "within": _mean([w for r in runs for c, w, _ in r.slo_split if c == cls]),
+                "above": _mean([a for r in runs for c, _, a in r.slo_split if c == cls]),
+            }
+            for cls in sorted({row[0] for r in runs for row in r.slo_split})
+        },
         "slo_attainment": {
             cls: _mean([dict(r.slo_attainment).get(cls) for r in runs])
             for cls in sorted({c for r in runs for c, _ in r.slo_attainment})

@@ -45,6 +45,12 @@ def _f(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _split(split: dict[str, float | None] | None) -> str:
+    if not split:
+        return "–"
+    return f"{_f(split['within'], '.0%')} / {_f(split['above'], '.0%')}"
+
+
 def family_table(aggregates: dict[str, Any]) -> str:
     head = [
         "policy",
@@ -59,6 +65,7 @@ def family_table(aggregates: dict[str, Any]) -> str:
         "VTC service difference (mean of worst windows)",
         "Jain (entitled)",
         *(f"{c} SLO attainment" for c in CLASSES),
+        "guaranteed SLO attainment within / above its entitlement",
     ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for policy, a in aggregates.items():
@@ -77,6 +84,7 @@ def family_table(aggregates: dict[str, Any]) -> str:
             _f(a["service_difference_mean"], ",.0f"),
             _f(a["jain_index_mean"], ".3f"),
             *(_f(a["slo_attainment"].get(c), ".0%") for c in CLASSES),
+            _split(a["slo_attainment_split"].get("guaranteed")),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

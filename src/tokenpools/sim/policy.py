@@ -26,6 +26,8 @@ class SimRequest:
     sent_at: float
     priority: int = 0  # the engine priority a policy sends (vLLM's: lower is served first)
     continues: str = ""  # a resumed request: the id of the request it continues ("": none)
+    # admitted within its entitlement's baseline (None: the policy does not say)
+    within: bool | None = None
 
     def continuation(self, req_id: str, generated: int, now: float) -> SimRequest:
         """The request that resumes this one after `generated` output tokens: its prompt is

@@ -81,6 +81,7 @@ class TokenPools(AdmissionPolicy):
     def admit(self, req: SimRequest, now: float) -> Verdict:
         decision = self.decide(req, now)
         if isinstance(decision, Admit):
+            req.within = decision.lease.reserved_path
             charged = self.config.entitlements[decision.lease.entitlement]
             carried = carried_priority(self.scheduling, charged.service_class)
             if carried is not None:  # what the gateway writes into the body
