@@ -28,3 +28,5 @@ def test_paper_exp1_over_http_matches_the_simulator_within_tolerance(tmp_path: P
     assert without["max_backend_waiting"] >= 25
     assert without["guaranteed_ttft_p99_s"] >= 5
     assert "| `tokenpools` |" in table and (tmp_path / "paper-exp1-queue.png").exists()
+    assert 0.5 <= with_tp["busy_in_overload"] <= 1.0  # measured 0.8-0.95 (docs/experiments.md)
+    assert f"{with_tp['busy_in_overload']:.0%} behind tokenpools" in table
