@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -275,3 +276,26 @@ def test_suspension_on_a_redis_store_resumes_and_leaves_nothing_booked(
         assert submitted(emulator) == 8 + 1 + 1
     finally:
         server.stop()
+
+
+def test_a_gateway_that_stops_ends_its_suspended_requests_at_once(
+    emulator: ServerThread,
+) -> None:
+    """A graceful stop does not wait out a suspended request's deadline (600 s here): its
+    client gets the preempted event at once, while the guaranteed streams still finish."""
+    server = start_gateway(emulator, suspendDeadlineS={"preemptible": 600})
+    streams = fill_with_batch(server, 8, 400)
+    gold = [Stream(server, "gold", CHAT, {"messages": [{"role": "user", "content": "x"}],
+                                          "max_tokens": 150}) for _ in range(4)]  # fmt: skip
+
+    def evicted() -> float:
+        return metric(httpx.get(f"{server.url}/metrics").text, "tokenpools_evicted_total", "batch")
+
+    wait_for(evicted, lambda n: n == 4, what="four batch streams suspended")
+    started = time.monotonic()
+    server.stop()  # the gold streams (3 s of output) run to their end first
+    assert time.monotonic() - started < 20
+    for g in gold:
+        assert g.text(CHAT) == "tok " * 150
+    ended = [s for s in streams if any('"preempted"' in e for e in s.chunks_raw())]
+    assert len(ended) >= 4  # the suspended ones (the others may be cut at the stop)

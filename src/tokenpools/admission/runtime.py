@@ -57,6 +57,7 @@ class AdmissionRuntime:
         self.replica = replica or replica_name()
         self.driver: StoreDriver = open_driver(config, clock(), self.replica, suspends)
         self._room = asyncio.Event()  # set, and replaced, whenever a request here ends
+        self.draining = False  # the host is stopping: nobody waits for room any more
         self.core = self.driver.core
         self.in_flight: dict[str, Admitted] = {}  # by lease id
         self.listeners: list[DecisionListener] = []
@@ -101,6 +102,12 @@ class AdmissionRuntime:
     def _room_freed(self) -> None:
         self._room.set()
         self._room = asyncio.Event()
+
+    def drain(self) -> None:
+        """The host is stopping: requests waiting for room stop waiting (a suspended one ends
+        as taken back, at once, instead of holding the shutdown until its deadline)."""
+        self.draining = True
+        self._room_freed()
 
     async def room(self, timeout_s: float) -> None:
         """Wait until a request this process admitted ends, or `timeout_s` (room freed by

@@ -112,5 +112,9 @@ def make_app(
         yield
         await gateway.stop()
 
+    async def draining(app: web.Application) -> None:
+        gateway.drain()  # before aiohttp waits for the requests in flight
+
+    app.on_shutdown.append(draining)
     app.cleanup_ctx.append(background)
     return app

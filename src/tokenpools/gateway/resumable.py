@@ -208,7 +208,8 @@ class Resumable(Exchange):
             if isinstance(result, Cleared):
                 return result
             left = deadline - loop.time()
-            if left <= 0 or result.decision is None:  # refused outright: it never will fit
+            # refused outright (it never will fit), past its deadline, or the gateway stopping
+            if left <= 0 or result.decision is None or runtime.draining:
                 return await self._give_up(result)
             wait = result.decision.retry_after_s or 1.0
             await runtime.room(min(wait, left))

@@ -153,6 +153,10 @@ class Gateway:
             asyncio.create_task(self._feeding_back()),
         ]
 
+    def drain(self) -> None:
+        """Shutting down: suspended requests stop waiting for room and end at once."""
+        self.admission.drain()
+
     async def stop(self) -> None:
         for task in self._background:
             task.cancel()
