@@ -36,6 +36,7 @@ from tokenpools.engine.queues import (
     priority_refusal,
 )
 from tokenpools.engine.sequence import Sequence, StepResult, by_priority_then_order
+from tokenpools.engine.tag_tokens import TagTokens
 from tokenpools.model.pool import SCHEDULING_POLICIES
 
 __all__ = ["Engine", "Sequence", "StepResult"]  # the engine's face: what a step reports
@@ -65,11 +66,7 @@ class Engine:
         # Requests left waiting by the last schedule: what vLLM reports as
         # num_requests_waiting (arrivals since the step began are not counted yet).
         self.scheduled_waiting = 0
-        self.decoding_by_tag: Counter[str] = Counter()
-        # Output tokens per tag, folded in lazily: a tag's decoding sequences each add one
-        # token per step, so only changes of their number need bookkeeping.
-        self._tokens_by_tag: Counter[str] = Counter()
-        self._tag_since: dict[str, int] = {}
+        self._tag_tokens = TagTokens()  # output tokens per tag (engine/tag_tokens.py)
         self.cache = PrefixCache(profile.block_size) if profile.prefix_caching else None
 
     # -- requests in and out ---------------------------------------------------------------
@@ -134,14 +131,7 @@ class Engine:
 
     def output_tokens_by_tag(self) -> dict[str, int]:
         """Output tokens generated so far, per tag."""
-        for tag in list(self._tag_since):
-            self._fold_tokens(tag)
-        return dict(self._tokens_by_tag)
-
-    def _fold_tokens(self, tag: str) -> None:
-        since = self._tag_since.get(tag, self.step_count)
-        self._tokens_by_tag[tag] += self.decoding_by_tag[tag] * (self.step_count - since)
-        self._tag_since[tag] = self.step_count
+        return self._tag_tokens.totals(self.step_count)
 
     def sequence(self, req_id: str) -> Sequence | None:
         """A request the engine holds (read-only: the engine's own record)."""
@@ -240,15 +230,14 @@ class Engine:
                 if seq.generated == 0:
                     result.first_tokens.append(seq.req_id)
                 seq.generated += 1
-                self._tokens_by_tag[seq.tag] += 1
+                self._tag_tokens.sampled(seq.tag)
                 if seq.generated >= seq.output_tokens:
                     self._finish(seq, result)
                 else:
                     self._prefilling.remove(seq)
                     seq.base_step = step
                     self._decoding[seq.req_id] = seq
-                    self._fold_tokens(seq.tag)
-                    self.decoding_by_tag[seq.tag] += 1
+                    self._tag_tokens.started_decoding(seq.tag, step)
                     finish_at = step + seq.output_tokens - seq.generated
                     heapq.heappush(self._finish_heap, (finish_at, seq.order, seq.req_id))
         if self.cache is not None:  # this step's allocations overwrite cached blocks
@@ -320,8 +309,7 @@ class Engine:
         """Take a running sequence out of the batch and free its KV."""
         if seq.req_id in self._decoding:
             del self._decoding[seq.req_id]
-            self._fold_tokens(seq.tag)
-            self.decoding_by_tag[seq.tag] -= 1
+            self._tag_tokens.stopped_decoding(seq.tag, self.step_count)
         else:
             self._prefilling.remove(seq)
         self.running_by_tag[seq.tag] -= 1
