@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ import aiohttp
 import pytest
 import redis
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.servers import wait_for
 from tokenpools.model.keys import hash_key
@@ -156,9 +158,21 @@ def gateways(
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    yield from _cluster(tmp_path, TIMEOUT_S)
+
+
+@pytest.fixture
+def patient_cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A store timeout of 500 ms: on two busy cores a 50 ms one can read as an outage, and
+    the protected entitlements' local budgets admit beyond the shared count (docs/redis.md),
+    which the tests of a healthy store are not about."""
+    yield from _cluster(tmp_path, 0.5)
+
+
+def _cluster(tmp_path: Path, timeout_s: float) -> Iterator[Cluster]:
     with redis_server() as (redis_url, redis_proc):
         port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-        with gateways(tmp_path, redis_url, port, redis_proc) as c:
+        with gateways(tmp_path, redis_url, port, redis_proc, timeout_s=timeout_s) as c:
             try:
                 yield c
             finally:
@@ -323,16 +337,22 @@ def pool_leases(c: Cluster) -> int:
     return int(float(value)) if value is not None else 0
 
 
-def test_three_replicas_enforce_one_pool(cluster: Cluster) -> None:
+def test_three_replicas_enforce_one_pool(patient_cluster: Cluster) -> None:
+    cluster = patient_cluster
     seconds = 6.0
     asyncio.run(drive(cluster, seconds))
     replies = cluster.replies
     assert not [r for r in replies if r.status not in (200, 429)], "only 200s and 429s"
     assert {r.gateway for r in replies if r.status == 200} == {0, 1, 2}
     assert sum(r.status == 429 for r in replies) > 0, "the load must exceed the pool"
-    # Concurrency: never more in flight than the pool's slots plus the overcommit.
+    # Concurrency: never more reserved than the pool's slots plus the overcommit. The backend
+    # may also hold the spot requests being taken back: an owner's admission suspends a lent
+    # request in the same step as it admits, and the victim's gateway closes that request's
+    # engine connection after it (at once on the same gateway, at its next look at the store on
+    # another), so the owner's request can reach the engine first.
     assert cluster.max_reserved <= SLOTS * (1 + OVERCOMMIT)
-    assert cluster.max_backend <= SLOTS * (1 + OVERCOMMIT)
+    suspended = suspensions(cluster)
+    assert cluster.max_backend <= int(SLOTS * (1 + OVERCOMMIT)) + suspended
     assert cluster.max_reserved >= SLOTS - 1, "the pool was driven to its capacity"
     # Throughput: settled tokens within each elastic entitlement's burst ceiling.
     for ent in ("e1", "e2", "e3", "e4"):
@@ -349,8 +369,20 @@ def test_three_replicas_enforce_one_pool(cluster: Cluster) -> None:
         )
         + f" (ceiling {ELASTIC_RATE * (seconds + BURST_WINDOW_S):g} each); "
         f"{sum(r.status == 200 for r in replies)} admitted, "
-        f"{sum(r.status == 429 for r in replies)} shed"
+        f"{sum(r.status == 429 for r in replies)} shed, {suspended} spot requests suspended"
     )
+
+
+def suspensions(c: Cluster) -> int:
+    """The suspensions all three gateways counted (tokenpools_suspended_total)."""
+    total = 0.0
+    for url in c.gateways:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "tokenpools_suspended":
+                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return int(total)
 
 
 def test_a_killed_replicas_leases_come_back_within_the_ttl(cluster: Cluster) -> None:
