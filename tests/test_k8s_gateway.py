@@ -6,9 +6,12 @@ and watches that list again on 410 Gone and report themselves stale on /readyz."
 from __future__ import annotations
 
 import base64
+import os
 import threading
+from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.kube.harness import NS, PLATFORM, TENANT_LABEL, Bench, bench, ent, pool
 from tests.servers import wait_until
@@ -90,7 +93,7 @@ def test_serve_kubernetes_follows_the_cluster_over_http(bench: Bench) -> None:
     bench.settle()
     assert bench.states()["chat"] == "Degraded"
 
-    gateway = HttpServer(build_kubernetes(kube, PLATFORM, {}))
+    gateway = HttpServer(build_kubernetes(kube, PLATFORM))
     body = {"model": "qwen3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
     def ask(who: str) -> httpx.Response:
@@ -246,3 +249,69 @@ def _gold_stopped_by_its_day_budget(bench: Bench, base: dict[str, object]) -> No
     assert isinstance(first, Admit) and first.budget is not None and first.budget[0] == "ns-day"
     refused = core.admit(f"{NS}/gold", RequestCost(200, 600, 1, account), 0.0)
     assert isinstance(refused, Reject) and refused.budget == "ns-day"
+
+
+def test_the_file_beside_the_cluster_is_followed_and_may_not_name_pools(
+    bench: Bench, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """k8s/following.py, for serve and extproc alike: the file's budgets are adopted when it
+    changes; a version that names pools is logged and the running config kept."""
+    import asyncio
+
+    import yaml
+
+    from tokenpools.k8s.following import base_of, follow_cluster
+    from tokenpools.model.config import Config
+
+    kube = bench.kube
+    kube.create(POOLS, None, pool(replicas=2))
+    kube.create(ENTITLEMENTS, NS, _keyed("gold", "guaranteed", 6))
+    bench.settle()
+    path = tmp_path / "base.yaml"
+    path.write_text(yaml.safe_dump({"state": {"backend": "memory"}}))
+    adopted: list[Config] = []
+
+    class Host:
+        async def reload(self, config: Config) -> Config:
+            adopted.append(config)
+            return config
+
+    def write(data: dict[str, object], stamp: int) -> None:
+        path.write_text(yaml.safe_dump(data))
+        os.utime(path, ns=(stamp, stamp))  # a new modification time, whatever the clock
+
+    async def scenario() -> None:
+        source = ClusterSource(kube, PLATFORM, base_of(path)).start()
+        task = asyncio.create_task(follow_cluster(source, Host(), path, interval_s=0.01))
+        try:
+            while not adopted:
+                await asyncio.sleep(0.01)
+            assert adopted[-1].budgets == {}
+            day = {"name": "ns-day", "tenant": NS, "limit": 1000, "window": "day"}
+            write({"budgets": [day]}, 1)
+            while "ns-day" not in adopted[-1].budgets:
+                await asyncio.sleep(0.01)
+            count = len(adopted)
+            write({"budgets": [], "pools": []}, 2)  # refused: the running config kept
+            while "config file rejected" not in caplog.text:
+                await asyncio.sleep(0.01)
+            write({"budgets": [{**day, "limit": 5}]}, 3)
+            while adopted[-1].budgets["ns-day"].limit != 5:
+                await asyncio.sleep(0.01)
+            assert all("ns-day" in c.budgets for c in adopted[count:])
+        finally:
+            task.cancel()
+            source.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+    try:
+        base_of(path.with_name("pools.yaml"))
+        raise AssertionError("a missing file must be refused")
+    except ValueError as exc:
+        assert "pools.yaml" in str(exc)
+    path.write_text(yaml.safe_dump({"entitlements": [], "pools": []}))
+    try:
+        base_of(path)
+        raise AssertionError("a file naming pools must be refused")
+    except ValueError as exc:
+        assert "pools and entitlements come from the cluster" in str(exc)

@@ -55,12 +55,13 @@ def test_the_pure_core_imports_no_host_and_no_runtime(package: str) -> None:
     assert not _targets(package) & (HOSTS | {"admission", "usage", "identity"})
 
 
-# The one crossing: `tokenpools serve --kubernetes` reads its config from the cluster through
-# the k8s package's config source (its API client, watches and CR -> config), not through the
-# operator.
+# The one crossing: `tokenpools serve --kubernetes` and `tokenpools extproc --kubernetes` read
+# their config from the cluster through the k8s package's config source (its API client,
+# watches, CR -> config and the loop that follows them), not through the operator.
 CONFIG_SOURCE = {
-    ("gateway/server.py", "tokenpools.k8s.source"),
-    ("gateway/server.py", "tokenpools.k8s.api"),
+    (f"{host}/server.py", f"tokenpools.k8s.{module}")
+    for host in ("gateway", "extproc")
+    for module in ("source", "api", "following")
 }
 
 

@@ -165,7 +165,10 @@ def serve(
 
 @app.command()
 def extproc(
-    config: Annotated[Path, typer.Option("--config", "-c", help="the YAML config file")],
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="the YAML config file (beside the cluster: the rest)"),
+    ] = None,
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="gRPC port Envoy's ext_proc filter calls")] = 9002,
     metrics_port: Annotated[
@@ -185,8 +188,14 @@ def extproc(
             help="requests' bodies come FULL_DUPLEX_STREAMED though the data plane does not say so"
         ),
     ] = False,
+    kubernetes: Annotated[
+        bool, typer.Option(help="read pools, entitlements, budgets and keys from the cluster")
+    ] = False,
+    namespace: Annotated[str, typer.Option(help="with --kubernetes: the platform's")] = "default",
 ) -> None:
     """Run admission as an Envoy external processor (ext_proc), before the endpoint picker."""
+    if config is None and not kubernetes:
+        fail("give --config FILE, or --kubernetes")
     try:
         from tokenpools.extproc import serve as run
     except ImportError as exc:
@@ -201,6 +210,7 @@ def extproc(
             access_log,
             full_duplex_answers,
             full_duplex_requests,
+            namespace if kubernetes else None,
         )
     except ConfigError as exc:
         fail(str(exc))

@@ -47,6 +47,8 @@ class Processor:
         self.door = FrontDoor(self.admission, self.metrics, clock)
         self.observe = RequestObserver([self.metrics.finished], access_log=access_log)
         self._told: set[str] = set()
+        # more reasons not to be ready, from the config's source (a cluster watch gone stale)
+        self.ready_checks: list[Callable[[], list[str]]] = []
         self.settings = self._settings(config)
 
     def _settings(self, config: Config) -> FlowSettings:
@@ -90,9 +92,18 @@ class Processor:
         await self.ledger.stop()
         await self.admission.stop()
 
+    async def unready(self) -> list[str]:
+        """Why it should not be sent requests now (none: ready to admit)."""
+        if not self.admission.running:
+            return ["not started"]
+        why = [reason for check in self.ready_checks for reason in check()]
+        if not await self.admission.store_answers():
+            why.append("the shared state store does not answer")
+        return why
+
     async def ready(self) -> bool:
-        """Ready to admit: started, and the state store answers."""
-        return self.admission.running and await self.admission.store_answers()
+        """Ready to admit: started, its config's source current, and the store answers."""
+        return not await self.unready()
 
 
 def _removed(config: Config) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """`tokenpools extproc`: the processor as a process — the gRPC server Envoy calls, gRPC
 health, a small HTTP server for Prometheus (/metrics) and probes (/healthz, /readyz), the
-config file followed (and re-read on SIGHUP), and a graceful stop on SIGTERM."""
+config followed (a file, re-read on SIGHUP too; or the cluster's custom resources with a file
+beside them, as `tokenpools serve --kubernetes` does), and a graceful stop on SIGTERM."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -22,6 +24,9 @@ from tokenpools.event_loop import new_loop
 from tokenpools.extproc.processor import Processor
 from tokenpools.extproc.service import ExternalProcessor, Health
 from tokenpools.model.config import load_config
+
+if TYPE_CHECKING:
+    from tokenpools.k8s.source import ClusterSource
 
 log = logging.getLogger("tokenpools.extproc")
 TICK_INTERVAL_S = 0.25
@@ -58,9 +63,10 @@ def _http_app(processor: Processor) -> web.Application:
 
     async def readyz(request: web.Request) -> web.Response:
         del request
-        if await processor.ready():
+        why = await processor.unready()
+        if not why:
             return web.Response(text="ready")
-        return web.Response(status=503, text="the shared state store does not answer")
+        return web.Response(status=503, text="\n".join(why))
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -91,36 +97,68 @@ async def start(
 
 
 async def _serve(
-    path: Path,
+    path: Path | None,
+    namespace: str | None,
     host: str,
     port: int,
     http_port: int,
     access_log: bool,
     duplex: tuple[bool, bool],
 ) -> None:
+    """Until SIGTERM or SIGINT: the processor on the file at `path`, or (with `namespace`) on
+    the cluster with that file beside it, each change adopted as it comes."""
+    source = None
+    if namespace is None:
+        assert path is not None
+        config = load_config(path)
+    else:
+        from tokenpools.k8s.api import Kube, load_client
+        from tokenpools.k8s.following import base_of
+        from tokenpools.k8s.source import ClusterSource
+
+        base = base_of(path)  # refused before the cluster is asked anything
+        source = ClusterSource(Kube(load_client()), namespace, base).start()
+        config = source.config()
     processor = Processor(
-        load_config(path),
-        access_log=access_log,
-        duplex_answers=duplex[1],
-        duplex_requests=duplex[0],
+        config, access_log=access_log, duplex_requests=duplex[0], duplex_answers=duplex[1]
     )
+    if source is not None:
+        processor.ready_checks.append(source.stale)
     running = await start(processor, host, port, http_port)
     log.info("ext_proc on %s:%d (gRPC), metrics on :%d", host, running.grpc_port, running.http_port)
-    loop = asyncio.get_running_loop()
+    following = asyncio.create_task(follow(processor, path, source))
     stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_from(processor, path)))
-    following = asyncio.create_task(ConfigFile(path).follow(processor, 2.0))
     await stopping.wait()
     following.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await following
     await running.stop()
+    if source is not None:
+        source.stop()
+
+
+async def follow(processor: Processor, path: Path | None, source: ClusterSource | None) -> None:
+    """Adopt each change of the config's source: the cluster's objects and the file beside
+    them, or the file alone (also re-read on SIGHUP)."""
+    if source is not None:
+        from tokenpools.k8s.following import follow_cluster
+
+        await follow_cluster(source, processor, path)
+        return
+    assert path is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_from(processor, path)))
+    try:
+        await ConfigFile(path).follow(processor, 2.0)
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
 
 
 def serve(
-    path: Path,
+    path: Path | None,
     host: str = "127.0.0.1",
     port: int = 9002,
     http_port: int = 9090,
@@ -128,8 +166,9 @@ def serve(
     access_log: bool = True,
     duplex_answers: bool = False,
     duplex_requests: bool = False,
+    namespace: str | None = None,
 ) -> None:
     setup_logging(log_format)
     duplex = (duplex_requests, duplex_answers)
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(_serve(path, host, port, http_port, access_log, duplex))
+        runner.run(_serve(path, namespace, host, port, http_port, access_log, duplex))

@@ -20,7 +20,7 @@ from tokenpools.gateway.app import make_app
 from tokenpools.gateway.http_layer import GatewayRunner
 from tokenpools.gateway.runtime import READY_CHECKS, Gateway
 from tokenpools.gateway.tracing import otlp_tracing
-from tokenpools.model.config import ConfigError, load_config
+from tokenpools.model.config import load_config
 
 log = logging.getLogger("tokenpools.gateway")
 
@@ -51,40 +51,26 @@ def build(path: Path, watch_interval_s: float = 2.0, **options: Any) -> web.Appl
 
 
 def build_kubernetes(
-    kube: Any, namespace: str, base: dict[str, Any], **options: Any
+    kube: Any, namespace: str, path: Path | None = None, **options: Any
 ) -> web.Application:
-    """The gateway fed from the cluster: pools, entitlements and the platform namespace's
-    Secrets watched, each change adopted as a file reload is (an invalid set is logged and the
-    running config kept); /readyz fails while a watch gets no answers."""
+    """The gateway fed from the cluster: pools, entitlements, budgets and the platform
+    namespace's backend-key Secrets watched, with the file at `path` (if any) beside them
+    (k8s/following.py: the rule), each change adopted as a file reload is (an invalid set is
+    logged and the running config kept); /readyz fails while a watch gets no answers."""
+    from tokenpools.k8s.following import base_of, follow_cluster
     from tokenpools.k8s.source import ClusterSource
 
-    source = ClusterSource(kube, namespace, base).start()
+    source = ClusterSource(kube, namespace, base_of(path)).start()
     gateway = Gateway(source.config(), **options)
     app = make_app(gateway)
     app[READY_CHECKS] = [source.stale]
 
     async def follow(app: web.Application) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-
-        def changed() -> None:  # called from a watch thread
-            loop.call_soon_threadsafe(wake.set)
-
-        source.on_change = changed
-
-        async def adopt() -> None:
-            while True:
-                await wake.wait()
-                wake.clear()
-                try:
-                    await gateway.reload(source.config())
-                except ConfigError as exc:
-                    log.error("cluster config rejected, keeping the running config: %s", exc)
-
-        wake.set()  # changes between the first list and now
-        task = asyncio.create_task(adopt())
+        task = asyncio.create_task(follow_cluster(source, gateway, path))
         yield
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         source.stop()
 
     app.cleanup_ctx.append(follow)
@@ -110,14 +96,10 @@ def serve(
     if namespace is None:
         assert path is not None
         application = build(path, **options)
-    else:  # --kubernetes: the cluster is the config; a file, if given, sets policy/gateway/state
-        import yaml
-
+    else:  # --kubernetes: the cluster is the config, a file beside it the rest
         from tokenpools.k8s.api import Kube, load_client
 
-        base = yaml.safe_load(path.read_text()) if path is not None else {}
-        base = {k: v for k, v in (base or {}).items() if k not in ("pools", "entitlements")}
-        application = build_kubernetes(Kube(load_client()), namespace, base, **options)
+        application = build_kubernetes(Kube(load_client()), namespace, path, **options)
     _run(application, new_loop(), host, port, shutdown_timeout_s)
 
 
