@@ -86,3 +86,10 @@ def test_the_core_install_serves_without_the_sim_extra(tmp_path: Path) -> None:
         _, err = gateway.communicate(timeout=10)
     access = [json.loads(line) for line in err.decode().splitlines() if '"request_id"' in line]
     assert access and access[-1]["status"] == 200 and access[-1]["entitlement"] == "guaranteed-a"
+    # the README's short path: the same install, then one command to an answered request
+    quick = subprocess.run(
+        [tokenpools, "quickstart", "--once", "--port", "0", "--backend-port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert quick.returncode == 0, quick.stderr
+    assert "first request: HTTP 200, admitted as guaranteed-a (guaranteed)" in quick.stdout

@@ -217,6 +217,30 @@ def extproc(
 
 
 @app.command()
+def quickstart(
+    port: Annotated[int, typer.Option(help="the gateway's port (0: any free one)")] = 8080,
+    backend_port: Annotated[int, typer.Option(help="the emulated vLLM's port")] = 8000,
+    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
+    once: Annotated[bool, typer.Option(help="stop after the first answer")] = False,
+) -> None:
+    """Start an emulated vLLM and the gateway in front of it (the example config), send one
+    request through, and keep serving until Ctrl-C."""
+    import asyncio
+
+    from tokenpools.event_loop import new_loop
+    from tokenpools.quickstart import run as start
+
+    try:
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            code = runner.run(start(host, port, backend_port, once, typer.echo))
+    except OSError as exc:  # a port taken
+        fail(f"{exc}: choose others with --port and --backend-port")
+    except KeyboardInterrupt:
+        code = 0
+    raise typer.Exit(code)
+
+
+@app.command()
 def emulate(
     profile: Annotated[str, typer.Option(help="an engine profile name or YAML file")] = (
         "paper-dgx-spark-qwen3-8b"
