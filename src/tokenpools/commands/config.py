@@ -129,7 +129,8 @@ def schema() -> None:
 
 
 def example_config() -> None:
-    """Print the example config (one pool, one tenant of each class) to start from."""
+    """Print the example config to start from (the paper's two experiments: two pools, with
+    guaranteed, spot, preemptible and elastic tenants)."""
     typer.echo(EXAMPLE_CONFIG.read_text(), nl=False)
 
 
