@@ -1,6 +1,7 @@
-"""deploy/extproc and deploy/envoy: the ext_proc processor runs with least privilege, and every
-way of attaching it — Envoy Gateway, kgateway, agentgateway, a standalone Envoy — puts it
-before the endpoint picker with the settings docs/envoy.md asks for, failing closed.
+"""deploy/extproc and deploy/envoy: the ext_proc processor reads the cluster with least
+privilege, runs two replicas on the gateway's Redis that no drain or rollout takes together,
+and every way of attaching it — Envoy Gateway, kgateway, agentgateway, a standalone Envoy —
+puts it before the endpoint picker with the settings docs/envoy.md asks for, failing closed.
 
 The gateways' kinds are other projects' CRDs, not installed here: they are checked field by
 field as those projects' current APIs name the fields, not against their schemas. The
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_k8s_manifests import DEPLOY, _kustomize, restricted_violations
+from tests.test_k8s_manifests import DEPLOY, _kustomize, install_dirs, restricted_violations
 from tokenpools.extproc.messages import PROCESSING_MODE
 
 EXTPROC = DEPLOY / "extproc"
@@ -41,58 +42,137 @@ def _camel(mode: str) -> str:
 # -- the processor --------------------------------------------------------------------------
 
 
-def test_the_processor_runs_with_least_privilege() -> None:
+def _named(docs: dict[str, list[dict[str, Any]]], kind: str, name: str) -> dict[str, Any]:
+    [found] = [d for d in docs[kind] if d["metadata"]["name"] == name]
+    return found
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions with In) matches these labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", expression  # the only one used in deploy/
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True
+
+
+def _pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = deployment["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def _admitted(
+    policies: list[dict[str, Any]], to: dict[str, str], source: dict[str, str], port: int
+) -> bool:
+    """Some NetworkPolicy of the pods labelled `to` lets pods of its namespace labelled
+    `source` in on `port` (rules by pod selector or from anywhere)."""
+    for policy in policies:
+        if not _selects(policy["spec"]["podSelector"], to):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            if {"port": port, "protocol": "TCP"} in rule.get("ports", []) and (
+                peers is None
+                or any("podSelector" in f and _selects(f["podSelector"], source) for f in peers)
+            ):
+                return True
+    return False
+
+
+def test_the_processor_reads_the_cluster_with_least_privilege() -> None:
     docs = _by_kind(EXTPROC / "processor")
-    [deployment] = docs["Deployment"]
-    pod = deployment["spec"]["template"]["spec"]
+    pod = _named(docs, "Deployment", SERVICE)["spec"]["template"]["spec"]
     [container] = pod["containers"]
     args = container["args"]
-    assert args[0] == "extproc"
+    assert args[0] == "extproc" and "--kubernetes" in args
     assert args[args.index("--port") + 1] == str(PORT)
     assert args[args.index("--host") + 1] == "0.0.0.0"
+    # its own namespace, from the downward API: right wherever it is installed
+    assert args[args.index("--namespace") + 1] == "$(POD_NAMESPACE)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert restricted_violations(pod) == []
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
-    # its config is a Secret it mounts read-only; it never calls the API server
+    # the file beside the cluster (the Redis password, key hashes): a Secret, mounted read-only
     config = args[args.index("--config") + 1]
     [mount] = container["volumeMounts"]
-    assert config.startswith(mount["mountPath"]) and mount["readOnly"]
+    assert config.startswith(mount["mountPath"] + "/") and mount["readOnly"]
     assert [v["secret"] for v in pod["volumes"]] == [{"secretName": "tokenpools-extproc-config"}]
-    [account] = docs["ServiceAccount"]
-    assert pod["serviceAccountName"] == account["metadata"]["name"]
-    assert pod["automountServiceAccountToken"] is False
-    assert account["automountServiceAccountToken"] is False
-    everything = [
-        d for p in sorted(DEPLOY.rglob("kustomization.yaml")) for d in _kustomize(p.parent)
-    ]
-    bound = [
-        d["metadata"]["name"]
+    # a token for the API server, and its service account bound to its own roles alone
+    account = _named(docs, "ServiceAccount", SERVICE)
+    assert pod["serviceAccountName"] == SERVICE
+    assert pod["automountServiceAccountToken"] is True
+    assert account.get("automountServiceAccountToken", True) is True
+    everything = [d for directory in install_dirs() for d in _kustomize(directory)]
+    bound = {
+        (d["kind"], d["metadata"].get("namespace"), d["roleRef"]["kind"], d["roleRef"]["name"])
         for d in everything
         if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
-        and any(s.get("name") == account["metadata"]["name"] for s in d.get("subjects", []))
-    ]
-    assert bound == []
-    # probes on the metrics port, which its NetworkPolicy opens
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        and any(s.get("name") == SERVICE for s in d.get("subjects", []))
+    }
+    assert bound == {("ClusterRoleBinding", None, "ClusterRole", SERVICE),
+                     ("RoleBinding", NAMESPACE, "Role", SERVICE)}  # fmt: skip
+    for kind in ("ClusterRoleBinding", "RoleBinding"):  # and they are in the processor's build
+        subjects = _named(docs, kind, SERVICE)["subjects"]
+        assert subjects == [{"kind": "ServiceAccount", "name": SERVICE, "namespace": NAMESPACE}]
+    # not ready while a watch has had no answer or the store does not: probes on the metrics
+    # port, which its NetworkPolicy opens
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+
+
+def test_no_node_drain_or_rollout_takes_every_replica_and_they_share_the_gateways_redis() -> None:
+    """Fail closed: no replica, no inference."""
+    docs = _by_kind(EXTPROC / "processor")
+    deployment = _named(docs, "Deployment", SERVICE)
+    spec, labels = deployment["spec"], _pod_labels(deployment)
+    assert spec["replicas"] >= 2
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0  # a new one ready first
+    budget = _named(docs, "PodDisruptionBudget", SERVICE)["spec"]
+    assert budget["minAvailable"] == 1 and "maxUnavailable" not in budget
+    assert _selects(budget["selector"], labels)
+    spread = spec["template"]["spec"]["topologySpreadConstraints"]
+    hard = [c for c in spread if c["whenUnsatisfiable"] == "DoNotSchedule"]
+    assert [c["topologyKey"] for c in hard] == ["kubernetes.io/hostname"]
+    for constraint in spread:
+        assert constraint["maxSkew"] == 1 and _selects(constraint["labelSelector"], labels)
+        # tainted nodes (the operator's virtual nodes) are no domain to spread over, and a
+        # rollout's new pods are spread among themselves
+        assert constraint["nodeTaintsPolicy"] == "Honor"
+        assert constraint["matchLabelKeys"] == ["pod-template-hash"]
+    # the shared store is in the same build, and its NetworkPolicy lets the processor in
+    redis = _named(docs, "Deployment", "tokenpools-redis")
+    assert not _selects(budget["selector"], _pod_labels(redis))  # the selector check can fail
+    [port] = _named(docs, "Service", "tokenpools-redis")["spec"]["ports"]
+    assert _admitted(docs["NetworkPolicy"], _pod_labels(redis), labels, port["port"])
+    assert not _admitted(docs["NetworkPolicy"], _pod_labels(redis), {"app": "x"}, port["port"])
+    # the gateway it shares that store with runs on it too (deploy/redis): one pool, one count
+    gateway = _named(docs, "Deployment", "tokenpools-gateway")
+    assert gateway["spec"]["replicas"] >= 2
+    [gateway_container] = gateway["spec"]["template"]["spec"]["containers"]
+    assert "--config" in gateway_container["args"]
 
 
 def test_its_grpc_port_speaks_h2c_and_admits_the_gateways_proxies_only() -> None:
     docs = _by_kind(EXTPROC / "processor")
-    [service] = docs["Service"]
+    service = _named(docs, "Service", SERVICE)
     assert (service["metadata"]["name"], service["metadata"]["namespace"]) == (SERVICE, NAMESPACE)
     grpc = next(p for p in service["spec"]["ports"] if p["port"] == PORT)
     assert grpc["appProtocol"] == "kubernetes.io/h2c"
-    [container] = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"]
+    [container] = _named(docs, "Deployment", SERVICE)["spec"]["template"]["spec"]["containers"]
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert named[grpc["targetPort"]] == PORT
-    policy = next(p for p in docs["NetworkPolicy"] if p["metadata"]["name"] == SERVICE)
-    for rule in policy["spec"]["ingress"]:
-        if any(p["port"] == PORT for p in rule["ports"]):
-            assert [f["namespaceSelector"]["matchLabels"] for f in rule["from"]] == [
-                {"tokenpools.io/inference-gateway": "true"}
-            ]
+    policy = _named(docs, "NetworkPolicy", SERVICE)
+    guarded = [r for r in policy["spec"]["ingress"] if any(p["port"] == PORT for p in r["ports"])]
+    assert guarded
+    for rule in guarded:
+        assert [f["namespaceSelector"]["matchLabels"] for f in rule["from"]] == [
+            {"tokenpools.io/inference-gateway": "true"}
+        ]
 
 
 # -- the Gateway API implementations -------------------------------------------------------
@@ -113,8 +193,14 @@ def _targets_the_route(policy: dict[str, Any]) -> None:
 @pytest.mark.parametrize("gateway", GATEWAYS)
 def test_each_gateway_overlay_runs_the_processor_and_attaches_it(gateway: str) -> None:
     docs = _by_kind(EXTPROC / gateway)
-    assert [d["metadata"]["name"] for d in docs["Deployment"]] == [SERVICE]
-    assert [d["metadata"]["name"] for d in docs["Service"]] == [SERVICE]
+    # the processor with what it needs (the CRDs, the shared Redis), and nothing twice
+    processor = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"])
+                 for d in _kustomize(EXTPROC / "processor")}  # fmt: skip
+    here = [(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"])
+            for kind in docs.values() for d in kind]  # fmt: skip
+    assert processor <= set(here) and len(here) == len(set(here))
+    assert {"CustomResourceDefinition", "Deployment", "Service"} <= set(docs)
+    assert "tokenpools-redis" in {d["metadata"]["name"] for d in docs["Deployment"]}
 
 
 def test_envoy_gateway_fails_closed_with_the_processing_mode() -> None:

@@ -68,9 +68,20 @@ def _validators() -> dict[str, Any]:
     return out
 
 
+# kustomizations of transformer configs, run from another's `transformers:` (apiVersion
+# builtin): not applied, so not rendered as objects (tests/test_k8s_install.py runs them)
+TRANSFORMERS = {DEPLOY / "namespace"}
+
+
+def install_dirs() -> list[Path]:
+    """Every directory under deploy/ that `kubectl apply -k` takes."""
+    found = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+    return [d for d in found if d not in TRANSFORMERS]
+
+
 def _documents() -> list[dict[str, Any]]:
     """What each kustomization renders, and the example applied on its own (KEDA)."""
-    docs = [d for p in sorted(DEPLOY.rglob("kustomization.yaml")) for d in _kustomize(p.parent)]
+    docs = [d for directory in install_dirs() for d in _kustomize(directory)]
     keda = (DEPLOY / "autoscaling" / "keda.yaml").read_text()
     return docs + [d for d in yaml.safe_load_all(keda) if d]
 
@@ -79,7 +90,8 @@ def test_every_deploy_manifest_validates() -> None:
     docs = _documents()
     kinds = {d["kind"] for d in docs}
     assert kinds >= {"CustomResourceDefinition", "PriorityClass", "ClusterRole", "Role",
-                     "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
+                     "Deployment", "StatefulSet", "Service", "PodDisruptionBudget",
+                     "NetworkPolicy",
                      "ValidatingAdmissionPolicy", "ValidatingWebhookConfiguration",
                      "HorizontalPodAutoscaler", *THIRD_PARTY}  # fmt: skip
     for doc in docs:
@@ -101,22 +113,22 @@ def _kustomize(directory: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
+IMAGES = ("ghcr.io/tokenpools/tokenpools:", "redis:", "postgres:")
 CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition", "PriorityClass", "ClusterRole",
                   "ClusterRoleBinding", "ValidatingAdmissionPolicy",
                   "ValidatingAdmissionPolicyBinding", "ValidatingWebhookConfiguration"}  # fmt: skip
 
 
 def test_every_kustomization_renders_with_namespaces_where_they_belong() -> None:
-    dirs = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+    dirs = install_dirs()
     assert {d.name for d in dirs} >= {"base", "redis", "webhook", "monitoring", "autoscaling",
-                                      "tenant"}  # fmt: skip
+                                      "tenant", "ledger-postgres"}  # fmt: skip
     for directory in dirs:
         for doc in _kustomize(directory):
             ns = doc["metadata"].get("namespace")
             assert (ns is None) == (doc["kind"] in CLUSTER_SCOPED), (directory, doc["kind"])
             for pod in _pod_specs(doc):
-                assert all(c["image"].startswith(("ghcr.io/tokenpools/tokenpools:", "redis:"))
-                           for c in pod["containers"])  # fmt: skip
+                assert all(c["image"].startswith(IMAGES) for c in pod["containers"])
 
 
 def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -156,7 +168,12 @@ def test_lease_pods_and_every_deployment_pass_pod_security_restricted() -> None:
     ent = {"metadata": {"name": "e", "namespace": "t", "uid": "u"}, "spec": {"pool": "p"}}
     for cls in ServiceClass:
         assert restricted_violations(o.lease_pod(ent, cls, {})["spec"]) == []
-    for directory in (DEPLOY / "base", DEPLOY / "redis", DEPLOY / "extproc" / "processor"):
+    for directory in (
+        DEPLOY / "base",
+        DEPLOY / "redis",
+        DEPLOY / "extproc" / "processor",
+        DEPLOY / "ledger-postgres",
+    ):
         for doc in _kustomize(directory):
             for pod in _pod_specs(doc):
                 assert restricted_violations(pod) == [], doc["metadata"]["name"]

@@ -29,18 +29,32 @@ class Who:
 TENANT = Who("Group", "team-a")
 OPERATOR = Who("ServiceAccount", "tokenpools-operator", "tokenpools-system")
 GATEWAY = Who("ServiceAccount", "tokenpools-gateway", "tokenpools-system")
+EXTPROC = Who("ServiceAccount", "tokenpools-extproc", "tokenpools-system")
+RBAC_FILES = (
+    DEPLOY / "base" / "rbac.yaml",
+    DEPLOY / "extproc" / "processor" / "rbac.yaml",
+    DEPLOY / "tenant" / "rolebinding.yaml",
+)
 
 
 def _objects() -> list[dict[str, Any]]:
     docs = []
-    for path in (DEPLOY / "base" / "rbac.yaml", DEPLOY / "tenant" / "rolebinding.yaml"):
+    for path in RBAC_FILES:
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
 
 
-def can(who: Who, verb: str, group: str, resource: str, namespace: str | None) -> bool:
-    """namespace None: a cluster-wide request (cluster-scoped resource, or all namespaces)."""
-    docs = _objects()
+def can(
+    who: Who,
+    verb: str,
+    group: str,
+    resource: str,
+    namespace: str | None,
+    objects: list[dict[str, Any]] | None = None,
+) -> bool:
+    """namespace None: a cluster-wide request (cluster-scoped resource, or all namespaces).
+    `objects`: the RBAC to evaluate (default: the shipped files, as written)."""
+    docs = _objects() if objects is None else objects
     roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
              for d in docs if d["kind"] in ("Role", "ClusterRole")}  # fmt: skip
     for binding in (d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")):
@@ -129,6 +143,67 @@ def test_components_hold_least_privilege() -> None:
         assert not can(OPERATOR, verb, "", "nodes", None)
     for verb in ("update", "patch", "deletecollection"):  # pods: create, delete, status only
         assert not can(OPERATOR, verb, "", "pods", "team-a")
+
+
+def _informed() -> list[tuple[str, str, str | None]]:
+    """(group, resource, namespace) of every list-then-watch `--kubernetes` keeps, serve and
+    extproc alike (k8s/source.py), for the platform's namespace."""
+    from tokenpools.k8s.source import ClusterSource
+
+    source = ClusterSource(None, "tokenpools-system", {})  # type: ignore[arg-type]
+    out = []
+    for informer in source._informers:
+        group = informer.kind.api_version.rpartition("/")[0]
+        out.append((group, informer.kind.plural, informer.namespace))
+    return out
+
+
+def test_the_processor_reads_what_its_informers_watch_and_writes_only_events() -> None:
+    informed = _informed()
+    assert {r for _, r, _ in informed} == {"tokenpools", "tokenentitlements", "tokenbudgets",
+                                            "secrets"}  # fmt: skip
+    for group, resource, namespace in informed:
+        for verb in ("list", "watch"):
+            assert can(EXTPROC, verb, group, resource, namespace), (verb, resource)
+            assert can(GATEWAY, verb, group, resource, namespace), (verb, resource)
+        assert not can(EXTPROC, "get", group, resource, namespace)  # nothing asked by name
+    # Secrets of its own namespace only (backend keys, by a label selector: RBAC cannot)
+    for ns in ("team-a", "kube-system", None):
+        assert not can(EXTPROC, "list", "", "secrets", ns)
+    # its one write: an Event on a pool whose backend key it refuses, in its namespace
+    assert can(EXTPROC, "create", "", "events", "tokenpools-system")
+    assert not can(EXTPROC, "create", "", "events", "team-a")
+    for verb in ("create", "update", "patch", "delete", "deletecollection"):
+        for resource in ("tokenpools", "tokenentitlements", "tokenbudgets", "tokenpools/status",
+                         "tokenentitlements/status", "tokenbudgets/status"):  # fmt: skip
+            assert not can(EXTPROC, verb, TP, resource, "team-a")
+            assert not can(EXTPROC, verb, TP, resource, None)
+        assert not can(EXTPROC, verb, "", "secrets", "tokenpools-system")
+        assert not can(EXTPROC, verb, "", "pods", "team-a")
+
+
+def _beyond_the_gateway(who: Who) -> tuple[int, list[tuple[str, str, str | None]]]:
+    """How many rights of a grid `who` holds, and those the gateway does not hold."""
+    grid = [(TP, r) for r in ("tokenpools", "tokenentitlements", "tokenbudgets",
+                              "tokenpools/status", "tokenentitlements/status")]  # fmt: skip
+    grid += [("", r) for r in ("secrets", "events", "pods", "nodes", "namespaces", "configmaps")]
+    grid += [("coordination.k8s.io", "leases"), ("apps", "deployments/scale"),
+             ("llm-d.ai", "inferenceobjectives")]  # fmt: skip
+    held, beyond, objects = 0, [], _objects()
+    for group, resource in grid:
+        for verb in ("get", "list", "watch", "create", "update", "patch", "delete"):
+            for ns in ("tokenpools-system", "team-a", "kube-node-lease", None):
+                if can(who, verb, group, resource, ns, objects):
+                    held += 1
+                    if not can(GATEWAY, verb, group, resource, ns, objects):
+                        beyond.append((verb, resource, ns))
+    return held, beyond
+
+
+def test_the_processor_holds_nothing_the_gateway_does_not() -> None:
+    held, beyond = _beyond_the_gateway(EXTPROC)
+    assert held >= 2 * 4 and beyond == []  # list and watch of its four kinds, at least
+    assert _beyond_the_gateway(OPERATOR)[1]  # the comparison does find more where there is
 
 
 def _property_names(node: Any) -> set[str]:
