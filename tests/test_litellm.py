@@ -137,23 +137,8 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     config = tokenpools_config(redis_url)
     (work / "tokenpools.yaml").write_text(yaml.safe_dump(config))
     (work / "litellm.yaml").write_text(yaml.safe_dump(litellm_config(emulator.url)))
-    port = free_port()
-    env = {
-        **os.environ,
-        "TOKENPOOLS_CONFIG": str(work / "tokenpools.yaml"),
-        "LITELLM_MASTER_KEY": "sk-unused-Master-Key-0123456789",
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch from the internet at start
-        # the emulator streams one word over and over, which LiteLLM takes for a looping model
-        "REPEATED_STREAMING_CHUNK_LIMIT": "1000000",
-    }
-    log = (work / "litellm.log").open("wb")
-    proc = subprocess.Popen(
-        [str(LITELLM), "--config", str(work / "litellm.yaml"), "--port", str(port),
-         "--host", "127.0.0.1"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    proc, port = start_litellm(work, {"TOKENPOOLS_CONFIG": str(work / "tokenpools.yaml")})
     try:
-        wait_port(port, proc, timeout_s=120)
         # a core of our own on the same Redis: its store knows the pool of each entitlement
         core = DecisionCore(
             parse_config(config), RedisStore(redis_url, prefix=PREFIX), now=time.time()
@@ -168,8 +153,36 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         proc.terminate()
         proc.wait(20)
-        log.close()
         emulator.stop()
+
+
+def start_litellm(
+    work: Path, tokenpools_env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], int]:
+    """LiteLLM's proxy on `work`/litellm.yaml, its log in `work`, with the integration's
+    environment; once it listens: the process and its port."""
+    port = free_port()
+    env = {
+        **os.environ,
+        **tokenpools_env,
+        "LITELLM_MASTER_KEY": "sk-unused-Master-Key-0123456789",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch from the internet at start
+        # the emulator streams one word over and over, which LiteLLM takes for a looping model
+        "REPEATED_STREAMING_CHUNK_LIMIT": "1000000",
+    }
+    with (work / "litellm.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [str(LITELLM), "--config", str(work / "litellm.yaml"), "--port", str(port),
+             "--host", "127.0.0.1"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_port(port, proc, timeout_s=120)
+    except BaseException:
+        proc.kill()
+        proc.wait(20)
+        raise
+    return proc, port
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ TokenBudget, govern what LiteLLM serves."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +17,11 @@ from tests.gateway_setup import FAST
 from tests.kube.harness import NS, PLATFORM, Bench, bench, ent, pool
 from tests.servers import ServerThread, wait_until
 from tests.test_extproc_kubernetes import _kubeconfig
-from tests.test_litellm import LITELLM, MODEL, litellm_config
+from tests.test_litellm import LITELLM, MODEL, litellm_config, start_litellm
 from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.k8s.api import BUDGETS, ENTITLEMENTS, POOLS
 from tokenpools.k8s.schema import API_VERSION
 from tokenpools.model.keys import hash_key
-from tokenpools.processes import free_port, wait_port
 
 pytestmark = pytest.mark.litellm
 __all__ = ["bench"]
@@ -53,29 +50,16 @@ def proxy(bench: Bench, tmp_path: Path) -> Iterator[Proxy]:
     emulator = ServerThread(make_emulator(FAST, speed=1.0))
     (tmp_path / "base.yaml").write_text(yaml.safe_dump({"state": {"backend": "memory"}}))
     (tmp_path / "litellm.yaml").write_text(yaml.safe_dump(litellm_config(emulator.url)))
-    port = free_port()
-    env = {
-        **os.environ,
+    proc, port = start_litellm(tmp_path, {
         "KUBECONFIG": str(_kubeconfig(tmp_path / "kubeconfig", bench.server.url)),
         "TOKENPOOLS_KUBERNETES_NAMESPACE": PLATFORM,
         "TOKENPOOLS_CONFIG": str(tmp_path / "base.yaml"),  # beside the cluster: the rest
-        "LITELLM_MASTER_KEY": "sk-unused-Master-Key-0123456789",
-        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "REPEATED_STREAMING_CHUNK_LIMIT": "1000000",
-    }
-    log = (tmp_path / "litellm.log").open("wb")
-    proc = subprocess.Popen(
-        [str(LITELLM), "--config", str(tmp_path / "litellm.yaml"), "--port", str(port),
-         "--host", "127.0.0.1"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    })  # fmt: skip
     try:
-        wait_port(port, proc, timeout_s=120)
         yield Proxy(bench, f"http://127.0.0.1:{port}")
     finally:
         proc.terminate()
         proc.wait(20)
-        log.close()
         emulator.stop()
 
 
