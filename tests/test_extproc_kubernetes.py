@@ -51,10 +51,15 @@ class Cluster:
     metrics_url: str
 
     def ask(self, key: str, max_tokens: int = 4) -> httpx.Response:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": max_tokens}  # fmt: skip
-        headers = {"Authorization": f"Bearer {key}"}
-        return httpx.post(f"{self.envoy.url}/v1/chat/completions", json=body, headers=headers)
+        return chat(self.envoy.url, key, MODEL, max_tokens)
+
+
+def chat(url: str, key: str, model: str, max_tokens: int) -> httpx.Response:
+    """A chat completion with `key`, as a tenant's client sends it."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens}  # fmt: skip
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=30)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import yaml
 from tests.gateway_setup import FAST
 from tests.kube.harness import NS, PLATFORM, Bench, bench, ent, pool
 from tests.servers import ServerThread, wait_until
-from tests.test_extproc_kubernetes import _kubeconfig
+from tests.test_extproc_kubernetes import _kubeconfig, chat
 from tests.test_litellm import LITELLM, MODEL, litellm_config, start_litellm
 from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.k8s.api import BUDGETS, ENTITLEMENTS, POOLS
@@ -33,10 +33,7 @@ class Proxy:
     url: str
 
     def ask(self, key: str, max_tokens: int = 4) -> httpx.Response:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": max_tokens}  # fmt: skip
-        headers = {"Authorization": f"Bearer {key}"}
-        return httpx.post(f"{self.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        return chat(self.url, key, MODEL, max_tokens)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from tokenpools import core_build
 from tokenpools.commands.backend import backend_app
 from tokenpools.commands.common import fail, progress
 from tokenpools.commands.config import CONFIG_COMMANDS
+from tokenpools.commands.hosts import HOST_COMMANDS
 from tokenpools.commands.k8s import k8s_app, operator
 from tokenpools.commands.top import top
 from tokenpools.commands.usage import usage
@@ -118,126 +119,6 @@ def experiments(
     except ConfigError as exc:
         fail(str(exc))
     typer.echo(f"wrote {index}")
-
-
-class LogLines(StrEnum):
-    TEXT = "text"
-    JSON = "json"
-
-
-@app.command()
-def serve(
-    config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="the YAML config file")
-    ] = None,
-    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="listen port")] = 8080,
-    shutdown_timeout: Annotated[float, typer.Option(help="seconds for in-flight requests")] = 30,
-    kubernetes: Annotated[
-        bool, typer.Option(help="read pools, entitlements and keys from the cluster")
-    ] = False,
-    namespace: Annotated[str, typer.Option(help="with --kubernetes")] = "default",
-    log_format: Annotated[LogLines, typer.Option(help="log lines as")] = LogLines.TEXT,
-    access_log: Annotated[bool, typer.Option(help="one log line per inference request")] = True,
-    otel: Annotated[
-        bool, typer.Option(help="OpenTelemetry spans over OTLP/HTTP (the otel extra)")
-    ] = False,
-) -> None:
-    """Run the OpenAI-compatible admission gateway (reloads on SIGHUP and on file change)."""
-    from tokenpools.gateway.server import serve as run
-
-    if config is None and not kubernetes:
-        fail("give --config FILE, or --kubernetes")
-    try:
-        run(
-            config,
-            host,
-            port,
-            shutdown_timeout,
-            namespace if kubernetes else None,
-            log_format=log_format.value,
-            access_log=access_log,
-            otel=otel,
-        )
-    except ConfigError as exc:
-        fail(str(exc))
-
-
-@app.command()
-def extproc(
-    config: Annotated[
-        Path | None,
-        typer.Option("--config", "-c", help="the YAML config file (beside the cluster: the rest)"),
-    ] = None,
-    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="gRPC port Envoy's ext_proc filter calls")] = 9002,
-    metrics_port: Annotated[
-        int, typer.Option(help="HTTP port of /metrics, /healthz and /readyz")
-    ] = 9090,
-    log_format: Annotated[LogLines, typer.Option(help="log lines as")] = LogLines.TEXT,
-    access_log: Annotated[bool, typer.Option(help="one log line per inference request")] = True,
-    full_duplex_answers: Annotated[
-        bool,
-        typer.Option(
-            help="answers come FULL_DUPLEX_STREAMED though the data plane does not say so"
-        ),
-    ] = False,
-    full_duplex_requests: Annotated[
-        bool,
-        typer.Option(
-            help="requests' bodies come FULL_DUPLEX_STREAMED though the data plane does not say so"
-        ),
-    ] = False,
-    kubernetes: Annotated[
-        bool, typer.Option(help="read pools, entitlements, budgets and keys from the cluster")
-    ] = False,
-    namespace: Annotated[str, typer.Option(help="with --kubernetes: the platform's")] = "default",
-) -> None:
-    """Run admission as an Envoy external processor (ext_proc), before the endpoint picker."""
-    if config is None and not kubernetes:
-        fail("give --config FILE, or --kubernetes")
-    try:
-        from tokenpools.extproc import serve as run
-    except ImportError as exc:
-        fail(f"{exc}: install the extproc extra (pip install 'tokenpools[extproc]')")
-    try:
-        run(
-            config,
-            host,
-            port,
-            metrics_port,
-            log_format.value,
-            access_log,
-            full_duplex_answers,
-            full_duplex_requests,
-            namespace if kubernetes else None,
-        )
-    except ConfigError as exc:
-        fail(str(exc))
-
-
-@app.command()
-def quickstart(
-    port: Annotated[int, typer.Option(help="the gateway's port (0: any free one)")] = 8080,
-    backend_port: Annotated[int, typer.Option(help="the emulated vLLM's port")] = 8000,
-    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
-    once: Annotated[bool, typer.Option(help="stop after the first answer")] = False,
-) -> None:
-    """Start an emulated vLLM and the gateway in front of it (the example config), send one
-    request through, and keep serving until Ctrl-C."""
-    import asyncio
-
-    from tokenpools.event_loop import new_loop
-    from tokenpools.quickstart import run as start
-
-    try:
-        with asyncio.Runner(loop_factory=new_loop) as runner:
-            code = runner.run(start(host, port, backend_port, once, typer.echo))
-    except OSError as exc:  # a port taken
-        fail(f"{exc}: choose others with --port and --backend-port")
-    except KeyboardInterrupt:
-        code = 0
-    raise typer.Exit(code)
 
 
 @app.command()
@@ -367,7 +248,7 @@ def load(
     typer.echo(f"\nwrote {json_path}")
 
 
-for name, command in CONFIG_COMMANDS.items():
+for name, command in (CONFIG_COMMANDS | HOST_COMMANDS).items():
     app.command(name)(command)
 app.add_typer(backend_app, name="backend")
 app.add_typer(k8s_app, name="k8s")
