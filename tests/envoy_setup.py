@@ -233,6 +233,7 @@ def envoy_config(
         "@type": HCM,
         "stat_prefix": "inference",
         "use_remote_address": True,
+        "preserve_external_request_id": True,  # as deploy/envoy/envoy.yaml
         "normalize_path": True,
         "merge_slashes": True,
         "route_config": {

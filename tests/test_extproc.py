@@ -6,70 +6,34 @@ streams and whole answers settled on the engine's usage, and leases ended on eve
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.envoy_setup import Envoy, LoopThread, Picker, start_envoy, start_grpc
-from tests.gateway_setup import FAST, KEYS, MODEL, config_data
-from tests.servers import ServerThread, wait_for
+from tests.gateway_setup import KEYS, MODEL, config_data
+from tests.servers import wait_for
+from tests.stacks import Stack, authz_stack_of, stack_of
 from tests.test_gateway_e2e import open_streams
-from tokenpools.admission.access_log import RequestRecord
-from tokenpools.emulator.app import make_app as make_emulator
-from tokenpools.extproc import Processor, Running, start
-from tokenpools.model.config import parse_config
 from tokenpools.model.objectives import FAIRNESS_HEADER, OBJECTIVE_HEADER
 
 
-@dataclass
-class Stack:
-    envoy: Envoy
-    processor: Running
-    picker: Picker
-    backends: list[ServerThread]
-    loop: LoopThread
-
-    def client(self, who: str = "gold", **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.envoy.url}/v1", api_key=KEYS[who], **kw)
-
-    def in_flight(self) -> dict[str, int]:
-        snap = self.processor.processor.admission.snapshot(0.0)
-        return {name: e.in_flight for name, e in snap.entitlements.items() if e.in_flight}
-
-    def wait_all_ended(self) -> None:
-        wait_for(self.in_flight, lambda v: not v, what="every lease ended")
-
-
-def stack_of(config: dict[str, Any], backends: int = 2, **envoy: Any) -> Iterator[Stack]:
-    """The stack of a config; `envoy`: options of Envoy's config (tests/envoy_setup.py)."""
-    servers = [ServerThread(make_emulator(FAST, speed=1.0)) for _ in range(backends)]
-    loop = LoopThread()
-    picker = Picker([f"127.0.0.1:{s.port}" for s in servers])
-    picker_server, picker_port = loop.run(start_grpc(picker))
-    processor = Processor(parse_config(config), access_log=False)
-    running = loop.run(start(processor, port=0, http_port=0))
-    envoy = start_envoy(running.grpc_port, picker_port, **envoy)
-    stack = Stack(envoy, running, picker, servers, loop)
-    try:
-        yield stack
-        stack.wait_all_ended()
-    finally:
-        envoy.stop()
-        loop.run(running.stop(0.5))
-        loop.run(picker_server.stop(0))
-        loop.stop()
-        for s in servers:
-            s.stop()
-
-
 @pytest.fixture(params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
-def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """Requests' bodies buffered by Envoy, or sent full duplex (the processor buffers them
-    and answers their headers once admission has decided)."""
+def extproc_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """ext_proc: requests' bodies buffered by Envoy, or sent full duplex (the processor
+    buffers them and answers their headers once admission has decided)."""
     yield from stack_of(config_data("http://127.0.0.1:9"), request_mode=request.param)
+
+
+@pytest.fixture(params=["BUFFERED", "FULL_DUPLEX_STREAMED", "ext_authz"])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """Either way into Envoy: ext_proc (both request modes) or ext_authz with the access
+    log; the admission outcomes are the same on each."""
+    config = config_data("http://127.0.0.1:9")
+    if request.param == "ext_authz":
+        yield from authz_stack_of(config)
+    else:
+        yield from stack_of(config, request_mode=request.param)
 
 
 def test_admitted_request_reaches_a_picked_backend_with_its_class(stack: Stack) -> None:
@@ -99,18 +63,11 @@ def test_unknown_key_is_401_without_reaching_the_picker(stack: Stack) -> None:
     assert stack.picker.seen == []
 
 
-def records(stack: Stack) -> list[RequestRecord]:
-    """The access log's records of the processor, as they are written (after each flow)."""
-    seen: list[RequestRecord] = []
-    stack.processor.processor.observe.listeners.append(seen.append)
-    return seen
-
-
 def test_a_stream_settles_on_the_engines_usage_kept_from_a_client_that_did_not_ask(
-    stack: Stack,
+    extproc_stack: Stack,
 ) -> None:
-    log = records(stack)
-    c = stack.client()
+    log = extproc_stack.records()
+    c = extproc_stack.client()
     chunks = list(
         c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
@@ -205,12 +162,12 @@ def test_headers_a_client_sends_as_ours_are_replaced(stack: Stack) -> None:
     assert seen["x-tokenpools-entitlement"] == "spot"
 
 
-def test_a_client_that_hangs_up_mid_stream_ends_its_lease(stack: Stack) -> None:
-    log = records(stack)
-    (stream,) = open_streams(stack.envoy, "gold", 1, max_tokens=2000)  # type: ignore[arg-type]
-    assert stack.in_flight() == {"gold": 1}
+def test_a_client_that_hangs_up_mid_stream_ends_its_lease(extproc_stack: Stack) -> None:
+    log = extproc_stack.records()
+    (stream,) = open_streams(extproc_stack.envoy, "gold", 1, max_tokens=2000)  # type: ignore[arg-type]
+    assert extproc_stack.in_flight() == {"gold": 1}
     stream.close()
-    stack.wait_all_ended()
+    extproc_stack.wait_all_ended()
     (record,) = wait_for(lambda: list(log), what="the flow recorded")
     assert record.completion_tokens is not None and 1 <= record.completion_tokens < 2000
 
@@ -233,14 +190,14 @@ def test_a_backend_killed_mid_stream_ends_the_lease(stack: Stack) -> None:
     stack.wait_all_ended()
 
 
-def test_a_preemptible_stream_is_evicted_for_guaranteed_work(stack: Stack) -> None:
-    log = records(stack)
-    streams = open_streams(stack.envoy, "batch", 8, max_tokens=2000)  # type: ignore[arg-type]
-    reply = stack.client().chat.completions.create(
+def test_a_preemptible_stream_is_evicted_for_guaranteed_work(extproc_stack: Stack) -> None:
+    log = extproc_stack.records()
+    streams = open_streams(extproc_stack.envoy, "batch", 8, max_tokens=2000)  # type: ignore[arg-type]
+    reply = extproc_stack.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
     )
     assert reply.usage is not None
-    wait_for(stack.in_flight, lambda v: v.get("batch") == 7, what="one preemptible evicted")
+    wait_for(extproc_stack.in_flight, lambda v: v.get("batch") == 7, what="one preemptible evicted")
     evicted = wait_for(
         lambda: [r for r in log if r.evicted], what="the evicted flow ended and recorded"
     )
@@ -257,7 +214,7 @@ def test_answers_sent_full_duplex_are_sent_back_whole_and_settle() -> None:
     processor's to send back: streams arrive whole (the usage chunk kept from a client that
     did not ask), whole answers too, and both settle on the engine's counts."""
     for stack in stack_of(config_data("http://127.0.0.1:9"), answer_mode="FULL_DUPLEX_STREAMED"):
-        log = records(stack)
+        log = stack.records()
         c = stack.client()
         chunks = list(
             c.chat.completions.create(

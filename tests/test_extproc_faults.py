@@ -15,7 +15,7 @@ import pytest
 
 from tests.gateway_setup import KEYS, MODEL, config_data
 from tests.servers import wait_for
-from tests.test_extproc import Stack, stack_of
+from tests.stacks import Stack, stack_of
 from tests.test_gateway_e2e import open_streams
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.servers import wait_for
-from tests.test_extproc import Stack, stack_of
+from tests.stacks import Stack, stack_of
 from tests.test_tenants import CHAT, tenants_config
 from tokenpools.extproc import Processor, start
 from tokenpools.model.config import parse_config

@@ -16,7 +16,8 @@ from typing import Any
 
 from tokenpools.control.decisions import Admit
 from tokenpools.control.views import EntitlementView
-from tokenpools.model.objectives import carried_priority
+from tokenpools.model.config import Config
+from tokenpools.model.objectives import SET_BY_PROCESSOR, carried_priority
 from tokenpools.model.pool import SchedulingPolicy
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.openai_api import (
@@ -27,7 +28,13 @@ from tokenpools.openai_api import (
     max_tokens_field,
     sequences,
 )
-from tokenpools.openai_api.refusals import budget_headers, charged_headers, ratelimit_headers
+from tokenpools.openai_api.refusals import (
+    Refusal,
+    bad_request,
+    budget_headers,
+    charged_headers,
+    ratelimit_headers,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,47 @@ def write_priority(
     return True
 
 
+def unwritable(
+    path: str,
+    body: dict[str, Any],
+    decision: Admit,
+    requested: int | None,
+    scheduling_policy: SchedulingPolicy,
+    service_class: ServiceClass,
+) -> Refusal | None:
+    """For a host that sends on the client's body as it came (Envoy's ext_authz): what the
+    gateway would have written into it, refused instead where going on without it would break
+    a promise. A stream without its usage chunk is not refused: it settles on the engine's
+    usage where the engine sends it anyway (vLLM's --enable-force-include-usage), else on its
+    whole reservation (docs/envoy.md)."""
+    field = max_tokens_field(path)
+    if decision.lowered:  # a budget has less left than the request's ceiling
+        message = (
+            f"the budget left allows at most {decision.max_tokens} output tokens: ask for at "
+            f"most that in {field} (this gateway cannot lower it for you)"
+        )
+        return Refusal(429, message, "insufficient_quota", "insufficient_quota", field, {})
+    if requested is None and decision.budget is not None and path != EMBEDDINGS:
+        return bad_request(
+            f"{field} is required: a budget applies to this request and this gateway cannot "
+            "write the ceiling into the body",
+            field,
+        )
+    wanted = carried_priority(scheduling_policy, service_class)
+    if path not in (CHAT, COMPLETIONS):  # only these carry one (write_priority)
+        wanted = None
+    given = body.get(ENGINE_PRIORITY)
+    if given == wanted and type(given) is type(wanted):
+        return None
+    if wanted is None:
+        return bad_request("priority is set by the platform, not the request", ENGINE_PRIORITY)
+    return bad_request(
+        f"this pool's engines schedule by priority, which this gateway cannot write: send "
+        f'"priority": {wanted} (your service class\'s)',
+        ENGINE_PRIORITY,
+    )
+
+
 def cleared_headers(decision: Admit, entitlements: Mapping[str, EntitlementView]) -> dict[str, str]:
     """x-ratelimit-*, the entitlement charged and its class, the tightest budget."""
     return (
@@ -101,3 +149,11 @@ def cleared_headers(decision: Admit, entitlements: Mapping[str, EntitlementView]
         | charged_headers(entitlements, decision.lease.entitlement)
         | budget_headers(decision.budget)
     )
+
+
+def removed_headers(config: Config) -> tuple[str, ...]:
+    """What an identified request loses before anyone past tokenpools sees it: the data
+    plane's own headers and the tenant's credential (it is tokenpools', not the engine's)."""
+    trusted = config.gateway.trusted_header
+    secret = () if trusted is None or trusted.secret_header is None else (trusted.secret_header,)
+    return (*SET_BY_PROCESSOR, "authorization", *secret)

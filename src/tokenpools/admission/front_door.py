@@ -25,6 +25,7 @@ from tokenpools.admission.clearing import (
     demand,
     include_usage,
     includes_usage,
+    unwritable,
     write_back,
     write_priority,
 )
@@ -33,6 +34,13 @@ from tokenpools.admission.runtime import AdmissionRuntime
 from tokenpools.control.decisions import Admit, Reject
 from tokenpools.control.tenancy import Caller, Refused
 from tokenpools.identity import Authenticator, Credentials
+from tokenpools.model.objectives import (
+    CLASS_HEADER,
+    ENTITLEMENT_HEADER,
+    FAIRNESS_HEADER,
+    OBJECTIVE_HEADER,
+    objective_name,
+)
 from tokenpools.model.request import Account, RequestCost
 from tokenpools.model.service_class import ServiceClass
 from tokenpools.openai_api import BadRequest, parse_body
@@ -73,6 +81,15 @@ class Cleared:
         """The reader of this request's answer, for the host that relays it."""
         return AnswerTap(path, self.stream, self.client_usage)
 
+    def data_plane_headers(self, tenant: str) -> dict[str, str]:
+        """Who the request is and how important, for the endpoint picker and the engine."""
+        return {
+            ENTITLEMENT_HEADER: self.headers[ENTITLEMENT_HEADER],
+            CLASS_HEADER: self.headers[CLASS_HEADER],
+            OBJECTIVE_HEADER: objective_name(self.pool, self.service_class),
+            FAIRNESS_HEADER: tenant,
+        }
+
 
 @dataclass(frozen=True, slots=True)
 class Stopped:
@@ -93,11 +110,15 @@ class FrontDoor:
         metrics: AdmissionMetrics | None = None,
         clock: Callable[[], float] = time.time,
         ask: AskEngine | None = None,
+        rewrites: bool = True,
     ) -> None:
         """`metrics`: where identities are counted (a host that identifies no one itself, as
         LiteLLM, has none). `ask`: how the host asks a pool's engine to count (only the
-        gateway reaches the engines); without it the estimate stands in."""
+        gateway reaches the engines); without it the estimate stands in. `rewrites`: the
+        host can send on a body other than the client's (Envoy's ext_authz cannot: what
+        would be written is refused instead where it matters, clearing.unwritable)."""
         self.admission, self.metrics, self.ask = admission, metrics, ask
+        self.rewrites = rewrites
         self.auth = Authenticator(admission.config.gateway, clock)
 
     def adopt(self) -> None:
@@ -198,11 +219,18 @@ class FrontDoor:
             first = route.entitlements[0]
             return Stopped(refusal(decision), decision, first, route.pool, prompt_tokens)
         client_usage = includes_usage(body)
-        rewritten = write_back(path, body, decision, wants.max_tokens)
-        rewritten = include_usage(path, body) or rewritten
         service_class = admission.entitlements[decision.lease.entitlement].ent.service_class
         scheduling = admission.pools[route.pool].pool.scheduling_policy
-        rewritten = write_priority(path, body, scheduling, service_class) or rewritten
+        if self.rewrites:
+            rewritten = write_back(path, body, decision, wants.max_tokens)
+            rewritten = include_usage(path, body) or rewritten
+            rewritten = write_priority(path, body, scheduling, service_class) or rewritten
+        else:
+            rewritten = False
+            why = unwritable(path, body, decision, wants.max_tokens, scheduling, service_class)
+            if why is not None:  # admitted, but it cannot go as it is: nothing was sent
+                admission.track(decision, None).end(None, refund=True)
+                return Stopped(why, None, decision.lease.entitlement, route.pool, prompt_tokens)
         headers = cleared_headers(decision, admission.entitlements)
         admitted = admission.track(decision, task)
         stream = bool(body.get("stream"))

@@ -7,6 +7,8 @@ what each does. Any other message is out of order: a protocol error, answered cl
                                               full duplex: chunks gathered until the last
     BODY     --response_headers->  LOCAL      Envoy answered itself (a body over its buffer):
                                               passed on, nothing admitted
+    HEADERS  --response_headers->  LOCAL      Envoy refused a malformed request itself:
+                                              passed on, nothing logged (Envoy logs it)
     UPSTREAM --response_headers->  ANSWER     its status decides how a failure ends the lease
     ANSWER   --response_body---->  ANSWER     read for the engine's usage, passed on; the
                                               last chunk settles the lease on that usage
@@ -33,13 +35,6 @@ from tokenpools.admission.access_log import RequestRecord, request_id
 from tokenpools.control.tenancy import Caller
 from tokenpools.extproc import messages
 from tokenpools.identity import Credentials
-from tokenpools.model.objectives import (
-    CLASS_HEADER,
-    ENTITLEMENT_HEADER,
-    FAIRNESS_HEADER,
-    OBJECTIVE_HEADER,
-    objective_name,
-)
 from tokenpools.openai_api import GENERATES, model_card
 from tokenpools.openai_api.answer_tap import AnswerTap
 from tokenpools.openai_api.refusals import (
@@ -123,15 +118,15 @@ class Flow:
     async def _request_headers(self, request: ep.ProcessingRequest) -> Answers:
         """Answered now, or (full duplex) once the body is whole: the picker must not see the
         request before admission names its band."""
-        if self.unfit is not None:  # fail closed: nothing passes that was not admitted
-            self.settings.misconfigured(self.unfit)
-            return [self._refuse(misconfigured(self.unfit))]
         message = request.request_headers
         headers = messages.headers_of(message)
         method = headers.get(":method", "")
         self.path = headers.get(":path", "").partition("?")[0]
         self.record.method, self.record.path = method, self.path
         self.record.request_id = request_id(headers.get("x-request-id"))
+        if self.unfit is not None:  # fail closed: nothing passes that was not admitted
+            self.settings.misconfigured(self.unfit)
+            return [self._refuse(misconfigured(self.unfit))]
         models = method == "GET" and (self.path == MODELS or self.path.startswith(MODELS + "/"))
         where = f"{method} {self.path}"
         if self.path not in GOVERNED and not models:
@@ -209,7 +204,11 @@ class Flow:
             return [self._refuse(result.refusal)]
         self.cleared, self.phase = result, Phase.UPSTREAM
         self.tap = result.tap(self.path)
-        upstream = {**self._data_plane_headers(result), "x-request-id": self.record.request_id}
+        assert self.caller is not None
+        upstream = {
+            **result.data_plane_headers(self.caller.tenant),
+            "x-request-id": self.record.request_id,
+        }
         if result.rewritten:
             raw = json.dumps(result.body, separators=(",", ":")).encode()
         if not self.request_duplex:
@@ -220,16 +219,6 @@ class Flow:
         # drops content-length itself when the body is sent full duplex)
         headers = messages.request_headers(upstream, self.settings.removed)
         return [headers, *messages.request_body_streamed(raw, end=not trailers)]
-
-    def _data_plane_headers(self, result: Cleared) -> dict[str, str]:
-        """Who the request is and how important, for the picker and the engine."""
-        assert self.caller is not None
-        return {
-            ENTITLEMENT_HEADER: result.headers[ENTITLEMENT_HEADER],
-            CLASS_HEADER: result.headers[CLASS_HEADER],
-            OBJECTIVE_HEADER: objective_name(result.pool, result.service_class),
-            FAIRNESS_HEADER: self.caller.tenant,
-        }
 
     # -- the answer ----------------------------------------------------------------------
 
@@ -286,10 +275,14 @@ class Flow:
         tap = self.tap if self.status == 200 else None
         self.cleared.admitted.abandon(tap, self.cleared.prompt_tokens)
 
-    def finish(self) -> RequestRecord:
-        """The flow is over: nothing may stay held; the record for the log and the metrics."""
+    def finish(self) -> RequestRecord | None:
+        """The flow is over: nothing may stay held; the record for the log and the metrics.
+        None: no request reached the processor (Envoy refused a malformed one itself, before
+        its headers came: Envoy's own access log has it)."""
         self.abandon()
         r = self.record
+        if not r.method:
+            return None
         if self.cleared is not None:
             a = self.cleared.admitted
             a.close()
@@ -318,6 +311,7 @@ Step = Callable[[Flow, ep.ProcessingRequest], Awaitable[Answers]]
 # What each message does in each phase; a message not listed is out of order.
 _STEPS: dict[tuple[Phase, str], Step] = {
     (Phase.HEADERS, "request_headers"): Flow._request_headers,
+    (Phase.HEADERS, "response_headers"): Flow._local_headers,  # Envoy refused it itself
     (Phase.BODY, "request_body"): Flow._request_body,
     (Phase.BODY, "request_trailers"): Flow._request_trailers,
     (Phase.BODY, "response_headers"): Flow._local_headers,

@@ -48,7 +48,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 if flow.done:  # answered at once, or passed on unadmitted
                     return
         finally:
-            self.processor.finished(flow.finish())
+            record = flow.finish()
+            if record is not None:
+                self.processor.finished(record)
 
 
 class Health:

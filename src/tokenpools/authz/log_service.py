@@ -1,0 +1,97 @@
+"""Envoy's gRPC access-log service (`envoy.access_loggers.http_grpc`): each HTTP request's line,
+batched and sent off the request path once the request is over, however it ended. A line
+whose dynamic metadata carries one of our tickets settles that request: the status, the
+duration, and the usage that `json_to_metadata` (whole answers) or `sse_to_metadata` (streams)
+lifted from the engine's answer into the `tokenpools` namespace. Every other line (a refusal,
+GET /v1/models, a request Envoy refused itself) is not ours to settle."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from google.protobuf import struct_pb2
+
+from tokenpools.authz.check import METADATA_NAMESPACE, TICKET_HEADER
+from tokenpools.authz.settlement import Outcome, Settlements
+from tokenpools.model.request import Usage
+
+log = logging.getLogger("tokenpools.authz")
+USAGE_NAMESPACE = "tokenpools"  # where the shipped config's metadata filters put the usage
+USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]  # untyped
+    def __init__(self, settlements: Settlements) -> None:
+        self.settlements = settlements
+        self.settled = 0  # lines that ended a held request
+        self.ignored = 0  # lines with a ticket no longer held (sent again, or expired)
+
+    async def StreamAccessLogs(  # the name gRPC gives the method
+        self,
+        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext[
+            als_pb2.StreamAccessLogsMessage, als_pb2.StreamAccessLogsResponse
+        ],
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for message in request_iterator:
+            for entry in message.http_logs.log_entry:
+                self.take(entry)
+        return als_pb2.StreamAccessLogsResponse()
+
+    def take(self, entry: al.HTTPAccessLogEntry) -> None:
+        """Settle the request one line tells of, if it is ours."""
+        common = entry.common_properties
+        ticket = _string(common.metadata.filter_metadata.get(METADATA_NAMESPACE), TICKET_HEADER)
+        if ticket is None:
+            return
+        duration = _seconds(common, "duration")
+        outcome = Outcome(
+            status=entry.response.response_code.value,
+            usage=usage_of(common.metadata.filter_metadata.get(USAGE_NAMESPACE)),
+            duration_s=duration,
+            ttft_s=_seconds(common, "time_to_first_downstream_tx_byte"),
+        )
+        if self.settlements.settle(ticket, outcome):
+            self.settled += 1
+        else:
+            self.ignored += 1
+            log.debug("access-log line for a ticket not held (sent again, or expired)")
+
+
+def usage_of(fields: struct_pb2.Struct | None) -> Usage | None:
+    """The engine's usage as the metadata filters lifted it; None where the answer carried
+    none, or carried counts that are not counts."""
+    if fields is None:
+        return None
+    counts: dict[str, int] = {}
+    for key in USAGE_KEYS:
+        value = fields.fields.get(key)
+        if value is None:
+            continue
+        number = value.number_value
+        if not math.isfinite(number) or number < 0 or number != int(number):
+            return None
+        counts[key] = int(number)
+    if "prompt_tokens" not in counts:
+        return None
+    return Usage(
+        counts["prompt_tokens"], counts.get("completion_tokens", 0), counts.get("cached_tokens", 0)
+    )
+
+
+def _string(fields: struct_pb2.Struct | None, key: str) -> str | None:
+    if fields is None or key not in fields.fields:
+        return None
+    return fields.fields[key].string_value or None
+
+
+def _seconds(common: al.AccessLogCommon, name: str) -> float | None:
+    if not common.HasField(name):
+        return None
+    duration = getattr(common, name)
+    return float(duration.seconds + duration.nanos / 1e9)

@@ -1,0 +1,195 @@
+"""`tokenpools authz`: the ext_authz service as a process — one HTTP server for Envoy's checks
+(`/check/...`), GET /v1/models (routed here by Envoy), Prometheus (/metrics) and probes
+(/healthz, /readyz); one gRPC server for Envoy's access-log service; the config followed (a
+file, re-read on SIGHUP too; or the cluster's custom resources with a file beside them); the
+tickets whose log line is overdue ended each second; a graceful stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc
+
+from tokenpools.admission.access_log import LogFormat, setup_logging
+from tokenpools.admission.config_file import ConfigFile, reload_from
+from tokenpools.authz.check import MODELS, PEER_HEADER, PREFIX, CheckRequest, Verdict
+from tokenpools.authz.service import SETTLE_TIMEOUT_S, Authorizer
+from tokenpools.event_loop import new_loop
+from tokenpools.identity import Credentials
+from tokenpools.model.config import load_config
+
+log = logging.getLogger("tokenpools.authz")
+TICK_INTERVAL_S = 0.25
+EXPIRY_INTERVAL_S = 1.0
+# aiohttp's own ceiling on a check's body; the config's maxBodyBytes refuses below it (413)
+MOST_BODY_BYTES = 256 << 20
+
+
+@dataclass
+class Running:
+    """A started service: its ports (chosen by the system when asked for 0) and its parts."""
+
+    authorizer: Authorizer
+    http_port: int
+    grpc_port: int
+    _http: web.AppRunner
+    _grpc: grpc.aio.Server
+    _expiring: asyncio.Task[None]
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stop taking checks, give the access-log streams `grace_s` to deliver what Envoy
+        holds, then end what is still held."""
+        await self._http.cleanup()
+        await self._grpc.stop(grace_s)
+        self._expiring.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._expiring
+        await self.authorizer.stop()
+
+
+def _answer(verdict: Verdict) -> web.Response:
+    return web.Response(status=verdict.status, headers=verdict.headers, body=verdict.body)
+
+
+def http_app(authorizer: Authorizer) -> web.Application:
+    async def check(request: web.Request) -> web.Response:
+        body = await request.read()
+        path = request.raw_path[len(PREFIX) :] or "/"
+        peer = request.headers.get(PEER_HEADER)
+        asked = CheckRequest(request.method, path, request.headers, body, peer)
+        return _answer(await authorizer.checker.check(asked))
+
+    async def models(request: web.Request) -> web.Response:
+        shown = Credentials(request.headers, request.headers.get(PEER_HEADER))
+        return _answer(await authorizer.checker.models(request.method, request.path, shown))
+
+    async def metrics(request: web.Request) -> web.Response:
+        del request
+        body = await authorizer.admission.background(authorizer.metrics.render)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    async def healthz(request: web.Request) -> web.Response:
+        del request
+        return web.Response(text="ok")
+
+    async def readyz(request: web.Request) -> web.Response:
+        del request
+        why = await authorizer.unready()
+        if not why:
+            return web.Response(text="ready")
+        return web.Response(status=503, text="\n".join(why))
+
+    app = web.Application(client_max_size=MOST_BODY_BYTES)
+    app.router.add_route("*", PREFIX + "/{tail:.*}", check)
+    app.router.add_get(MODELS, models)
+    app.router.add_get(MODELS + "/{name}", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+async def _expire(authorizer: Authorizer) -> None:
+    while True:
+        await asyncio.sleep(EXPIRY_INTERVAL_S)
+        authorizer.settlements.expire()
+
+
+async def start(
+    authorizer: Authorizer, host: str = "127.0.0.1", http_port: int = 9003, grpc_port: int = 9004
+) -> Running:
+    await authorizer.start(TICK_INTERVAL_S)
+    server = grpc.aio.server()
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(authorizer.log_service, server)
+    bound = server.add_insecure_port(f"{host}:{grpc_port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{grpc_port}")
+    await server.start()
+    runner = web.AppRunner(http_app(authorizer), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, http_port)
+    await site.start()
+    http_bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    expiring = asyncio.create_task(_expire(authorizer))
+    return Running(authorizer, http_bound, bound, runner, server, expiring)
+
+
+async def _serve(
+    path: Path | None,
+    namespace: str | None,
+    host: str,
+    ports: tuple[int, int],
+    access_log: bool,
+    settle_timeout_s: float,
+) -> None:
+    """Until SIGTERM or SIGINT: the service on the file at `path`, or (with `namespace`) on
+    the cluster with that file beside it, each change adopted as it comes."""
+    source = None
+    if namespace is None:
+        assert path is not None
+        config = load_config(path)
+    else:
+        from tokenpools.k8s.api import Kube, load_client
+        from tokenpools.k8s.following import base_of
+        from tokenpools.k8s.source import ClusterSource
+
+        base = base_of(path)  # refused before the cluster is asked anything
+        source = ClusterSource(Kube(load_client()), namespace, base).start()
+        config = source.config()
+    authorizer = Authorizer(config, access_log=access_log, settle_timeout_s=settle_timeout_s)
+    if source is not None:
+        authorizer.ready_checks.append(source.stale)
+    running = await start(authorizer, host, *ports)
+    log.info("ext_authz on %s:%d (HTTP), access log on :%d (gRPC)", host, *ports)
+    following = asyncio.create_task(_follow(authorizer, path, source))
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    following.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await following
+    await running.stop()
+    if source is not None:
+        source.stop()
+
+
+async def _follow(authorizer: Authorizer, path: Path | None, source: object | None) -> None:
+    if source is not None:
+        from tokenpools.k8s.following import follow_cluster
+        from tokenpools.k8s.source import ClusterSource
+
+        assert isinstance(source, ClusterSource)
+        await follow_cluster(source, authorizer, path)
+        return
+    assert path is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_from(authorizer, path)))
+    try:
+        await ConfigFile(path).follow(authorizer, 2.0)
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+
+def serve(
+    path: Path | None,
+    host: str = "127.0.0.1",
+    http_port: int = 9003,
+    grpc_port: int = 9004,
+    log_format: LogFormat = "text",
+    access_log: bool = True,
+    namespace: str | None = None,
+    settle_timeout_s: float = SETTLE_TIMEOUT_S,
+) -> None:
+    setup_logging(log_format)
+    ports = (http_port, grpc_port)
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(_serve(path, namespace, host, ports, access_log, settle_timeout_s))

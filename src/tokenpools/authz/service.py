@@ -1,0 +1,43 @@
+"""The ext_authz service's running state: an admission host (admission/host.py: the runtime,
+identity, metrics and access log every host beside a data plane shares), the checks Envoy asks
+(check.py) and the requests they let on, held until the access log settles them
+(settlement.py, log_service.py). It knows no HTTP or gRPC server: server.py feeds it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tokenpools.admission.clearing import removed_headers
+from tokenpools.admission.host import AdmissionHost
+from tokenpools.authz.check import Checker
+from tokenpools.authz.log_service import AccessLogService
+from tokenpools.authz.settlement import Settlements
+from tokenpools.model.config import Config
+
+# How long a request let on waits for its access-log line before it is charged in full:
+# longer than the longest answer the route allows (docs/envoy.md), plus the logger's flush.
+SETTLE_TIMEOUT_S = 3600.0
+
+
+class Authorizer(AdmissionHost):
+    def __init__(
+        self,
+        config: Config,
+        clock: Callable[[], float] = time.time,
+        access_log: bool = True,
+        settle_timeout_s: float = SETTLE_TIMEOUT_S,
+    ) -> None:
+        super().__init__(config, clock, access_log, rewrites=False)
+        self.settlements = Settlements(self.finished, clock, settle_timeout_s)
+        self.checker = Checker(self.door, self.settlements, removed_headers(config))
+        self.log_service = AccessLogService(self.settlements)
+
+    async def reload(self, config: Config) -> Config:
+        adopted = await super().reload(config)
+        self.checker = Checker(self.door, self.settlements, removed_headers(adopted))
+        return adopted
+
+    async def stop(self) -> None:
+        self.settlements.abandon_all()
+        await super().stop()
