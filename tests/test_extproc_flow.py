@@ -181,6 +181,34 @@ def test_modes_it_cannot_admit_under_are_refused_and_said_once(
     assert len(said) == 1
 
 
+def test_a_misconfigured_refusal_is_logged_with_the_requests_id_method_and_path() -> None:
+    processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
+    records: list[RequestRecord] = []
+    processor.observe.listeners.append(records.append)
+    first, *_ = exchange(None)
+    first.request_headers.headers.headers.add(key="x-request-id", raw_value=b"req-42")
+    first.protocol_config.request_body_mode = pm.ProcessingMode.STREAMED  # type: ignore[assignment]
+    (answer,) = asyncio.run(run_streams(processor, [first]))
+    assert answer.immediate_response.status.code == 500
+    (record,) = records
+    assert (record.request_id, record.method, record.path, record.status) == (
+        "req-42",
+        "POST",
+        "/v1/chat/completions",
+        500,
+    )
+
+
+def test_a_stream_that_ends_before_any_message_writes_no_access_line() -> None:
+    """Envoy opens a stream for a request it then refuses itself (a malformed one): no line
+    with status 0 and empty fields; Envoy's own access log has the request."""
+    processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
+    records: list[RequestRecord] = []
+    processor.observe.listeners.append(records.append)
+    assert asyncio.run(run_streams(processor, [])) == []
+    assert records == []
+
+
 @pytest.mark.parametrize("size", [0, 1, 65_536, 65_537, 200_000])
 @pytest.mark.parametrize("end", [True, False])
 def test_a_body_sent_on_full_duplex_goes_in_pieces_envoy_takes(size: int, end: bool) -> None:

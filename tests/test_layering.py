@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "tokenpools"
-HOSTS = {"gateway", "integrations", "sim", "emulator", "k8s", "extproc"}
+HOSTS = {"gateway", "integrations", "sim", "emulator", "k8s", "extproc", "authz"}
 PURE = {"control", "model", "state"}
 
 
@@ -61,7 +61,12 @@ def test_the_pure_core_imports_no_host_and_no_runtime(package: str) -> None:
 # through the operator.
 CONFIG_SOURCE = {
     (where, f"tokenpools.k8s.{module}")
-    for where in ("gateway/server.py", "extproc/server.py", "integrations/config_source.py")
+    for where in (
+        "gateway/server.py",
+        "extproc/server.py",
+        "authz/server.py",
+        "integrations/config_source.py",
+    )
     for module in ("source", "api", "following")
 }
 

@@ -1,5 +1,6 @@
-"""The commands that run a host: the gateway (`serve`), the Envoy processor (`extproc`) and
-`quickstart` (an emulated vLLM with the gateway in front of it)."""
+"""The commands that run a host: the gateway (`serve`), the Envoy processor (`extproc`), the
+Envoy authorization service (`authz`) and `quickstart` (an emulated vLLM with the gateway in
+front of it)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,52 @@ def extproc(
         fail(str(exc))
 
 
+def authz(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="the YAML config file (beside the cluster: the rest)"),
+    ] = None,
+    host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(help="HTTP port of Envoy's checks, /v1/models, /metrics and probes")
+    ] = 9003,
+    log_port: Annotated[int, typer.Option(help="gRPC port of Envoy's access-log service")] = 9004,
+    settle_timeout: Annotated[
+        float,
+        typer.Option(help="seconds a request waits for its access-log line before it is charged"),
+    ] = 3600.0,
+    log_format: Annotated[LogLines, typer.Option(help="log lines as")] = LogLines.TEXT,
+    access_log: Annotated[bool, typer.Option(help="one log line per inference request")] = True,
+    kubernetes: Annotated[
+        bool, typer.Option(help="read pools, entitlements, budgets and keys from the cluster")
+    ] = False,
+    namespace: Annotated[str, typer.Option(help="with --kubernetes: the platform's")] = "default",
+) -> None:
+    """Run admission as Envoy's external authorization service (ext_authz), settled from
+    Envoy's access log (deploy/envoy/envoy-authz.yaml)."""
+    if config is None and not kubernetes:
+        fail("give --config FILE, or --kubernetes")
+    if settle_timeout <= 0:
+        fail("--settle-timeout must be positive")
+    try:
+        from tokenpools.authz import serve as run
+    except ImportError as exc:
+        fail(f"{exc}: install the extproc extra (pip install 'tokenpools[extproc]')")
+    try:
+        run(
+            config,
+            host,
+            port,
+            log_port,
+            log_format.value,
+            access_log,
+            namespace if kubernetes else None,
+            settle_timeout,
+        )
+    except ConfigError as exc:
+        fail(str(exc))
+
+
 def quickstart(
     port: Annotated[int, typer.Option(help="the gateway's port (0: any free one)")] = 8080,
     backend_port: Annotated[int, typer.Option(help="the emulated vLLM's port")] = 8000,
@@ -134,5 +181,6 @@ def quickstart(
 HOST_COMMANDS: dict[str, Callable[..., None]] = {
     "serve": serve,
     "extproc": extproc,
+    "authz": authz,
     "quickstart": quickstart,
 }

@@ -7,8 +7,6 @@ what each does. Any other message is out of order: a protocol error, answered cl
                                               full duplex: chunks gathered until the last
     BODY     --response_headers->  LOCAL      Envoy answered itself (a body over its buffer):
                                               passed on, nothing admitted
-    HEADERS  --response_headers->  LOCAL      Envoy refused a malformed request itself:
-                                              passed on, nothing logged (Envoy logs it)
     UPSTREAM --response_headers->  ANSWER     its status decides how a failure ends the lease
     ANSWER   --response_body---->  ANSWER     read for the engine's usage, passed on; the
                                               last chunk settles the lease on that usage
@@ -277,11 +275,11 @@ class Flow:
 
     def finish(self) -> RequestRecord | None:
         """The flow is over: nothing may stay held; the record for the log and the metrics.
-        None: no request reached the processor (Envoy refused a malformed one itself, before
-        its headers came: Envoy's own access log has it)."""
+        None: the stream ended before any message (Envoy refused a malformed request itself:
+        its own access log has it)."""
         self.abandon()
         r = self.record
-        if not r.method:
+        if not r.method and r.status == 0:
             return None
         if self.cleared is not None:
             a = self.cleared.admitted
@@ -311,7 +309,6 @@ Step = Callable[[Flow, ep.ProcessingRequest], Awaitable[Answers]]
 # What each message does in each phase; a message not listed is out of order.
 _STEPS: dict[tuple[Phase, str], Step] = {
     (Phase.HEADERS, "request_headers"): Flow._request_headers,
-    (Phase.HEADERS, "response_headers"): Flow._local_headers,  # Envoy refused it itself
     (Phase.BODY, "request_body"): Flow._request_body,
     (Phase.BODY, "request_trailers"): Flow._request_trailers,
     (Phase.BODY, "response_headers"): Flow._local_headers,
