@@ -59,6 +59,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' Envoy setup
 from tests.envoy_setup import envoy_binary, envoy_config
+from tests.stacks import shipped_authz_config
 
 from gateway import answered, bench_config, cpu_seconds, fixed_rate, pct
 from smoke import parse_args
@@ -66,12 +67,19 @@ from tokenpools.processes import free_port, stop, wait_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
-TARGETS = ("direct", "gateway", "envoy", "envoy-noop", "envoy-extproc", "envoy-extproc-duplex")
+TARGETS = (
+    "direct", "gateway", "envoy", "envoy-noop", "envoy-extproc", "envoy-extproc-duplex",
+    "envoy-authz",
+)  # fmt: skip
 DUPLEX = "FULL_DUPLEX_STREAMED"  # how envoy-extproc-duplex sends requests' bodies
 ROLES = ("tokenpools", "envoy", "picker")  # the processes whose CPU is measured, where present
 MODES = ("non-streaming", "streaming")
 CPU_GOAL = 0.5  # the processor's CPU per admitted request, at most this times the gateway's
 LATENCY_GOAL_MS = 1.0  # the p50 the filter adds at 200 req/s, at most this
+AUTHZ_CPU_GOAL = 1.0  # ext_authz and its access-log service, at most this times the gateway's
+# envoy-authz's windows wait this long after their requests before the CPU is read, so that the
+# access-log lines of the last second (the shipped logger flushes each second) are counted
+AUTHZ_DRAIN_S = 1.5
 # The picker as a process: tests/envoy_setup.py's, its record of the headers it saw not kept.
 PICKER = """
 import asyncio, collections, sys
@@ -141,7 +149,11 @@ FIELDS = (
     "goals.*.own_cpu_ms_per_req", "goals.*.floor_added_p50_ms",
     "goals.*.duplex_processor_cpu_ms_per_req", "goals.*.duplex_cpu_ratio",
     "goals.*.duplex_filter_added_p50_ms", "goals.*.duplex_filter_added_p50_ms_runs",
-    "extproc.admitted", "extproc.sent",
+    "goals.*.authz_cpu_ms_per_req", "goals.*.authz_cpu_ratio", "goals.*.authz_cpu_ratio_runs",
+    "goals.*.authz_cpu_ratio_at_rate", "goals.*.authz_cpu_goal_met",
+    "goals.*.authz_filter_added_p50_ms", "goals.*.authz_filter_added_p99_ms",
+    "goals.*.authz_filter_added_p50_ms_runs", "goals.*.authz_latency_goal_met",
+    "extproc.admitted", "extproc.sent", "authz.admitted", "authz.settled", "authz.sent",
 )  # fmt: skip
 SMOKE = {"seconds": 0.2, "repeats": 1, "rate": 30.0, "concurrency": 8}
 
@@ -230,6 +242,13 @@ class Lab:
         await self.ready(f"http://127.0.0.1:{metrics}/readyz", proc, "extproc")
         return proc, port, f"http://127.0.0.1:{metrics}/metrics"
 
+    async def authz(self, config: Path) -> tuple[subprocess.Popen[bytes], int, int, str]:
+        port, logs = free_port(), free_port()
+        args = ["authz", "-c", str(config), "--port", str(port), "--log-port", str(logs)]
+        proc = self.tokenpools(args, "authz")
+        await self.ready(f"http://127.0.0.1:{port}/readyz", proc, "authz")
+        return proc, port, logs, f"http://127.0.0.1:{port}/metrics"
+
     def noop(self) -> tuple[subprocess.Popen[bytes], int]:
         port = free_port()
         proc = self.spawn([sys.executable, "-c", NOOP, str(port)], "noop", self.tokenpools_cpus)
@@ -250,12 +269,16 @@ class Lab:
         picker_port: int,
         concurrency: int,
         request_mode: str = "BUFFERED",
+        authz_ports: tuple[int, int] | None = None,
     ) -> tuple[subprocess.Popen[bytes], int]:
         listen, admin = free_port(), free_port()
         path = self.dir / f"{name}.yaml"
-        config = envoy_config(
-            listen, admin, tokenpools_port, picker_port, request_mode=request_mode
-        )
+        if authz_ports is not None:  # the shipped ext_authz config, its logger's flush too
+            config = shipped_authz_config(listen, admin, *authz_ports, picker_port, flush_s=1.0)
+        else:
+            config = envoy_config(
+                listen, admin, tokenpools_port, picker_port, request_mode=request_mode
+            )
         path.write_text(yaml.safe_dump(config))
         command = [envoy_binary(), "-c", str(path), "--log-level", "warning",
                    "--base-id", str(admin), "--concurrency", str(concurrency)]  # fmt: skip
@@ -274,25 +297,23 @@ class Lab:
 
 
 async def measured(
-    procs: dict[str, subprocess.Popen[bytes]], work: Awaitable[T]
+    procs: dict[str, subprocess.Popen[bytes]], work: Awaitable[T], drain_s: float = 0.0
 ) -> tuple[T, dict[str, float], float]:
-    """Run `work`; also return the CPU seconds each of `procs` spent meanwhile, and how long."""
+    """Run `work`; also return the CPU seconds each of `procs` spent meanwhile (and in the
+    `drain_s` after it: work the requests left behind), and how long `work` took."""
     before = {role: cpu_seconds(p.pid) for role, p in procs.items()}
     t0 = time.perf_counter()
     result = await work
     elapsed = time.perf_counter() - t0
+    await asyncio.sleep(drain_s)
     return result, {r: cpu_seconds(p.pid) - before[r] for r, p in procs.items()}, elapsed
 
 
-async def admitted(metrics_url: str) -> float:
-    """The processor's tokenpools_admitted_total, summed over its labels."""
+async def admitted(metrics_url: str, name: str = "tokenpools_admitted_total") -> float:
+    """A tokenpools process's counter `name`, summed over its labels."""
     async with aiohttp.ClientSession() as session, session.get(metrics_url) as r:
         text = await r.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("tokenpools_admitted_total")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def row(
@@ -345,9 +366,52 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def goals(rows: dict[tuple[str, str], dict[str, Any]], mode: str) -> dict[str, Any]:
-    gateway, envoy, noop, extproc = (
-        rows[(mode, t)] for t in ("gateway", "envoy", "envoy-noop", "envoy-extproc")
+    gateway, envoy, noop, extproc, duplex = (
+        rows[(mode, t)]
+        for t in ("gateway", "envoy", "envoy-noop", "envoy-extproc", "envoy-extproc-duplex")
     )
+    return {
+        **extproc_goals(gateway, envoy, noop, extproc, duplex),
+        **authz_goals(gateway, envoy, rows[(mode, "envoy-authz")]),
+    }
+
+
+def authz_goals(
+    gateway: dict[str, Any], envoy: dict[str, Any], authz: dict[str, Any]
+) -> dict[str, Any]:
+    """ext_authz and its access-log service (one process) beside the gateway."""
+    own, base = authz["cpu_ms_per_req"]["tokenpools"], gateway["cpu_ms_per_req"]["tokenpools"]
+    cpu = ratio(own, base)
+    runs = zip(
+        authz["cpu_ms_per_req_runs"]["tokenpools"],
+        gateway["cpu_ms_per_req_runs"]["tokenpools"],
+        strict=True,
+    )
+    added50 = [a - b for a, b in zip(authz["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
+    added99 = [a - b for a, b in zip(authz["p99_ms_runs"], envoy["p99_ms_runs"], strict=True)]
+    return {
+        "authz_cpu_ms_per_req": own,
+        "authz_cpu_ratio": cpu,
+        "authz_cpu_ratio_runs": [ratio(a, b) for a, b in runs],
+        "authz_cpu_ratio_at_rate": ratio(
+            authz["cpu_ms_per_req_at_rate"]["tokenpools"],
+            gateway["cpu_ms_per_req_at_rate"]["tokenpools"],
+        ),
+        "authz_cpu_goal_met": cpu <= AUTHZ_CPU_GOAL if cpu is not None else None,
+        "authz_filter_added_p50_ms": statistics.median(added50),
+        "authz_filter_added_p99_ms": statistics.median(added99),
+        "authz_filter_added_p50_ms_runs": added50,
+        "authz_latency_goal_met": statistics.median(added50) <= LATENCY_GOAL_MS,
+    }
+
+
+def extproc_goals(
+    gateway: dict[str, Any],
+    envoy: dict[str, Any],
+    noop: dict[str, Any],
+    extproc: dict[str, Any],
+    duplex: dict[str, Any],
+) -> dict[str, Any]:
     floor = noop["cpu_ms_per_req"]["tokenpools"]
     processor = extproc["cpu_ms_per_req"]["tokenpools"]
     cpu = ratio(extproc["cpu_ms_per_req"]["tokenpools"], gateway["cpu_ms_per_req"]["tokenpools"])
@@ -359,7 +423,6 @@ def goals(rows: dict[tuple[str, str], dict[str, Any]], mode: str) -> dict[str, A
     filter50 = [a - b for a, b in zip(extproc["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
     filter99 = [a - b for a, b in zip(extproc["p99_ms_runs"], envoy["p99_ms_runs"], strict=True)]
     floor50 = [a - b for a, b in zip(noop["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
-    duplex = rows[(mode, "envoy-extproc-duplex")]
     duplex50 = [a - b for a, b in zip(duplex["p50_ms_runs"], envoy["p50_ms_runs"], strict=True)]
     return {
         "processor_cpu_ms_per_req": extproc["cpu_ms_per_req"]["tokenpools"],
@@ -420,6 +483,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         duplex, duplex_port = await lab.envoy(
             "envoy-extproc-duplex", processor_port, picker_port, args.envoy_concurrency, DUPLEX
         )
+        checker, checks_port, logs_port, authz_metrics = await lab.authz(config)
+        fronted, fronted_port = await lab.envoy(
+            "envoy-authz",
+            None,
+            picker_port,
+            args.envoy_concurrency,
+            authz_ports=(checks_port, logs_port),
+        )
         setups = {
             "direct": emulator,
             "gateway": gateway,
@@ -436,26 +507,41 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 f"http://127.0.0.1:{duplex_port}",
                 {"tokenpools": processor, "envoy": duplex, "picker": picker},
             ),
+            "envoy-authz": Setup(
+                f"http://127.0.0.1:{fronted_port}",
+                {"tokenpools": checker, "envoy": fronted, "picker": picker},
+            ),
         }
         at_rate: dict[tuple[str, str], list[Window]] = {}
         ceiling: dict[tuple[str, str], list[Window]] = {}
-        sent = 0
+        sent = authz_sent = 0
         admitted_before = await admitted(metrics_url)
+        authz_before = await admitted(authz_metrics)
         for _ in range(args.repeats):  # interleaved: the machine's drift hits every setup
             for mode in MODES:
                 stream = mode == "streaming"
                 for target, setup in setups.items():
+                    drain = AUTHZ_DRAIN_S if target == "envoy-authz" else 0.0
                     work = fixed_rate(setup.url, stream, args.rate, args.seconds)
-                    lat, cpu, took = await measured(setup.procs, work)
+                    lat, cpu, took = await measured(setup.procs, work, drain)
                     at_rate.setdefault((mode, target), []).append(Window(len(lat), took, cpu, lat))
                     loop = answered(setup.url, args.concurrency, args.seconds, stream)
-                    (done, _), cpu, took = await measured(setup.procs, loop)
+                    (done, _), cpu, took = await measured(setup.procs, loop, drain)
                     ceiling.setdefault((mode, target), []).append(Window(done, took, cpu))
                     if target.startswith("envoy-extproc"):
                         sent += len(lat) + done
+                    elif target == "envoy-authz":
+                        authz_sent += len(lat) + done
         through = await admitted(metrics_url) - admitted_before
         if through < sent:
             raise RuntimeError(f"the processor admitted {through:.0f} of {sent} requests")
+        authz_through = await admitted(authz_metrics) - authz_before
+        settled = await admitted(authz_metrics, 'tokenpools_authz_settled_total{by="log"}')
+        if authz_through < authz_sent or settled < authz_through:
+            raise RuntimeError(
+                f"ext_authz admitted {authz_through:.0f} of {authz_sent} requests and settled "
+                f"{settled:.0f} from the access log"
+            )
         rows = {
             (mode, target): row(
                 mode,
@@ -485,7 +571,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 f"(goal <= {CPU_GOAL}), the filter's added p50 {g['filter_added_p50_ms']:.2f} "
                 f"ms (goal <= {LATENCY_GOAL_MS} at 200 req/s); a no-op processor's CPU "
                 f"{g['floor_cpu_ratio'] or float('nan'):.2f} of the gateway's, its added p50 "
-                f"{g['floor_added_p50_ms']:.2f} ms",
+                f"{g['floor_added_p50_ms']:.2f} ms; ext_authz/gateway CPU per request "
+                f"{g['authz_cpu_ratio'] or float('nan'):.2f} (goal <= {AUTHZ_CPU_GOAL}), its "
+                f"added p50 {g['authz_filter_added_p50_ms']:.2f} ms",
                 file=sys.stderr,
             )
         return {
@@ -498,6 +586,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "rows": list(rows.values()),
             "goals": goal,
             "extproc": {"admitted": through, "sent": sent},
+            "authz": {"admitted": authz_through, "settled": settled, "sent": authz_sent},
         }
     finally:
         lab.close()

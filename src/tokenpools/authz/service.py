@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from prometheus_client import Counter, Gauge
+
 from tokenpools.admission.clearing import removed_headers
 from tokenpools.admission.host import AdmissionHost
 from tokenpools.authz.check import Checker
@@ -29,7 +31,23 @@ class Authorizer(AdmissionHost):
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
     ) -> None:
         super().__init__(config, clock, access_log, rewrites=False)
-        self.settlements = Settlements(self.finished, clock, settle_timeout_s)
+        registry = self.metrics.registry
+        ended = Counter(
+            "tokenpools_authz_settled",
+            "Requests ext_authz let on, ended: by their access-log line, their deadline, or "
+            "the service's stop",
+            ["by"],
+            registry=registry,
+        )
+        self.settlements = Settlements(
+            self.finished, clock, settle_timeout_s, lambda how: ended.labels(how).inc()
+        )
+        held = Gauge(
+            "tokenpools_authz_held",
+            "Requests let on, waiting for their log line",
+            registry=registry,
+        )
+        held.set_function(lambda: len(self.settlements))
         self.checker = Checker(self.door, self.settlements, removed_headers(config))
         self.log_service = AccessLogService(self.settlements)
 

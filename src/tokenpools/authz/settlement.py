@@ -10,6 +10,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from tokenpools.admission.access_log import RequestRecord
 from tokenpools.admission.front_door import Cleared
@@ -17,6 +18,8 @@ from tokenpools.model.request import Usage
 
 log = logging.getLogger("tokenpools.authz")
 CLIENT_GONE = 499  # the client went away before an answer
+# how a held request ended: its log line came, its deadline passed, the service stopped
+SettledBy = Literal["log", "deadline", "stopped"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +45,14 @@ class Settlements:
         finished: Callable[[RequestRecord], None],
         clock: Callable[[], float],
         timeout_s: float,
+        ended: Callable[[SettledBy], None] = lambda how: None,
     ) -> None:
         """`finished`: where each request's record goes once it has ended (the access log
         and the metrics); `timeout_s`: how long a ticket waits for its log line (longer than
-        the longest request the route allows, plus the logger's flush interval)."""
+        the longest request the route allows, plus the logger's flush interval); `ended`:
+        told how each held request ended (the metrics)."""
         self.finished, self.clock, self.timeout_s = finished, clock, timeout_s
+        self.ended = ended
         self._held: dict[str, Held] = {}
 
     def __len__(self) -> int:
@@ -75,7 +81,7 @@ class Settlements:
         if outcome.duration_s is not None:
             record.duration_s = outcome.duration_s
         record.ttft_s = outcome.ttft_s
-        self._close(held)
+        self._close(held, "log")
         return True
 
     def expire(self) -> int:
@@ -91,7 +97,7 @@ class Settlements:
                 self.timeout_s,
             )
             held.cleared.admitted.end(None, refund=False)
-            self._close(held)
+            self._close(held, "deadline")
         return len(overdue)
 
     def abandon_all(self) -> None:
@@ -99,11 +105,12 @@ class Settlements:
         left for its TTL to find."""
         for held in self._held.values():
             held.cleared.admitted.end(None, refund=False)
-            self._close(held)
+            self._close(held, "stopped")
         self._held.clear()
 
-    def _close(self, held: Held) -> None:
+    def _close(self, held: Held, how: SettledBy) -> None:
         a = held.cleared.admitted
         a.close()
         held.record.settled(a.usage, a.charge, a.evicted)
         self.finished(held.record)
+        self.ended(how)
