@@ -32,7 +32,9 @@ K8S_VERSION = "1.33"
 # kinds of other projects' CRDs, in optional overlays: cert-manager, Prometheus Operator, KEDA,
 # and the gateways that attach the ext_proc processor (tests/test_k8s_gateways.py checks them)
 THIRD_PARTY = {"Issuer", "Certificate", "ServiceMonitor", "ScaledObject", "EnvoyExtensionPolicy",
-               "GatewayExtension", "TrafficPolicy", "AgentgatewayPolicy"}  # fmt: skip
+               "GatewayExtension", "TrafficPolicy", "AgentgatewayPolicy", "SecurityPolicy",
+               "EnvoyProxy", "EnvoyPatchPolicy", "AuthorizationPolicy", "Telemetry",
+               "EnvoyFilter"}  # fmt: skip
 
 
 def test_generated_manifests_match_the_schema() -> None:

@@ -84,3 +84,32 @@ def test_claims_hold_capacity_back_on_fcfs_engines_only() -> None:
         )
         c = DecisionCore(config, MemoryStore(), now=0.0, suspends=True)
         assert len(fill(c, "batch", resumable=True)) == expected, scheduling
+
+
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
+def test_preemptible_work_the_host_cannot_end_is_never_lent(scheduling: str) -> None:
+    """Envoy's ext_authz lets a request on and cannot stop it: a preemptible request admitted
+    there keeps off the protected baselines (as spot work that cannot be suspended), is not
+    preemptible in the store, and no protected request is admitted on the hope of ending it."""
+    ents = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
+    config = make_config(
+        ents,
+        concurrency=8,
+        tokens_per_s=100000,
+        policy={"backfillWindowS": 0},
+        pool_extra={"schedulingPolicy": scheduling},
+    )
+    c = DecisionCore(config, MemoryStore(), now=0.0, suspends=True)
+    kept = [
+        c.admit("batch", RequestCost(100, 50, endable=False), 1.0, f"batch-{i}") for i in range(12)
+    ]
+    admitted = [d for d in kept if isinstance(d, Admit)]
+    assert len(admitted) == 8 - 4  # gold's baseline stays free
+    assert not any(d.lease.preemptible for d in admitted)
+    gold = [c.admit("gold", RequestCost(100, 50), 1.0, f"gold-{i}") for i in range(4)]
+    assert all(isinstance(d, Admit) and not d.evict for d in gold)
+    # the same work from a host that ends it is lent the whole pool, and taken back
+    c = DecisionCore(config, MemoryStore(), now=0.0, suspends=True)
+    assert len(fill(c, "batch", resumable=False)) == 8
+    gold0 = c.admit("gold", RequestCost(100, 50), 1.0, "gold-0")
+    assert isinstance(gold0, Admit) and len(gold0.evict) == 1

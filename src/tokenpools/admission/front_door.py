@@ -111,14 +111,17 @@ class FrontDoor:
         clock: Callable[[], float] = time.time,
         ask: AskEngine | None = None,
         rewrites: bool = True,
+        ends: bool = True,
     ) -> None:
         """`metrics`: where identities are counted (a host that identifies no one itself, as
         LiteLLM, has none). `ask`: how the host asks a pool's engine to count (only the
         gateway reaches the engines); without it the estimate stands in. `rewrites`: the
         host can send on a body other than the client's (Envoy's ext_authz cannot: what
-        would be written is refused instead where it matters, clearing.unwritable)."""
+        would be written is refused instead where it matters, clearing.unwritable). `ends`:
+        the host can end a request while it runs (ext_authz cannot: nothing it lets on is
+        lent, control/gatekeeper.py)."""
         self.admission, self.metrics, self.ask = admission, metrics, ask
-        self.rewrites = rewrites
+        self.rewrites, self.ends = rewrites, ends
         self.auth = Authenticator(admission.config.gateway, clock)
 
     def adopt(self) -> None:
@@ -213,7 +216,9 @@ class FrontDoor:
         prompt_tokens = await counter.count(body, path, asker)
         account = Account(caller.tenant, caller.credential, str(model))
         resumable = suspendable(path, body, admission.pools[route.pool].pool.chat_continuation)
-        cost = RequestCost(prompt_tokens, wants.max_tokens, wants.sequences, account, resumable)
+        cost = RequestCost(
+            prompt_tokens, wants.max_tokens, wants.sequences, account, resumable, self.ends
+        )
         decision = await admission.admit(route.entitlements, cost)
         if isinstance(decision, Reject):
             first = route.entitlements[0]

@@ -26,9 +26,10 @@ class AdmissionHost:
         clock: Callable[[], float] = time.time,
         access_log: bool = True,
         rewrites: bool = True,
+        ends: bool = True,
     ) -> None:
-        """`rewrites`: the host can send on a body other than the client's (ext_authz
-        cannot: admission/clearing.py says what it does instead)."""
+        """`rewrites`: the host can send on a body other than the client's; `ends`: it can
+        end a request while it runs (ext_authz can neither: admission/front_door.py)."""
         self.config = config
         self.admission = AdmissionRuntime(config, clock)
         self.jobs = PeriodicJobs(self.admission)
@@ -36,7 +37,7 @@ class AdmissionHost:
         self.notices = BudgetNotices(self.admission)
         self.metrics = AdmissionMetrics(self.admission, self.ledger)
         self.admission.listeners.append(self.metrics.decided)
-        self.door = FrontDoor(self.admission, self.metrics, clock, rewrites=rewrites)
+        self.door = FrontDoor(self.admission, self.metrics, clock, rewrites=rewrites, ends=ends)
         self.observe = RequestObserver([self.metrics.finished], access_log=access_log)
         # more reasons not to be ready, from the config's source (a cluster watch gone stale)
         self.ready_checks: list[Callable[[], list[str]]] = []

@@ -1,6 +1,7 @@
 """Envoy's gRPC access-log service (`envoy.access_loggers.http_grpc`): each HTTP request's line,
 batched and sent off the request path once the request is over, however it ended. A line
-whose dynamic metadata carries one of our tickets settles that request: the status, the
+that carries one of our tickets (in ext_authz's dynamic metadata; or, from a gateway that
+cannot put it there, as a request header it logs) settles that request: the status, the
 duration, and the usage that `json_to_metadata` (whole answers) or `sse_to_metadata` (streams)
 lifted from the engine's answer into the `tokenpools` namespace. Every other line (a refusal,
 GET /v1/models, a request Envoy refused itself) is not ours to settle."""
@@ -47,6 +48,8 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         """Settle the request one line tells of, if it is ours."""
         common = entry.common_properties
         ticket = _string(common.metadata.filter_metadata.get(METADATA_NAMESPACE), TICKET_HEADER)
+        if ticket is None:  # a gateway that cannot put it in metadata sends it on, and logs it
+            ticket = entry.request.request_headers.get(TICKET_HEADER) or None
         if ticket is None:
             return
         duration = _seconds(common, "duration")

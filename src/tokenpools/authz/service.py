@@ -30,7 +30,7 @@ class Authorizer(AdmissionHost):
         access_log: bool = True,
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
     ) -> None:
-        super().__init__(config, clock, access_log, rewrites=False)
+        super().__init__(config, clock, access_log, rewrites=False, ends=False)
         registry = self.metrics.registry
         ended = Counter(
             "tokenpools_authz_settled",

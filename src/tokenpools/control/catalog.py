@@ -24,7 +24,6 @@ from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
-from tokenpools.model.service_class import ServiceClass
 
 
 class Catalog:
@@ -137,7 +136,8 @@ class Catalog:
                     self._claim_baseline(ent, now, rebound=ent.name in previous)
                 lent = is_lent(ent.service_class, policy)
                 plan = plans.reserve_plan(pool, ent, bound, policy, lent)
-                kept = lent and ent.service_class != ServiceClass.PREEMPTIBLE
+                # the plan of a lent class's request the host cannot take back (gatekeeper.py)
+                kept = lent
                 limit_tokens, limit_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
                 self._ents[ent.name] = EntitlementView(
                     ent=ent,

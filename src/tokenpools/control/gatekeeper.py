@@ -39,6 +39,7 @@ from tokenpools.control.store import (
 from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.entitlement import BindingState
 from tokenpools.model.request import RequestCost
+from tokenpools.model.service_class import ServiceClass
 
 
 @dataclass(slots=True)
@@ -114,8 +115,12 @@ class Gatekeeper:
 
         lease_id = self.new_lease_id() if request_id is None else request_id
         account = cost.account
-        # a request of a lent class the host cannot resume is kept off lent capacity
-        kept = not cost.resumable and view.kept_plan is not None
+        # a request of a lent class the host cannot take back is kept off lent capacity:
+        # taking back suspends spot work (it must be resumable) and ends preemptible work
+        # (the host must be able to end it)
+        ends = view.ent.service_class is ServiceClass.PREEMPTIBLE
+        takes_back = cost.endable and (cost.resumable or ends)
+        kept = not takes_back and view.kept_plan is not None
         plan = view.kept_plan if kept and view.kept_plan is not None else view.plan
         lease = Lease(
             lease_id,

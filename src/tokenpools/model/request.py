@@ -20,6 +20,9 @@ class RequestCost:
     # the host can suspend and resume it (docs/decisions.md, "Lending, and taking back"); a
     # spot or elastic request that cannot be resumed is never lent (taking it back would end it)
     resumable: bool = True
+    # the host can end it while it runs; a request it cannot (Envoy's ext_authz lets a request
+    # on and sees it again only in the access log) is never lent, preemptible work included
+    endable: bool = True
 
     def __init__(
         self,
@@ -28,6 +31,7 @@ class RequestCost:
         sequences: int = 1,
         account: Account | None = None,
         resumable: bool = True,
+        endable: bool = True,
     ) -> None:
         if input_tokens < 0:
             raise ValueError(f"input_tokens must be >= 0, got {input_tokens}")
@@ -40,6 +44,7 @@ class RequestCost:
         object.__setattr__(self, "sequences", sequences)
         object.__setattr__(self, "account", account)
         object.__setattr__(self, "resumable", resumable)
+        object.__setattr__(self, "endable", endable)
 
 
 @dataclass(frozen=True, slots=True)
