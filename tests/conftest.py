@@ -42,6 +42,7 @@ ONE_BUILD = {
     "test_redis_sentinel.py": "the Redis store behind Sentinel",
     "test_extproc.py": "the Envoy host (gRPC), through a real Envoy",
     "test_extproc_faults.py": "the Envoy host's faults",
+    "test_authz.py": "the ext_authz host, through a real Envoy",
     "test_k8s_*": "the operator, the webhook and `serve --kubernetes`, which are not compiled",
 }
 

@@ -6,6 +6,10 @@ tests/test_extproc.py, run on both."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +17,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import yaml
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from tests.gateway_setup import KEYS, MODEL, config_data
@@ -22,6 +27,7 @@ from tests.test_gateway_e2e import open_streams
 from tokenpools import authz
 from tokenpools.authz.log_service import AccessLogService
 from tokenpools.model.config import parse_config
+from tokenpools.processes import free_port, spawn_server
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -213,3 +219,29 @@ def test_a_line_sent_again_after_a_reconnect_settles_nothing_twice(stack: Stack)
     assert service.settled == settled and service.ignored == 2 * 3
     assert len(log) == 3
     stack.wait_all_ended()
+
+
+def test_the_command_serves_checks_and_stops_cleanly(tmp_path: Any) -> None:
+    """`tokenpools authz` as a process: ready, a check admitted with its ticket and held, a
+    check without a key refused, exit 0 on SIGTERM; a bad invocation names the fix."""
+    path = tmp_path / "tokenpools.yaml"
+    path.write_text(yaml.safe_dump(config_data("http://127.0.0.1:9")))
+    logs = free_port()
+    args = lambda port: ["authz", "-c", str(path), "--port", str(port), "--log-port", str(logs)]  # noqa: E731
+    proc, url = asyncio.run(spawn_server(args, "/readyz", timeout_s=60))
+    try:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+        key = {"Authorization": f"Bearer {KEYS['gold']}"}
+        checked = httpx.post(f"{url}/check/v1/chat/completions", json=body, headers=key)
+        assert checked.status_code == 200 and checked.headers["x-tokenpools-ticket"]
+        held = httpx.get(f"{url}/metrics").text
+        assert "tokenpools_authz_held 1.0" in held
+        refused = httpx.post(f"{url}/check/v1/chat/completions", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["code"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenpools.cli", "authz"], capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "--config" in done.stderr + done.stdout

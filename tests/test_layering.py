@@ -55,18 +55,13 @@ def test_the_pure_core_imports_no_host_and_no_runtime(package: str) -> None:
     assert not _targets(package) & (HOSTS | {"admission", "usage", "identity"})
 
 
-# The one crossing: `tokenpools serve --kubernetes`, `tokenpools extproc --kubernetes` and the
-# LiteLLM hook in a cluster read their config from the cluster through the k8s package's
-# config source (its API client, watches, CR -> config and the loop that follows them), not
-# through the operator.
+# The one crossing: `tokenpools serve --kubernetes` and the LiteLLM hook in a cluster read
+# their config from the cluster through the k8s package's config source (its API client,
+# watches, CR -> config and the loop that follows them), not through the operator; so do
+# `extproc --kubernetes` and `authz --kubernetes`, through host_config.py, no host's.
 CONFIG_SOURCE = {
     (where, f"tokenpools.k8s.{module}")
-    for where in (
-        "gateway/server.py",
-        "extproc/server.py",
-        "authz/server.py",
-        "integrations/config_source.py",
-    )
+    for where in ("gateway/server.py", "integrations/config_source.py")
     for module in ("source", "api", "following")
 }
 

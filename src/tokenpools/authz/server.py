@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,12 +17,11 @@ from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 
 from tokenpools.admission.access_log import LogFormat, setup_logging
-from tokenpools.admission.config_file import ConfigFile, reload_from
 from tokenpools.authz.check import MODELS, PEER_HEADER, PREFIX, CheckRequest, Verdict
 from tokenpools.authz.service import SETTLE_TIMEOUT_S, Authorizer
 from tokenpools.event_loop import new_loop
+from tokenpools.host_config import follow, open_config, until_stopped
 from tokenpools.identity import Credentials
-from tokenpools.model.config import load_config
 
 log = logging.getLogger("tokenpools.authz")
 TICK_INTERVAL_S = 0.25
@@ -131,52 +129,20 @@ async def _serve(
 ) -> None:
     """Until SIGTERM or SIGINT: the service on the file at `path`, or (with `namespace`) on
     the cluster with that file beside it, each change adopted as it comes."""
-    source = None
-    if namespace is None:
-        assert path is not None
-        config = load_config(path)
-    else:
-        from tokenpools.k8s.api import Kube, load_client
-        from tokenpools.k8s.following import base_of
-        from tokenpools.k8s.source import ClusterSource
-
-        base = base_of(path)  # refused before the cluster is asked anything
-        source = ClusterSource(Kube(load_client()), namespace, base).start()
-        config = source.config()
+    config, source = open_config(path, namespace)
     authorizer = Authorizer(config, access_log=access_log, settle_timeout_s=settle_timeout_s)
     if source is not None:
         authorizer.ready_checks.append(source.stale)
     running = await start(authorizer, host, *ports)
     log.info("ext_authz on %s:%d (HTTP), access log on :%d (gRPC)", host, *ports)
-    following = asyncio.create_task(_follow(authorizer, path, source))
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
+    following = asyncio.create_task(follow(authorizer, path, source))
+    await until_stopped()
     following.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await following
     await running.stop()
     if source is not None:
         source.stop()
-
-
-async def _follow(authorizer: Authorizer, path: Path | None, source: object | None) -> None:
-    if source is not None:
-        from tokenpools.k8s.following import follow_cluster
-        from tokenpools.k8s.source import ClusterSource
-
-        assert isinstance(source, ClusterSource)
-        await follow_cluster(source, authorizer, path)
-        return
-    assert path is not None
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_from(authorizer, path)))
-    try:
-        await ConfigFile(path).follow(authorizer, 2.0)
-    finally:
-        loop.remove_signal_handler(signal.SIGHUP)
 
 
 def serve(

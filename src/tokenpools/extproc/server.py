@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,14 +18,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from tokenpools.admission.access_log import LogFormat, setup_logging
-from tokenpools.admission.config_file import ConfigFile, reload_from
 from tokenpools.event_loop import new_loop
 from tokenpools.extproc.processor import Processor
 from tokenpools.extproc.service import ExternalProcessor, Health
-from tokenpools.model.config import load_config
+from tokenpools.host_config import follow, open_config, until_stopped
 
 if TYPE_CHECKING:
-    from tokenpools.k8s.source import ClusterSource
+    pass
 
 log = logging.getLogger("tokenpools.extproc")
 TICK_INTERVAL_S = 0.25
@@ -107,18 +105,7 @@ async def _serve(
 ) -> None:
     """Until SIGTERM or SIGINT: the processor on the file at `path`, or (with `namespace`) on
     the cluster with that file beside it, each change adopted as it comes."""
-    source = None
-    if namespace is None:
-        assert path is not None
-        config = load_config(path)
-    else:
-        from tokenpools.k8s.api import Kube, load_client
-        from tokenpools.k8s.following import base_of
-        from tokenpools.k8s.source import ClusterSource
-
-        base = base_of(path)  # refused before the cluster is asked anything
-        source = ClusterSource(Kube(load_client()), namespace, base).start()
-        config = source.config()
+    config, source = open_config(path, namespace)
     processor = Processor(
         config, access_log=access_log, duplex_requests=duplex[0], duplex_answers=duplex[1]
     )
@@ -127,34 +114,13 @@ async def _serve(
     running = await start(processor, host, port, http_port)
     log.info("ext_proc on %s:%d (gRPC), metrics on :%d", host, running.grpc_port, running.http_port)
     following = asyncio.create_task(follow(processor, path, source))
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
+    await until_stopped()
     following.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await following
     await running.stop()
     if source is not None:
         source.stop()
-
-
-async def follow(processor: Processor, path: Path | None, source: ClusterSource | None) -> None:
-    """Adopt each change of the config's source: the cluster's objects and the file beside
-    them, or the file alone (also re-read on SIGHUP)."""
-    if source is not None:
-        from tokenpools.k8s.following import follow_cluster
-
-        await follow_cluster(source, processor, path)
-        return
-    assert path is not None
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(reload_from(processor, path)))
-    try:
-        await ConfigFile(path).follow(processor, 2.0)
-    finally:
-        loop.remove_signal_handler(signal.SIGHUP)
 
 
 def serve(
