@@ -118,9 +118,11 @@ class Gatekeeper:
         # a request of a lent class the host cannot take back is kept off lent capacity:
         # taking back suspends spot work (it must be resumable) and ends preemptible work
         # (the host must be able to end it)
-        ends = view.ent.service_class is ServiceClass.PREEMPTIBLE
-        takes_back = cost.endable and (cost.resumable or ends)
-        kept = not takes_back and view.kept_plan is not None
+        # (only a lent class has a kept plan: every other request pays one test here)
+        kept = view.kept_plan is not None and not (
+            cost.endable
+            and (cost.resumable or view.ent.service_class is ServiceClass.PREEMPTIBLE)
+        )
         plan = view.kept_plan if kept and view.kept_plan is not None else view.plan
         lease = Lease(
             lease_id,
