@@ -20,12 +20,15 @@ import pytest
 import yaml
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from tests.gateway_setup import KEYS, MODEL, config_data
-from tests.servers import wait_for
-from tests.stacks import Stack, authz_stack_of
+from tests.envoy_setup import LoopThread, Picker, start_grpc
+from tests.gateway_setup import FAST, KEYS, MODEL, config_data
+from tests.servers import ServerThread, wait_for
+from tests.stacks import Stack, authz_stack_of, start_authz_envoy
 from tests.test_gateway_e2e import open_streams
 from tokenpools import authz
 from tokenpools.authz.log_service import AccessLogService
+from tokenpools.authz.peers import Peers
+from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.model.config import parse_config
 from tokenpools.processes import free_port, spawn_server
 
@@ -245,3 +248,48 @@ def test_the_command_serves_checks_and_stops_cleanly(tmp_path: Any) -> None:
         [sys.executable, "-m", "tokenpools.cli", "authz"], capture_output=True, text=True
     )
     assert done.returncode != 0 and "--config" in done.stderr + done.stdout
+
+
+def test_a_line_that_reaches_another_replica_is_sent_on_to_the_one_that_admitted() -> None:
+    """Two replicas behind one name: Envoy asks the first and logs to the second. The second
+    holds no such ticket, sees that its peer issued it, and sends the line on: the request is
+    settled once, by the replica that admitted it, on the engine's usage."""
+    ports = {"a": free_port(), "b": free_port()}
+    addresses = {f"127.0.0.1:{p}" for p in ports.values()}
+
+    async def resolve() -> set[str]:
+        return addresses
+
+    config = parse_config(config_data("http://127.0.0.1:9"))
+    a, b = (
+        authz.Authorizer(config, access_log=False, peers=Peers(f"127.0.0.1:{ports[n]}", resolve))
+        for n in ("a", "b")
+    )
+    backend = ServerThread(make_emulator(FAST, speed=1.0))
+    loop = LoopThread()
+    picker = Picker([f"127.0.0.1:{backend.port}"])
+    picker_server, picker_port = loop.run(start_grpc(picker))
+    first = loop.run(authz.start(a, http_port=0, grpc_port=ports["a"]))
+    second = loop.run(authz.start(b, http_port=0, grpc_port=ports["b"]))
+    envoy = start_authz_envoy(first.http_port, ports["b"], picker_port)
+    try:
+        log: list[Any] = []
+        a.observe.listeners.append(log.append)
+        r = httpx.post(
+            f"{envoy.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": CHAT, "max_tokens": 3},
+            headers={"Authorization": f"Bearer {KEYS['gold']}"},
+        )
+        assert r.status_code == 200, r.text
+        (record,) = wait_for(lambda: list(log), what="settled by the replica that admitted it")
+        assert record.completion_tokens == 3 and record.status == 200
+        assert len(a.settlements) == 0 and not a.admission.in_flight
+        assert (b.log_service.forwarded, b.log_service.settled) == (1, 0)
+        assert a.log_service.settled == 1
+    finally:
+        envoy.stop()
+        for running in (first, second):
+            loop.run(running.stop(0.5))
+        loop.run(picker_server.stop(0))
+        loop.stop()
+        backend.stop()

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from envoy.data.accesslog.v3 import accesslog_pb2 as al
 from google.protobuf import struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,8 +19,15 @@ from hypothesis import strategies as st
 from tests.gateway_setup import KEYS, MODEL, config_data
 from tests.stacks import SHIPPED_AUTHZ
 from tokenpools.authz import Authorizer
-from tokenpools.authz.check import ENVOY_PATTERNS, PREFIX, TICKET_HEADER, CheckRequest
+from tokenpools.authz.check import (
+    ENVOY_PATTERNS,
+    METADATA_NAMESPACE,
+    PREFIX,
+    TICKET_HEADER,
+    CheckRequest,
+)
 from tokenpools.authz.log_service import USAGE_KEYS, USAGE_NAMESPACE, usage_of
+from tokenpools.authz.peers import Peers, owner_of
 from tokenpools.authz.settlement import Outcome
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import Usage
@@ -164,3 +172,32 @@ def test_a_check_without_a_body_or_credential_is_refused_and_holds_nothing(
         return [*statuses, held]
 
     assert asyncio.run(run()) == [401, 400, 0]
+
+
+def test_a_line_is_sent_on_only_to_a_known_peer_and_never_back_to_itself() -> None:
+    """A ticket names its issuer; a line for a ticket not held here goes on to that issuer
+    only if it is one of the peers the name resolved to: a log line cannot make a replica
+    connect anywhere else, nor send a line round in a loop."""
+
+    async def run() -> list[str | None]:
+        async def resolve() -> set[str]:
+            return {"10.0.0.1:9004", "10.0.0.2:9004"}
+
+        peers = Peers("10.0.0.1:9004", resolve)
+        await peers.refresh()
+        authorizer = Authorizer(
+            parse_config(config_data("http://127.0.0.1:9")), access_log=False, peers=peers
+        )
+        service = authorizer.log_service
+        owners = []
+        for ticket in ("10.0.0.2:9004/abc", "10.0.0.1:9004/abc", "10.6.6.6:22/abc", "abc"):
+            entry = al.HTTPAccessLogEntry()
+            entry.common_properties.metadata.filter_metadata[METADATA_NAMESPACE].update(
+                {TICKET_HEADER: ticket}
+            )
+            owners.append(service.take(entry))
+        assert (service.forwarded, service.ignored) == (1, 3)
+        return owners
+
+    assert asyncio.run(run()) == ["10.0.0.2:9004", None, None, None]
+    assert owner_of("10.0.0.2:9004/abc") == "10.0.0.2:9004" and owner_of("abc") is None

@@ -53,9 +53,22 @@ def test_the_service_reads_the_cluster_and_serves_both_ports() -> None:
     assert restricted_violations(pod) == []
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert [v["secret"] for v in pod["volumes"]] == [{"secretName": "tokenpools-authz-config"}]
-    # settled by the replica that admitted: one, a new one ready before the old one goes
-    assert deployment["spec"]["replicas"] == 1
+    # fail closed: two replicas, never both down; each names its pod in its tickets and sends
+    # lines on only to the addresses the peers' headless Service resolves to
+    assert deployment["spec"]["replicas"] >= 2
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    budget = _named(docs, "PodDisruptionBudget", SERVICE)["spec"]
+    assert budget["minAvailable"] == 1
+    assert args[args.index("--advertise") + 1] == f"$(POD_IP):{LOGS}"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    peers = _named(docs, "Service", "tokenpools-authz-peers")
+    assert (
+        args[args.index("--peers") + 1]
+        == "tokenpools-authz-peers.$(POD_NAMESPACE).svc.cluster.local"
+    )
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"]
+    assert [p["port"] for p in peers["spec"]["ports"]] == [LOGS]
     service = _named(docs, "Service", SERVICE)
     ports = {p["port"]: p for p in service["spec"]["ports"]}
     assert set(ports) == {CHECKS, LOGS}
@@ -65,8 +78,11 @@ def test_the_service_reads_the_cluster_and_serves_both_ports() -> None:
     policies = docs["NetworkPolicy"]
     for port in (CHECKS, LOGS):
         assert not _admitted(policies, labels, {"app": "x"}, port)
+    assert _admitted(policies, labels, labels, LOGS)  # a replica sends lines on to another
+    assert not _admitted(policies, labels, labels, CHECKS)
     policy = _named(docs, "NetworkPolicy", SERVICE)
-    for rule in policy["spec"]["ingress"]:
+    outside = [r for r in policy["spec"]["ingress"] if "namespaceSelector" in r["from"][0]]
+    for rule in outside:
         assert [f["namespaceSelector"]["matchLabels"] for f in rule["from"]] == [
             {"tokenpools.io/inference-gateway": "true"}
         ]

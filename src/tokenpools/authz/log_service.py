@@ -18,6 +18,7 @@ from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from google.protobuf import struct_pb2
 
 from tokenpools.authz.check import METADATA_NAMESPACE, TICKET_HEADER
+from tokenpools.authz.peers import Peers, owner_of
 from tokenpools.authz.settlement import Outcome, Settlements
 from tokenpools.model.request import Usage
 
@@ -27,9 +28,10 @@ USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 
 
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]  # untyped
-    def __init__(self, settlements: Settlements) -> None:
-        self.settlements = settlements
+    def __init__(self, settlements: Settlements, peers: Peers | None = None) -> None:
+        self.settlements, self.peers = settlements, peers
         self.settled = 0  # lines that ended a held request
+        self.forwarded = 0  # lines sent on to the replica that holds their ticket
         self.ignored = 0  # lines with a ticket no longer held (sent again, or expired)
 
     async def StreamAccessLogs(  # the name gRPC gives the method
@@ -40,18 +42,25 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         ],
     ) -> als_pb2.StreamAccessLogsResponse:
         async for message in request_iterator:
+            astray: dict[str, list[al.HTTPAccessLogEntry]] = {}
             for entry in message.http_logs.log_entry:
-                self.take(entry)
+                owner = self.take(entry)
+                if owner is not None:
+                    astray.setdefault(owner, []).append(entry)
+            for owner, entries in astray.items():
+                assert self.peers is not None  # take names an owner only with peers
+                self.peers.send(owner, entries)
         return als_pb2.StreamAccessLogsResponse()
 
-    def take(self, entry: al.HTTPAccessLogEntry) -> None:
-        """Settle the request one line tells of, if it is ours."""
+    def take(self, entry: al.HTTPAccessLogEntry) -> str | None:
+        """Settle the request one line tells of, if it is ours; returns the peer that holds
+        its ticket, where the line must be sent on."""
         common = entry.common_properties
         ticket = _string(common.metadata.filter_metadata.get(METADATA_NAMESPACE), TICKET_HEADER)
         if ticket is None:  # a gateway that cannot put it in metadata sends it on, and logs it
             ticket = entry.request.request_headers.get(TICKET_HEADER) or None
         if ticket is None:
-            return
+            return None
         duration = _seconds(common, "duration")
         outcome = Outcome(
             status=entry.response.response_code.value,
@@ -61,9 +70,14 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         )
         if self.settlements.settle(ticket, outcome):
             self.settled += 1
-        else:
-            self.ignored += 1
-            log.debug("access-log line for a ticket not held (sent again, or expired)")
+            return None
+        owner = owner_of(ticket)
+        if owner is not None and self.peers is not None and self.peers.accepts(owner):
+            self.forwarded += 1
+            return owner
+        self.ignored += 1
+        log.debug("access-log line for a ticket not held (sent again, or expired)")
+        return None
 
 
 def usage_of(fields: struct_pb2.Struct | None) -> Usage | None:

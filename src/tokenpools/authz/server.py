@@ -2,7 +2,8 @@
 (`/check/...`), GET /v1/models (routed here by Envoy), Prometheus (/metrics) and probes
 (/healthz, /readyz); one gRPC server for Envoy's access-log service; the config followed (a
 file, re-read on SIGHUP too; or the cluster's custom resources with a file beside them); the
-tickets whose log line is overdue ended each second; a graceful stop on SIGTERM."""
+tickets whose log line is overdue ended each second, the peers learnt every few; a graceful
+stop on SIGTERM."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from envoy.service.accesslog.v3 import als_pb2_grpc
 
 from tokenpools.admission.access_log import LogFormat, setup_logging
 from tokenpools.authz.check import MODELS, PEER_HEADER, PREFIX, CheckRequest, Verdict
+from tokenpools.authz.peers import Peers, resolver
 from tokenpools.authz.service import SETTLE_TIMEOUT_S, Authorizer
 from tokenpools.event_loop import new_loop
 from tokenpools.host_config import follow, open_config, until_stopped
@@ -26,6 +28,7 @@ from tokenpools.identity import Credentials
 log = logging.getLogger("tokenpools.authz")
 TICK_INTERVAL_S = 0.25
 EXPIRY_INTERVAL_S = 1.0
+PEERS_EVERY = 5  # expiry intervals between two resolutions of the peers' name
 # aiohttp's own ceiling on a check's body; the config's maxBodyBytes refuses below it (413)
 MOST_BODY_BYTES = 256 << 20
 
@@ -94,8 +97,13 @@ def http_app(authorizer: Authorizer) -> web.Application:
     return app
 
 
-async def _expire(authorizer: Authorizer) -> None:
+async def _tend(authorizer: Authorizer) -> None:
+    """Each second, end the tickets whose log line is overdue; every few, learn the peers."""
+    ticks = 0
     while True:
+        if authorizer.peers is not None and ticks % PEERS_EVERY == 0:
+            await authorizer.peers.refresh()
+        ticks += 1
         await asyncio.sleep(EXPIRY_INTERVAL_S)
         authorizer.settlements.expire()
 
@@ -115,7 +123,7 @@ async def start(
     site = web.TCPSite(runner, host, http_port)
     await site.start()
     http_bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    expiring = asyncio.create_task(_expire(authorizer))
+    expiring = asyncio.create_task(_tend(authorizer))
     return Running(authorizer, http_bound, bound, runner, server, expiring)
 
 
@@ -126,11 +134,19 @@ async def _serve(
     ports: tuple[int, int],
     access_log: bool,
     settle_timeout_s: float,
+    replicas: tuple[str, str] | None,
 ) -> None:
     """Until SIGTERM or SIGINT: the service on the file at `path`, or (with `namespace`) on
-    the cluster with that file beside it, each change adopted as it comes."""
+    the cluster with that file beside it, each change adopted as it comes. `replicas`: this
+    replica's access-log address and the name its peers resolve by (peers.py)."""
     config, source = open_config(path, namespace)
-    authorizer = Authorizer(config, access_log=access_log, settle_timeout_s=settle_timeout_s)
+    peers = None
+    if replicas is not None:
+        own, name = replicas
+        peers = Peers(own, resolver(name, int(own.rpartition(":")[2])))
+    authorizer = Authorizer(
+        config, access_log=access_log, settle_timeout_s=settle_timeout_s, peers=peers
+    )
     if source is not None:
         authorizer.ready_checks.append(source.stale)
     running = await start(authorizer, host, *ports)
@@ -154,8 +170,9 @@ def serve(
     access_log: bool = True,
     namespace: str | None = None,
     settle_timeout_s: float = SETTLE_TIMEOUT_S,
+    replicas: tuple[str, str] | None = None,
 ) -> None:
     setup_logging(log_format)
     ports = (http_port, grpc_port)
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(_serve(path, namespace, host, ports, access_log, settle_timeout_s))
+        runner.run(_serve(path, namespace, host, ports, access_log, settle_timeout_s, replicas))

@@ -14,6 +14,7 @@ from tokenpools.admission.clearing import removed_headers
 from tokenpools.admission.host import AdmissionHost
 from tokenpools.authz.check import Checker
 from tokenpools.authz.log_service import AccessLogService
+from tokenpools.authz.peers import Peers
 from tokenpools.authz.settlement import Settlements
 from tokenpools.model.config import Config
 
@@ -29,8 +30,12 @@ class Authorizer(AdmissionHost):
         clock: Callable[[], float] = time.time,
         access_log: bool = True,
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
+        peers: Peers | None = None,
     ) -> None:
+        """`peers`: the other replicas behind the same Service, to which the access-log
+        lines of their tickets are sent on (None: a lone replica)."""
         super().__init__(config, clock, access_log, rewrites=False, ends=False)
+        self.peers = peers
         registry = self.metrics.registry
         ended = Counter(
             "tokenpools_authz_settled",
@@ -40,7 +45,11 @@ class Authorizer(AdmissionHost):
             registry=registry,
         )
         self.settlements = Settlements(
-            self.finished, clock, settle_timeout_s, lambda how: ended.labels(how).inc()
+            self.finished,
+            clock,
+            settle_timeout_s,
+            lambda how: ended.labels(how).inc(),
+            None if peers is None else peers.own,
         )
         held = Gauge(
             "tokenpools_authz_held",
@@ -49,7 +58,7 @@ class Authorizer(AdmissionHost):
         )
         held.set_function(lambda: len(self.settlements))
         self.checker = Checker(self.door, self.settlements, removed_headers(config))
-        self.log_service = AccessLogService(self.settlements)
+        self.log_service = AccessLogService(self.settlements, peers)
 
     async def reload(self, config: Config) -> Config:
         adopted = await super().reload(config)
@@ -58,4 +67,6 @@ class Authorizer(AdmissionHost):
 
     async def stop(self) -> None:
         self.settlements.abandon_all()
+        if self.peers is not None:
+            await self.peers.close()
         await super().stop()

@@ -14,6 +14,7 @@ from typing import Literal
 
 from tokenpools.admission.access_log import RequestRecord
 from tokenpools.admission.front_door import Cleared
+from tokenpools.authz.peers import OWNER_END
 from tokenpools.model.request import Usage
 
 log = logging.getLogger("tokenpools.authz")
@@ -46,13 +47,17 @@ class Settlements:
         clock: Callable[[], float],
         timeout_s: float,
         ended: Callable[[SettledBy], None] = lambda how: None,
+        owner: str | None = None,
     ) -> None:
         """`finished`: where each request's record goes once it has ended (the access log
         and the metrics); `timeout_s`: how long a ticket waits for its log line (longer than
         the longest request the route allows, plus the logger's flush interval); `ended`:
-        told how each held request ended (the metrics)."""
+        told how each held request ended (the metrics); `owner`: this replica's access-log
+        address, named in its tickets so that another replica can send their lines on
+        (peers.py)."""
         self.finished, self.clock, self.timeout_s = finished, clock, timeout_s
         self.ended = ended
+        self._prefix = "" if owner is None else owner + OWNER_END
         self._held: dict[str, Held] = {}
 
     def __len__(self) -> int:
@@ -60,7 +65,7 @@ class Settlements:
 
     def hold(self, cleared: Cleared, record: RequestRecord) -> str:
         """A request let on: its ticket (random, so no client can name another's)."""
-        ticket = secrets.token_urlsafe(18)
+        ticket = self._prefix + secrets.token_urlsafe(18)
         self._held[ticket] = Held(cleared, record, self.clock() + self.timeout_s)
         return ticket
 

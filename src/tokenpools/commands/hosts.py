@@ -129,6 +129,14 @@ def authz(
         bool, typer.Option(help="read pools, entitlements, budgets and keys from the cluster")
     ] = False,
     namespace: Annotated[str, typer.Option(help="with --kubernetes: the platform's")] = "default",
+    advertise: Annotated[
+        str | None,
+        typer.Option(help="HOST:PORT: this replica's access-log service, as its peers reach it"),
+    ] = None,
+    peers: Annotated[
+        str | None,
+        typer.Option(help="with --advertise: a name every replica resolves to (headless Service)"),
+    ] = None,
 ) -> None:
     """Run admission as Envoy's external authorization service (ext_authz), settled from
     Envoy's access log (deploy/envoy/envoy-authz.yaml)."""
@@ -136,6 +144,11 @@ def authz(
         fail("give --config FILE, or --kubernetes")
     if settle_timeout <= 0:
         fail("--settle-timeout must be positive")
+    if (advertise is None) != (peers is None):
+        fail("give --advertise and --peers together (several replicas), or neither")
+    host_part, _, port_part = (advertise or ":0").rpartition(":")
+    if advertise is not None and (not host_part or not port_part.isdigit()):
+        fail(f"--advertise {advertise!r}: give HOST:PORT")
     try:
         from tokenpools.authz import serve as run
     except ImportError as exc:
@@ -150,6 +163,7 @@ def authz(
             access_log,
             namespace if kubernetes else None,
             settle_timeout,
+            None if advertise is None or peers is None else (advertise, peers),
         )
     except ConfigError as exc:
         fail(str(exc))

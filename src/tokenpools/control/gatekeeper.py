@@ -120,8 +120,7 @@ class Gatekeeper:
         # (the host must be able to end it)
         # (only a lent class has a kept plan: every other request pays one test here)
         kept = view.kept_plan is not None and not (
-            cost.endable
-            and (cost.resumable or view.ent.service_class is ServiceClass.PREEMPTIBLE)
+            cost.endable and (cost.resumable or view.ent.service_class is ServiceClass.PREEMPTIBLE)
         )
         plan = view.kept_plan if kept and view.kept_plan is not None else view.plan
         lease = Lease(
