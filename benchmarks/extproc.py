@@ -542,7 +542,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if through < sent:
             raise RuntimeError(f"the processor admitted {through:.0f} of {sent} requests")
         authz_through = await admitted(authz_metrics) - authz_before
-        settled = await admitted(authz_metrics, 'tokenpools_authz_settled_total{by="log"}')
+        settled = await admitted(authz_metrics, 'tokenpools_authz_ended_total{by="log"}')
         if authz_through < authz_sent or settled < authz_through:
             raise RuntimeError(
                 f"ext_authz admitted {authz_through:.0f} of {authz_sent} requests and settled "

@@ -28,7 +28,7 @@ from tokenpools.authz.check import (
 )
 from tokenpools.authz.log_service import USAGE_KEYS, USAGE_NAMESPACE, usage_of
 from tokenpools.authz.peers import Peers, owner_of
-from tokenpools.authz.settlement import Outcome
+from tokenpools.authz.settlement import LoggedEnd
 from tokenpools.model.config import parse_config
 from tokenpools.model.request import Usage
 
@@ -133,25 +133,25 @@ def test_every_request_let_on_ends_exactly_once(steps: list[tuple[str, int, int]
             if what == "admit":
                 body = {"model": MODEL, "messages": CHAT, "max_tokens": n + 1}
                 verdict = await check(authorizer, body)
-                held = len(authorizer.settlements)
+                held = len(authorizer.tickets)
                 assert verdict.status == (200 if held < 4 else 429)  # gold's concurrency: 4
                 if verdict.status == 200:
                     tickets.append(verdict.headers[TICKET_HEADER])
             elif what in ("log", "log-again") and tickets:
                 ticket = tickets[n % len(tickets)]
-                ended = authorizer.settlements.settle(ticket, Outcome(status, Usage(3, n)))
+                ended = authorizer.tickets.end_by_log(ticket, LoggedEnd(status, Usage(3, n)))
                 assert ended == (ticket not in settled)
                 settled.add(ticket)
             elif what == "expire":
                 now[0] += 11
-                authorizer.settlements.expire()
+                authorizer.tickets.end_overdue()
                 settled.update(tickets)
             elif what == "unknown":
-                assert not authorizer.settlements.settle("nope", Outcome(200, None))
+                assert not authorizer.tickets.end_by_log("nope", LoggedEnd(200, None))
         await authorizer.stop()  # what is still held ends now
         admitted = [r for r in records if r.decision == "admitted"]
         assert len(admitted) == len(tickets)  # one record per request let on
-        assert not authorizer.admission.in_flight and len(authorizer.settlements) == 0
+        assert not authorizer.admission.in_flight and len(authorizer.tickets) == 0
 
     asyncio.run(run())
 
@@ -167,7 +167,7 @@ def test_a_check_without_a_body_or_credential_is_refused_and_holds_nothing(
         for headers, body in [({}, b"{}"), ({"Authorization": f"Bearer {KEYS['gold']}"}, b"")]:
             request = CheckRequest("POST", "/v1/chat/completions", headers, body, peer)
             statuses.append((await authorizer.checker.check(request)).status)
-        held = len(authorizer.settlements)
+        held = len(authorizer.tickets)
         await authorizer.stop()
         return [*statuses, held]
 

@@ -33,6 +33,7 @@ from tokenpools.authz.check import (
     TICKET_HEADER,
     UPSTREAM_HEADERS,
 )
+from tokenpools.authz.service import SETTLE_TIMEOUT_S
 
 AUTHZ = DEPLOY / "authz"
 ENVOY = DEPLOY / "envoy" / "envoy-authz.yaml"
@@ -155,6 +156,10 @@ def test_the_standalone_envoy_keeps_the_ticket_in_metadata_and_the_clients_reque
     assert log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"] == {
         "cluster_name": "tokenpools-log"
     }
+    # no stream outlives its ticket: it would be ended while still running
+    route = manager["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+    longest = float(route["max_stream_duration"]["max_stream_duration"].removesuffix("s"))
+    assert longest < SETTLE_TIMEOUT_S
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     for name, port in (("tokenpools-authz", CHECKS), ("tokenpools-log", LOGS)):
         [group] = clusters[name]["load_assignment"]["endpoints"]
@@ -172,3 +177,35 @@ def test_envoy_accepts_the_standalone_config(tmp_path: Path) -> None:
     bad = tmp_path / "envoy.yaml"
     bad.write_text(ENVOY.read_text().replace("failure_mode_allow: false", "failure_mode_allow: 3"))
     assert _validate(binary, bad).returncode != 0
+
+
+def _usage_rules(filters: list[dict[str, Any]]) -> dict[str, set[tuple[tuple[str, ...], str]]]:
+    """The usage rules of the json_to_metadata and sse_to_metadata filters among `filters`."""
+    found: dict[str, set[tuple[tuple[str, ...], str]]] = {}
+    for f in filters:
+        config = f["typed_config"]
+        kind = config["@type"].rsplit(".", 1)[1]
+        if kind == "JsonToMetadata":
+            rules = config["response_rules"]["rules"]
+        elif kind == "SseToMetadata":
+            parser = config["response_rules"]["content_parser"]["typed_config"]
+            rules = [r["rule"] for r in parser["rules"]]
+        else:
+            continue
+        found[kind] = {
+            (tuple(s["key"] for s in r["selectors"]), r["on_present"]["key"]) for r in rules
+        }
+    return found
+
+
+def test_every_overlay_lifts_the_same_usage_as_the_standalone_config() -> None:
+    """Whole answers and streams of every API (chat, completions, embeddings, Responses)
+    settle on the engine's usage whichever gateway runs the filters."""
+    shipped = _usage_rules(_manager(yaml.safe_load(ENVOY.read_text()))["http_filters"])
+    assert set(shipped) == {"JsonToMetadata", "SseToMetadata"}
+    patches = _named(_by_kind(AUTHZ / "envoy-gateway"), "EnvoyPatchPolicy", "tokenpools-usage")
+    gateway = [p["operation"]["value"] for p in patches["spec"]["jsonPatches"]]
+    istio = _named(_by_kind(AUTHZ / "istio"), "EnvoyFilter", "tokenpools-usage")
+    mesh = [p["patch"]["value"] for p in istio["spec"]["configPatches"]]
+    assert _usage_rules(gateway) == shipped
+    assert _usage_rules(mesh) == shipped

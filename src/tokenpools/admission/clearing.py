@@ -101,27 +101,24 @@ def write_priority(
     return True
 
 
-def unwritable(
+def unsendable(
     path: str,
     body: dict[str, Any],
-    decision: Admit,
     requested: int | None,
+    budgeted: bool,
     scheduling_policy: SchedulingPolicy,
     service_class: ServiceClass,
 ) -> Refusal | None:
     """For a host that sends on the client's body as it came (Envoy's ext_authz): what the
     gateway would have written into it, refused instead where going on without it would break
-    a promise. A stream without its usage chunk is not refused: it settles on the engine's
-    usage where the engine sends it anyway (vLLM's --enable-force-include-usage), else on its
-    whole reservation (docs/envoy.md)."""
+    a promise, before admission. `budgeted`: a budget applies to the caller; `service_class`:
+    the class the request is admitted in (its first layer's before admission, the admitting
+    one's after). A budget with less left than the request's ceiling refuses it (the core does
+    not lower a ceiling this host cannot send: `RequestCost.lowerable`). A stream without its
+    usage chunk is not refused: it settles on the engine's usage where the engine sends it
+    anyway (vLLM's --enable-force-include-usage), else on its whole reservation."""
     field = max_tokens_field(path)
-    if decision.lowered:  # a budget has less left than the request's ceiling
-        message = (
-            f"the budget left allows at most {decision.max_tokens} output tokens: ask for at "
-            f"most that in {field} (this gateway cannot lower it for you)"
-        )
-        return Refusal(429, message, "insufficient_quota", "insufficient_quota", field, {})
-    if requested is None and decision.budget is not None and path != EMBEDDINGS:
+    if requested is None and budgeted and path != EMBEDDINGS:
         return bad_request(
             f"{field} is required: a budget applies to this request and this gateway cannot "
             "write the ceiling into the body",

@@ -25,7 +25,7 @@ from tokenpools.admission.clearing import (
     demand,
     include_usage,
     includes_usage,
-    unwritable,
+    unsendable,
     write_back,
     write_priority,
 )
@@ -117,7 +117,7 @@ class FrontDoor:
         LiteLLM, has none). `ask`: how the host asks a pool's engine to count (only the
         gateway reaches the engines); without it the estimate stands in. `rewrites`: the
         host can send on a body other than the client's (Envoy's ext_authz cannot: what
-        would be written is refused instead where it matters, clearing.unwritable). `ends`:
+        would be written is refused instead where it matters, clearing.unsendable). `ends`:
         the host can end a request while it runs (ext_authz cannot: nothing it lets on is
         lent, control/gatekeeper.py)."""
         self.admission, self.metrics, self.ask = admission, metrics, ask
@@ -215,25 +215,43 @@ class FrontDoor:
         asker = self.ask(route.pool) if self.ask is not None and counter.mode == BACKEND else None
         prompt_tokens = await counter.count(body, path, asker)
         account = Account(caller.tenant, caller.credential, str(model))
-        resumable = suspendable(path, body, admission.pools[route.pool].pool.chat_continuation)
+        pool = admission.pools[route.pool].pool
+        if not self.rewrites:  # refused before admission: nothing reserved, nothing evicted
+            first = admission.entitlements[route.entitlements[0]].ent
+            budgeted = any(
+                admission.budgets.applying(account, admission.entitlements[name].ent)
+                for name in route.entitlements
+            )
+            why = unsendable(
+                path, body, wants.max_tokens, budgeted, pool.scheduling_policy, first.service_class
+            )
+            if why is not None:
+                return Stopped(why, None, route.entitlements[0], route.pool, prompt_tokens)
+        resumable = suspendable(path, body, pool.chat_continuation)
         cost = RequestCost(
-            prompt_tokens, wants.max_tokens, wants.sequences, account, resumable, self.ends
+            prompt_tokens,
+            wants.max_tokens,
+            wants.sequences,
+            account,
+            resumable,
+            endable=self.ends,
+            lowerable=self.rewrites,
         )
         decision = await admission.admit(route.entitlements, cost)
         if isinstance(decision, Reject):
-            first = route.entitlements[0]
-            return Stopped(refusal(decision), decision, first, route.pool, prompt_tokens)
+            first_layer = route.entitlements[0]
+            return Stopped(refusal(decision), decision, first_layer, route.pool, prompt_tokens)
         client_usage = includes_usage(body)
         service_class = admission.entitlements[decision.lease.entitlement].ent.service_class
-        scheduling = admission.pools[route.pool].pool.scheduling_policy
+        scheduling = pool.scheduling_policy
         if self.rewrites:
             rewritten = write_back(path, body, decision, wants.max_tokens)
             rewritten = include_usage(path, body) or rewritten
             rewritten = write_priority(path, body, scheduling, service_class) or rewritten
-        else:
+        else:  # admitted by a later layer of another class: its engine priority, checked
             rewritten = False
-            why = unwritable(path, body, decision, wants.max_tokens, scheduling, service_class)
-            if why is not None:  # admitted, but it cannot go as it is: nothing was sent
+            why = unsendable(path, body, wants.max_tokens, False, scheduling, service_class)
+            if why is not None:  # nothing was sent
                 admission.track(decision, None).end(None, refund=True)
                 return Stopped(why, None, decision.lease.entitlement, route.pool, prompt_tokens)
         headers = cleared_headers(decision, admission.entitlements)

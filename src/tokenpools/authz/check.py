@@ -9,7 +9,7 @@ client's answer, with the headers of `allowed_client_headers`.
 
 The header names are declared here once (`ENVOY_PATTERNS`); tests check the shipped Envoy
 config against them. ext_authz cannot change the body: what the gateway would write into it
-is refused instead where it matters (admission/clearing.py `unwritable`). No HTTP library."""
+is refused instead where it matters (admission/clearing.py `unsendable`). No HTTP library."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenpools.admission import FrontDoor, Stopped
 from tokenpools.admission.access_log import RequestRecord, request_id
-from tokenpools.authz.settlement import Settlements
+from tokenpools.authz.settlement import Tickets
 from tokenpools.control.tenancy import Caller
 from tokenpools.identity import Credentials
 from tokenpools.model.objectives import SET_BY_PROCESSOR
@@ -84,10 +84,10 @@ class Verdict:
 
 
 class Checker:
-    def __init__(self, door: FrontDoor, settlements: Settlements, removed: tuple[str, ...]):
+    def __init__(self, door: FrontDoor, tickets: Tickets, removed: tuple[str, ...]):
         """`removed`: the headers an identified request loses (its credential; the data
         plane's own headers are set over the client's copies)."""
-        self.door, self.settlements = door, settlements
+        self.door, self.tickets = door, tickets
         self.remove = ",".join(h for h in removed if h not in UPSTREAM_HEADERS)
 
     async def check(self, request: CheckRequest) -> Verdict:
@@ -97,7 +97,7 @@ class Checker:
         verdict = await self._decide(request, path, record)
         if verdict.status != 200:
             record.status = verdict.status
-            self.settlements.finished(record)  # nothing was let on: the line is written now
+            self.tickets.finished(record)  # nothing was let on: the line is written now
         return verdict
 
     async def _decide(self, request: CheckRequest, path: str, record: RequestRecord) -> Verdict:
@@ -113,7 +113,7 @@ class Checker:
         result = await self.door.enter(record, caller, path, request.body, task=None)
         if isinstance(result, Stopped):
             return self._refuse(record, result.refusal)
-        ticket = self.settlements.hold(result, record)
+        ticket = self.tickets.issue(result.admitted, record)
         headers = {
             **result.headers,
             **result.data_plane_headers(caller.tenant),
@@ -132,7 +132,7 @@ class Checker:
         else:
             verdict = self._list(caller, path, record)
         record.status = verdict.status
-        self.settlements.finished(record)
+        self.tickets.finished(record)
         return verdict
 
     def _list(self, caller: Caller, path: str, record: RequestRecord) -> Verdict:
@@ -147,6 +147,13 @@ class Checker:
             body = model_card(name)
         headers = {"content-type": "application/json", "x-request-id": record.request_id}
         return Verdict(200, headers, json.dumps(body).encode())
+
+    def refuse(self, record: RequestRecord, r: Refusal) -> Verdict:
+        """Refused before the check is read (a body declared too large): the line now."""
+        verdict = self._refuse(record, r)
+        record.status = r.status
+        self.tickets.finished(record)
+        return verdict
 
     def _refuse(self, record: RequestRecord, r: Refusal) -> Verdict:
         headers = {

@@ -1,7 +1,8 @@
 """Envoy's gRPC access-log service (`envoy.access_loggers.http_grpc`): each HTTP request's line,
 batched and sent off the request path once the request is over, however it ended. A line
-that carries one of our tickets (in ext_authz's dynamic metadata; or, from a gateway that
-cannot put it there, as a request header it logs) settles that request: the status, the
+that carries one of our tickets (in ext_authz's dynamic metadata; or, with `ticket_header`,
+from a gateway that cannot put it there, as a request header it logs) ends that request: the
+status, the
 duration, and the usage that `json_to_metadata` (whole answers) or `sse_to_metadata` (streams)
 lifted from the engine's answer into the `tokenpools` namespace. Every other line (a refusal,
 GET /v1/models, a request Envoy refused itself) is not ours to settle."""
@@ -19,7 +20,7 @@ from google.protobuf import struct_pb2
 
 from tokenpools.authz.check import METADATA_NAMESPACE, TICKET_HEADER
 from tokenpools.authz.peers import Peers, owner_of
-from tokenpools.authz.settlement import Outcome, Settlements
+from tokenpools.authz.settlement import LoggedEnd, Tickets
 from tokenpools.model.request import Usage
 
 log = logging.getLogger("tokenpools.authz")
@@ -28,11 +29,16 @@ USAGE_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 
 
 class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]  # untyped
-    def __init__(self, settlements: Settlements, peers: Peers | None = None) -> None:
-        self.settlements, self.peers = settlements, peers
-        self.settled = 0  # lines that ended a held request
+    def __init__(
+        self, tickets: Tickets, peers: Peers | None = None, ticket_header: bool = False
+    ) -> None:
+        """`ticket_header`: read a line's ticket from its logged request headers too, for a
+        gateway that cannot put it in metadata (Envoy Gateway, Istio): there it goes on as a
+        request header, which the engine sees."""
+        self.tickets, self.peers, self.ticket_header = tickets, peers, ticket_header
+        self.settled = 0  # lines that ended a waiting request
         self.forwarded = 0  # lines sent on to the replica that holds their ticket
-        self.ignored = 0  # lines with a ticket no longer held (sent again, or expired)
+        self.ignored = 0  # lines with a ticket not waiting here (sent again, or overdue)
 
     async def StreamAccessLogs(  # the name gRPC gives the method
         self,
@@ -44,7 +50,11 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         async for message in request_iterator:
             astray: dict[str, list[al.HTTPAccessLogEntry]] = {}
             for entry in message.http_logs.log_entry:
-                owner = self.take(entry)
+                try:
+                    owner = self.take(entry)
+                except Exception:  # one bad line must not drop the rest of the batch
+                    log.exception("an access-log line could not be taken")
+                    continue
                 if owner is not None:
                     astray.setdefault(owner, []).append(entry)
             for owner, entries in astray.items():
@@ -53,22 +63,28 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
         return als_pb2.StreamAccessLogsResponse()
 
     def take(self, entry: al.HTTPAccessLogEntry) -> str | None:
-        """Settle the request one line tells of, if it is ours; returns the peer that holds
-        its ticket, where the line must be sent on."""
+        """End the request one line tells of, if its ticket waits here; returns the peer
+        that issued its ticket, where the line must be sent on."""
         common = entry.common_properties
         ticket = _string(common.metadata.filter_metadata.get(METADATA_NAMESPACE), TICKET_HEADER)
-        if ticket is None:  # a gateway that cannot put it in metadata sends it on, and logs it
+        if ticket is None and self.ticket_header:
             ticket = entry.request.request_headers.get(TICKET_HEADER) or None
         if ticket is None:
             return None
-        duration = _seconds(common, "duration")
-        outcome = Outcome(
-            status=entry.response.response_code.value,
-            usage=usage_of(common.metadata.filter_metadata.get(USAGE_NAMESPACE)),
-            duration_s=duration,
-            ttft_s=_seconds(common, "time_to_first_downstream_tx_byte"),
+        response = entry.response
+        # Envoy answered in the engine's place after the engine had answered (an answer
+        # over its buffer): the engine ran it, whatever the status says
+        replaced = response.response_code_details != "via_upstream" and common.HasField(
+            "time_to_first_upstream_rx_byte"
         )
-        if self.settlements.settle(ticket, outcome):
+        logged = LoggedEnd(
+            status=response.response_code.value,
+            usage=usage_of(common.metadata.filter_metadata.get(USAGE_NAMESPACE)),
+            duration_s=_seconds(common, "duration"),
+            ttft_s=_seconds(common, "time_to_first_downstream_tx_byte"),
+            engine_status=not replaced,
+        )
+        if self.tickets.end_by_log(ticket, logged):
             self.settled += 1
             return None
         owner = owner_of(ticket)
@@ -76,7 +92,7 @@ class AccessLogService(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[m
             self.forwarded += 1
             return owner
         self.ignored += 1
-        log.debug("access-log line for a ticket not held (sent again, or expired)")
+        log.debug("access-log line for a ticket not waiting here (sent again, or overdue)")
         return None
 
 

@@ -17,18 +17,21 @@ import grpc
 from aiohttp import web
 from envoy.service.accesslog.v3 import als_pb2_grpc
 
-from tokenpools.admission.access_log import LogFormat, setup_logging
+from tokenpools.admission.access_log import LogFormat, RequestRecord, request_id, setup_logging
 from tokenpools.authz.check import MODELS, PEER_HEADER, PREFIX, CheckRequest, Verdict
 from tokenpools.authz.peers import Peers, resolver
 from tokenpools.authz.service import SETTLE_TIMEOUT_S, Authorizer
 from tokenpools.event_loop import new_loop
 from tokenpools.host_config import follow, open_config, until_stopped
 from tokenpools.identity import Credentials
+from tokenpools.openai_api.refusals import too_large
 
 log = logging.getLogger("tokenpools.authz")
 TICK_INTERVAL_S = 0.25
 EXPIRY_INTERVAL_S = 1.0
-PEERS_EVERY = 5  # expiry intervals between two resolutions of the peers' name
+PEERS_INTERVAL_S = 5.0  # between two resolutions of the peers' name
+DRAIN_S = 10.0  # not ready but answering, before a stop (two of Envoy's health checks)
+LOG_GRACE_S = 15.0  # for the access-log lines of what still runs, before a stop ends it
 # aiohttp's own ceiling on a check's body; the config's maxBodyBytes refuses below it (413)
 MOST_BODY_BYTES = 256 << 20
 
@@ -42,16 +45,19 @@ class Running:
     grpc_port: int
     _http: web.AppRunner
     _grpc: grpc.aio.Server
-    _expiring: asyncio.Task[None]
+    _tending: list[asyncio.Task[None]]
 
-    async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop taking checks, give the access-log streams `grace_s` to deliver what Envoy
-        holds, then end what is still held."""
+    async def stop(self, grace_s: float = 5.0, drain_s: float = 0.0) -> None:
+        """Report not ready and keep answering for `drain_s` (Envoy's health checks move the
+        checks elsewhere meanwhile), stop taking checks, give the access-log streams `grace_s`
+        to deliver the lines of what is still running, then end what still waits."""
+        self.authorizer.draining = True
+        await asyncio.sleep(drain_s)
         await self._http.cleanup()
         await self._grpc.stop(grace_s)
-        self._expiring.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._expiring
+        for task in self._tending:
+            task.cancel()
+        await asyncio.gather(*self._tending, return_exceptions=True)
         await self.authorizer.stop()
 
 
@@ -61,6 +67,11 @@ def _answer(verdict: Verdict) -> web.Response:
 
 def http_app(authorizer: Authorizer) -> web.Application:
     async def check(request: web.Request) -> web.Response:
+        length = request.content_length
+        limit = authorizer.door.max_body_bytes
+        if length is not None and length > limit:  # refused before it is read
+            record = RequestRecord(request_id(request.headers.get("x-request-id")), "", "")
+            return _answer(authorizer.checker.refuse(record, too_large(limit)))
         body = await request.read()
         path = request.raw_path[len(PREFIX) :] or "/"
         peer = request.headers.get(PEER_HEADER)
@@ -90,22 +101,27 @@ def http_app(authorizer: Authorizer) -> web.Application:
     app = web.Application(client_max_size=MOST_BODY_BYTES)
     app.router.add_route("*", PREFIX + "/{tail:.*}", check)
     app.router.add_get(MODELS, models)
-    app.router.add_get(MODELS + "/{name}", models)
+    app.router.add_get(MODELS + "/{name:.+}", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     return app
 
 
-async def _tend(authorizer: Authorizer) -> None:
-    """Each second, end the tickets whose log line is overdue; every few, learn the peers."""
-    ticks = 0
+async def _end_overdue(authorizer: Authorizer) -> None:
     while True:
-        if authorizer.peers is not None and ticks % PEERS_EVERY == 0:
-            await authorizer.peers.refresh()
-        ticks += 1
         await asyncio.sleep(EXPIRY_INTERVAL_S)
-        authorizer.settlements.expire()
+        try:
+            authorizer.tickets.end_overdue()
+        except Exception:  # the next round tries again
+            log.exception("ending overdue tickets failed")
+
+
+async def _learn_peers(authorizer: Authorizer) -> None:
+    assert authorizer.peers is not None
+    while True:
+        await authorizer.peers.refresh()
+        await asyncio.sleep(PEERS_INTERVAL_S)
 
 
 async def start(
@@ -118,13 +134,17 @@ async def start(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{grpc_port}")
     await server.start()
-    runner = web.AppRunner(http_app(authorizer), access_log=None)
+    # a check Envoy gave up on (its timeout, a client gone) is cancelled: nothing admitted
+    # for it waits for a line that will carry no ticket
+    runner = web.AppRunner(http_app(authorizer), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, http_port)
     await site.start()
     http_bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    expiring = asyncio.create_task(_tend(authorizer))
-    return Running(authorizer, http_bound, bound, runner, server, expiring)
+    tending = [asyncio.create_task(_end_overdue(authorizer))]
+    if authorizer.peers is not None:
+        tending.append(asyncio.create_task(_learn_peers(authorizer)))
+    return Running(authorizer, http_bound, bound, runner, server, tending)
 
 
 async def _serve(
@@ -135,6 +155,7 @@ async def _serve(
     access_log: bool,
     settle_timeout_s: float,
     replicas: tuple[str, str] | None,
+    ticket_header: bool,
 ) -> None:
     """Until SIGTERM or SIGINT: the service on the file at `path`, or (with `namespace`) on
     the cluster with that file beside it, each change adopted as it comes. `replicas`: this
@@ -145,7 +166,11 @@ async def _serve(
         own, name = replicas
         peers = Peers(own, resolver(name, int(own.rpartition(":")[2])))
     authorizer = Authorizer(
-        config, access_log=access_log, settle_timeout_s=settle_timeout_s, peers=peers
+        config,
+        access_log=access_log,
+        settle_timeout_s=settle_timeout_s,
+        peers=peers,
+        ticket_header=ticket_header,
     )
     if source is not None:
         authorizer.ready_checks.append(source.stale)
@@ -156,7 +181,7 @@ async def _serve(
     following.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await following
-    await running.stop()
+    await running.stop(LOG_GRACE_S, DRAIN_S)
     if source is not None:
         source.stop()
 
@@ -171,8 +196,12 @@ def serve(
     namespace: str | None = None,
     settle_timeout_s: float = SETTLE_TIMEOUT_S,
     replicas: tuple[str, str] | None = None,
+    ticket_header: bool = False,
 ) -> None:
     setup_logging(log_format)
     ports = (http_port, grpc_port)
+    served = _serve(
+        path, namespace, host, ports, access_log, settle_timeout_s, replicas, ticket_header
+    )
     with asyncio.Runner(loop_factory=new_loop) as runner:
-        runner.run(_serve(path, namespace, host, ports, access_log, settle_timeout_s, replicas))
+        runner.run(served)

@@ -137,6 +137,10 @@ def authz(
         str | None,
         typer.Option(help="with --advertise: a name every replica resolves to (headless Service)"),
     ] = None,
+    ticket_header: Annotated[
+        bool,
+        typer.Option(help="read tickets from logged request headers (Envoy Gateway, Istio)"),
+    ] = False,
 ) -> None:
     """Run admission as Envoy's external authorization service (ext_authz), settled from
     Envoy's access log (deploy/envoy/envoy-authz.yaml)."""
@@ -164,6 +168,7 @@ def authz(
             namespace if kubernetes else None,
             settle_timeout,
             None if advertise is None or peers is None else (advertise, peers),
+            ticket_header,
         )
     except ConfigError as exc:
         fail(str(exc))

@@ -43,8 +43,9 @@ def admission(
 
 def _lowered(decision: Decision, cost: RequestCost) -> RequestCost | None:
     """The request once more with a lower `max_tokens`, where its budgets allow what they have
-    left (the config says whether to lower: `max_tokens_fit` is 0 otherwise)."""
-    if isinstance(decision, Reject) and decision.max_tokens_fit > 0:
+    left (the config says whether to lower: `max_tokens_fit` is 0 otherwise; the host says
+    whether it can send a lower one: `RequestCost.lowerable`)."""
+    if isinstance(decision, Reject) and decision.max_tokens_fit > 0 and cost.lowerable:
         return replace(cost, max_output_tokens=decision.max_tokens_fit)
     return None
 

@@ -23,6 +23,9 @@ class RequestCost:
     # the host can end it while it runs; a request it cannot (Envoy's ext_authz lets a request
     # on and sees it again only in the access log) is never lent, preemptible work included
     endable: bool = True
+    # the host can send a lower ceiling than the request's, where a budget has less left (a
+    # `lowerMaxTokens` budget); one that cannot (ext_authz) is refused instead
+    lowerable: bool = True
 
     def __init__(
         self,
@@ -32,6 +35,7 @@ class RequestCost:
         account: Account | None = None,
         resumable: bool = True,
         endable: bool = True,
+        lowerable: bool = True,
     ) -> None:
         if input_tokens < 0:
             raise ValueError(f"input_tokens must be >= 0, got {input_tokens}")
@@ -45,6 +49,7 @@ class RequestCost:
         object.__setattr__(self, "account", account)
         object.__setattr__(self, "resumable", resumable)
         object.__setattr__(self, "endable", endable)
+        object.__setattr__(self, "lowerable", lowerable)
 
 
 @dataclass(frozen=True, slots=True)
