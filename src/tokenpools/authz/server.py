@@ -25,6 +25,7 @@ from tokenpools.event_loop import new_loop
 from tokenpools.host_config import follow, open_config, until_stopped
 from tokenpools.identity import Credentials
 from tokenpools.openai_api.refusals import too_large
+from tokenpools.probes import add_probes
 
 log = logging.getLogger("tokenpools.authz")
 TICK_INTERVAL_S = 0.25
@@ -82,29 +83,11 @@ def http_app(authorizer: Authorizer) -> web.Application:
         shown = Credentials(request.headers, request.headers.get(PEER_HEADER))
         return _answer(await authorizer.checker.models(request.method, request.path, shown))
 
-    async def metrics(request: web.Request) -> web.Response:
-        del request
-        body = await authorizer.admission.background(authorizer.metrics.render)
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
-
-    async def healthz(request: web.Request) -> web.Response:
-        del request
-        return web.Response(text="ok")
-
-    async def readyz(request: web.Request) -> web.Response:
-        del request
-        why = await authorizer.unready()
-        if not why:
-            return web.Response(text="ready")
-        return web.Response(status=503, text="\n".join(why))
-
     app = web.Application(client_max_size=MOST_BODY_BYTES)
     app.router.add_route("*", PREFIX + "/{tail:.*}", check)
     app.router.add_get(MODELS, models)
     app.router.add_get(MODELS + "/{name:.+}", models)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    add_probes(app, authorizer)
     return app
 
 

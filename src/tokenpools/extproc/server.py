@@ -22,6 +22,7 @@ from tokenpools.event_loop import new_loop
 from tokenpools.extproc.processor import Processor
 from tokenpools.extproc.service import ExternalProcessor, Health
 from tokenpools.host_config import follow, open_config, until_stopped
+from tokenpools.probes import add_probes
 
 if TYPE_CHECKING:
     pass
@@ -50,26 +51,8 @@ class Running:
 
 
 def _http_app(processor: Processor) -> web.Application:
-    async def metrics(request: web.Request) -> web.Response:
-        del request
-        body = await processor.admission.background(processor.metrics.render)
-        return web.Response(body=body, content_type="text/plain", charset="utf-8")
-
-    async def healthz(request: web.Request) -> web.Response:
-        del request
-        return web.Response(text="ok")
-
-    async def readyz(request: web.Request) -> web.Response:
-        del request
-        why = await processor.unready()
-        if not why:
-            return web.Response(text="ready")
-        return web.Response(status=503, text="\n".join(why))
-
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
+    add_probes(app, processor)
     return app
 
 
