@@ -345,14 +345,19 @@ def test_measured_capacity_is_what_the_engine_sustains_at_the_slo(llama: str) ->
         after = _sustained(llama, SLOTS, 64, 32, seconds=8)
         truth = (before + after) / 2
         errors.append(cap.chosen.median / truth - 1)
+        # the truth is known only as well as the engine holds its speed: within 15 %, widened
+        # by how far the two steady runs, 16 s apart, disagree (up to 27 % here under the
+        # suite's parallel load)
+        tolerance = 0.15 + abs(after / before - 1)
         print(f"measured {[round(lv.median) for lv in cap.levels]} tokens/s at 1, 2, 4 streams "
               f"(rounds at 4: {[round(t) for t in cap.chosen.tokens_per_s]}); steady run "
-              f"{before:.0f} before, {after:.0f} after: {errors[-1]:+.1%}")  # fmt: skip
+              f"{before:.0f} before, {after:.0f} after: {errors[-1]:+.1%}, within "
+              f"{tolerance:.0%}?")  # fmt: skip
         assert cap.chosen.streams == cap.slots == SLOTS
         assert cap.kv.tokens == SLOTS * 1024  # 4 slots of 1024 tokens (the fixture's)
-        if abs(errors[-1]) < 0.15:
+        if abs(errors[-1]) < tolerance:
             break
-    assert abs(errors[-1]) < 0.15, errors
+    assert abs(errors[-1]) < tolerance, errors
     section = yaml.safe_load(perreplica_yaml(cap, datetime.now(UTC)))["perReplica"]
     assert section["concurrency"] == SLOTS and section["kvTokens"] == SLOTS * 1024
     PoolSpec.model_validate({"name": "p", "model": "SmolLM2-135M", "perReplica": section})
