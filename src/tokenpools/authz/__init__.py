@@ -1,7 +1,7 @@
 """tokenpools as Envoy's external authorization service (ext_authz, HTTP mode) with Envoy's
 gRPC access-log service for settlement: admission at one plain HTTP question per request, on
-any Envoy that exposes ext_authz (Envoy Gateway, Istio, kgateway, Contour), at the cost of what
-only ext_proc can do (docs/envoy.md). It needs the `extproc` extra (gRPC, Envoy's protos)."""
+any Envoy that exposes HTTP ext_authz (a standalone Envoy, Envoy Gateway, Istio), at the cost
+of what only ext_proc can do (docs/envoy.md). It needs the `extproc` extra (gRPC, protos)."""
 
 from tokenpools.authz.server import Running, serve, start
 from tokenpools.authz.service import Authorizer
