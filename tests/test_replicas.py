@@ -107,6 +107,8 @@ class Cluster:
     procs: list[subprocess.Popen[bytes]]
     replies: list[Reply] = field(default_factory=list)
     max_backend: float = 0.0  # requests running + waiting at the backend
+    # (when, how many) the backend held at each sample
+    backend_samples: list[tuple[float, float]] = field(default_factory=list)
     max_reserved: float = 0.0  # concurrency reserved in Redis
     negative: list[str] = field(default_factory=list)  # counters seen below zero
     client: Any = None  # a Redis Cluster or Sentinel client, when the store is one
@@ -232,6 +234,7 @@ async def drive(c: Cluster, seconds: float, events: list[tuple[float, Any]] = ()
                     "vllm:num_requests_waiting", 0
                 )
                 c.max_backend = max(c.max_backend, running)
+                c.backend_samples.append((time.monotonic(), running))
             except aiohttp.ClientError:
                 pass
             try:
@@ -337,6 +340,9 @@ def pool_leases(c: Cluster) -> int:
     return int(float(value)) if value is not None else 0
 
 
+LAG_S = 0.2  # how long an ended request may still count at the engine
+
+
 def test_three_replicas_enforce_one_pool(patient_cluster: Cluster) -> None:
     cluster = patient_cluster
     seconds = 6.0
@@ -350,9 +356,15 @@ def test_three_replicas_enforce_one_pool(patient_cluster: Cluster) -> None:
     # request in the same step as it admits, and the victim's gateway closes that request's
     # engine connection after it (at once on the same gateway, at its next look at the store on
     # another), so the owner's request can reach the engine first.
+    # And a request whose answer has just ended may count at the engine a moment longer: the
+    # gateway ends its lease when it has read the last event, the engine its count after it
+    # sent it (seen twice in fresh-clone CI runs: 9 and 10 at the backend, 8 reserved).
     assert cluster.max_reserved <= SLOTS * (1 + OVERCOMMIT)
     suspended = suspensions(cluster)
-    assert cluster.max_backend <= int(SLOTS * (1 + OVERCOMMIT)) + suspended
+    for when, running in cluster.backend_samples:
+        ending = sum(1 for r in replies if r.status == 200 and when - LAG_S <= r.end <= when)
+        bound = int(SLOTS * (1 + OVERCOMMIT)) + suspended + ending
+        assert running <= bound, (when, running, bound)
     assert cluster.max_reserved >= SLOTS - 1, "the pool was driven to its capacity"
     # Throughput: settled tokens within each elastic entitlement's burst ceiling.
     for ent in ("e1", "e2", "e3", "e4"):
