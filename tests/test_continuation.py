@@ -57,8 +57,10 @@ def test_the_first_segment_streams_with_usage_and_a_continuation_carries_the_tex
     assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
     assert chat["max_tokens"] == 7
     upon = _transcript_after(COMPLETIONS, [" upon"])
-    text = segment_body(COMPLETIONS, {"prompt": "Once", "max_completion_tokens": 10}, upon)
-    assert text["prompt"] == "Once upon" and text["max_completion_tokens"] == 9
+    text = segment_body(COMPLETIONS, {"prompt": "Once", "max_tokens": 10}, upon)
+    assert text["prompt"] == "Once upon" and text["max_tokens"] == 9
+    chat = segment_body(CHAT, {**CHAT_BODY, "max_completion_tokens": 10}, so_far)
+    assert chat["max_completion_tokens"] == 7
     assert CHAT_BODY["messages"] == [{"role": "user", "content": "hi"}]  # not written to
 
 

@@ -49,7 +49,7 @@ class Demand:
 def demand(path: str, body: dict[str, Any], most_sequences: int) -> Demand:
     """Raises openai_api.BadRequest naming a field admission cannot take."""
     count = sequences(body, most_sequences)
-    return Demand(count, 0 if path == EMBEDDINGS else max_tokens(body))
+    return Demand(count, 0 if path == EMBEDDINGS else max_tokens(body, path))
 
 
 def write_back(path: str, body: dict[str, Any], decision: Admit, requested: int | None) -> bool:

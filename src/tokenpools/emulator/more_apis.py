@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from tokenpools.emulator.server import DEFAULT_MAX_TOKENS, EMULATOR, read_body
-from tokenpools.openai_api import max_tokens
+from tokenpools.openai_api import RESPONSES, max_tokens
 from tokenpools.prompt import estimate_prompt_tokens
 
 EMBEDDING_SIZE = 8
@@ -72,7 +72,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if isinstance(body, web.Response):
         return body
     prompt = estimate_prompt_tokens(body, 4.0)
-    req = emu.submit(prompt, max_tokens(body) or DEFAULT_MAX_TOKENS)
+    req = emu.submit(prompt, max_tokens(body, RESPONSES) or DEFAULT_MAX_TOKENS)
     rid, model = f"resp-{req.req_id}", body["model"]
     generated = 0
 

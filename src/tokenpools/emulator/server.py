@@ -31,6 +31,8 @@ from tokenpools.engine.model import Engine
 from tokenpools.engine.profile import EngineProfile
 from tokenpools.engine.queues import SchedulingPolicy, priority_refusal
 from tokenpools.openai_api import (
+    CHAT,
+    COMPLETIONS,
     BadRequest,
     error_body,
     max_tokens,
@@ -225,7 +227,7 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     except BadRequest as exc:
         return _bad_request(exc)
     prompt = estimate_prompt_tokens(body, 4.0)
-    output = max_tokens(body) or DEFAULT_MAX_TOKENS
+    output = max_tokens(body, CHAT if kind == "chat" else COMPLETIONS) or DEFAULT_MAX_TOKENS
     req = emu.submit(prompt, output, priority, prompt_text(body) + answer_opening(body))
     rid = f"cmpl-{req.req_id}"
     model = body["model"]

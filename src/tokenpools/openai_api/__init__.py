@@ -120,9 +120,19 @@ def sequences(body: dict[str, Any], most: int) -> int:
     return int(count)
 
 
-def max_tokens(body: dict[str, Any]) -> int | None:
-    """The output ceiling the request sets, whichever API's name it uses."""
-    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+# The fields an engine reads a request's output ceiling from, by API (vLLM's): a field of
+# another API is ignored by the engine, so it sets no ceiling (a chat request with only
+# `max_output_tokens: 1` would be reserved 1 token and generate without limit).
+CEILING_FIELDS: dict[str, tuple[str, ...]] = {
+    CHAT: ("max_completion_tokens", "max_tokens"),
+    COMPLETIONS: ("max_tokens",),
+    RESPONSES: ("max_output_tokens",),
+}
+
+
+def max_tokens(body: dict[str, Any], path: str) -> int | None:
+    """The output ceiling the request sets, in a field its API's engine reads."""
+    for name in CEILING_FIELDS.get(path, ()):
         value = body.get(name)
         if isinstance(value, int):
             return value

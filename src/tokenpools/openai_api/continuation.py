@@ -52,7 +52,7 @@ def segment_body(path: str, body: dict[str, Any], so_far: Transcript | None) -> 
         out["messages"] = [*body["messages"], {"role": "assistant", "content": so_far.text}]
         out["continue_final_message"] = True
         out["add_generation_prompt"] = False
-    ceiling = max_tokens(body)
+    ceiling = max_tokens(body, path)
     if ceiling is not None:
         field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         out[field] = max(1, ceiling - so_far.tokens)
