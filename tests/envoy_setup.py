@@ -36,6 +36,15 @@ _TYPES = "type.googleapis.com/envoy.extensions."
 HTTP_OPTIONS = _TYPES + "upstreams.http.v3.HttpProtocolOptions"
 EXT_PROC = _TYPES + "filters.http.ext_proc.v3.ExternalProcessor"
 HCM = _TYPES + "filters.network.http_connection_manager.v3.HttpConnectionManager"
+# The tests' picker reads a request's headers alone
+PICKER_MODE = {
+    "request_header_mode": "SEND",
+    "request_body_mode": "NONE",
+    "request_trailer_mode": "SKIP",
+    "response_header_mode": "SKIP",
+    "response_body_mode": "NONE",
+    "response_trailer_mode": "SKIP",
+}
 
 
 def envoy_binary() -> str:
@@ -211,14 +220,7 @@ def envoy_config(
                 "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}},
                 "failure_mode_allow": False,
                 "message_timeout": "5s",
-                "processing_mode": {
-                    "request_header_mode": "SEND",
-                    "request_body_mode": "NONE",
-                    "request_trailer_mode": "SKIP",
-                    "response_header_mode": "SKIP",
-                    "response_body_mode": "NONE",
-                    "response_trailer_mode": "SKIP",
-                },
+                "processing_mode": PICKER_MODE,
             },
         },
         {

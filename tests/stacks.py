@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import yaml
 
-from tests.envoy_setup import Envoy, LoopThread, Picker, start_envoy, start_grpc
+from tests.envoy_setup import PICKER_MODE, Envoy, LoopThread, Picker, start_envoy, start_grpc
 from tests.gateway_setup import FAST, KEYS
 from tests.servers import ServerThread, wait_for
 from tokenpools import authz, extproc
@@ -24,14 +24,6 @@ from tokenpools.emulator.app import make_app as make_emulator
 from tokenpools.model.config import parse_config
 from tokenpools.processes import free_port
 
-PICKER_MODE = {
-    "request_header_mode": "SEND",
-    "request_body_mode": "NONE",
-    "request_trailer_mode": "SKIP",
-    "response_header_mode": "SKIP",
-    "response_body_mode": "NONE",
-    "response_trailer_mode": "SKIP",
-}
 SHIPPED_AUTHZ = Path(__file__).parent.parent / "deploy" / "envoy" / "envoy-authz.yaml"
 
 

@@ -6,7 +6,9 @@ custom resources with that file beside them (k8s/following.py), as `tokenpools s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +48,24 @@ async def follow(host: Reloadable, path: Path | None, source: ClusterSource | No
         await ConfigFile(path).follow(host, 2.0)
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
+
+
+async def run_until_stopped(
+    host: Reloadable,
+    path: Path | None,
+    source: ClusterSource | None,
+    stop: Callable[[], Awaitable[None]],
+) -> None:
+    """Follow the config's source until SIGTERM or SIGINT, then `stop` the host's servers and
+    the source."""
+    following = asyncio.create_task(follow(host, path, source))
+    await until_stopped()
+    following.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await following
+    await stop()
+    if source is not None:
+        source.stop()
 
 
 async def until_stopped() -> None:

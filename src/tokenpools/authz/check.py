@@ -14,7 +14,7 @@ is refused instead where it matters (admission/clearing.py `unsendable`). No HTT
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,10 +84,17 @@ class Verdict:
 
 
 class Checker:
-    def __init__(self, door: FrontDoor, tickets: Tickets, removed: tuple[str, ...]):
-        """`removed`: the headers an identified request loses (its credential; the data
-        plane's own headers are set over the client's copies)."""
-        self.door, self.tickets = door, tickets
+    def __init__(
+        self,
+        door: FrontDoor,
+        tickets: Tickets,
+        finished: Callable[[RequestRecord], None],
+        removed: tuple[str, ...],
+    ) -> None:
+        """`finished`: where a request's record goes once it has ended (a refusal's at once,
+        an admission's when its ticket ends); `removed`: the headers an identified request
+        loses (its credential; the data plane's own headers are set over the client's copies)."""
+        self.door, self.tickets, self.finished = door, tickets, finished
         self.remove = ",".join(h for h in removed if h not in UPSTREAM_HEADERS)
 
     async def check(self, request: CheckRequest) -> Verdict:
@@ -97,7 +104,7 @@ class Checker:
         verdict = await self._decide(request, path, record)
         if verdict.status != 200:
             record.status = verdict.status
-            self.tickets.finished(record)  # nothing was let on: the line is written now
+            self.finished(record)  # nothing was let on: the line is written now
         return verdict
 
     async def _decide(self, request: CheckRequest, path: str, record: RequestRecord) -> Verdict:
@@ -132,7 +139,7 @@ class Checker:
         else:
             verdict = self._list(caller, path, record)
         record.status = verdict.status
-        self.tickets.finished(record)
+        self.finished(record)
         return verdict
 
     def _list(self, caller: Caller, path: str, record: RequestRecord) -> Verdict:
@@ -152,7 +159,7 @@ class Checker:
         """Refused before the check is read (a body declared too large): the line now."""
         verdict = self._refuse(record, r)
         record.status = r.status
-        self.tickets.finished(record)
+        self.finished(record)
         return verdict
 
     def _refuse(self, record: RequestRecord, r: Refusal) -> Verdict:

@@ -8,7 +8,6 @@ stop on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from tokenpools.authz.check import MODELS, PEER_HEADER, PREFIX, CheckRequest, Ve
 from tokenpools.authz.peers import Peers, resolver
 from tokenpools.authz.service import SETTLE_TIMEOUT_S, Authorizer
 from tokenpools.event_loop import new_loop
-from tokenpools.host_config import follow, open_config, until_stopped
+from tokenpools.host_config import open_config, run_until_stopped
 from tokenpools.identity import Credentials
 from tokenpools.openai_api.refusals import too_large
 from tokenpools.probes import add_probes
@@ -159,24 +158,17 @@ async def _serve(
         authorizer.ready_checks.append(source.stale)
     running = await start(authorizer, host, *ports)
     log.info("ext_authz on %s:%d (HTTP), access log on :%d (gRPC)", host, *ports)
-    following = asyncio.create_task(follow(authorizer, path, source))
-    await until_stopped()
-    following.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await following
-    await running.stop(LOG_GRACE_S, DRAIN_S)
-    if source is not None:
-        source.stop()
+    await run_until_stopped(authorizer, path, source, lambda: running.stop(LOG_GRACE_S, DRAIN_S))
 
 
 def serve(
     path: Path | None,
+    namespace: str | None,
     host: str = "127.0.0.1",
     http_port: int = 9003,
     grpc_port: int = 9004,
     log_format: LogFormat = "text",
     access_log: bool = True,
-    namespace: str | None = None,
     settle_timeout_s: float = SETTLE_TIMEOUT_S,
     replicas: tuple[str, str] | None = None,
     ticket_header: bool = False,

@@ -59,13 +59,13 @@ class Authorizer(AdmissionHost):
             registry=registry,
         )
         waiting.set_function(lambda: len(self.tickets))
-        self.checker = Checker(self.door, self.tickets, removed_headers(config))
+        self.checker = Checker(self.door, self.tickets, self.finished, removed_headers(config))
         self.log_service = AccessLogService(self.tickets, peers, ticket_header)
         self.draining = False  # stopping: not ready, still answering
 
     async def reload(self, config: Config) -> Config:
         adopted = await super().reload(config)
-        self.checker = Checker(self.door, self.tickets, removed_headers(adopted))
+        self.checker = Checker(self.door, self.tickets, self.finished, removed_headers(adopted))
         return adopted
 
     async def unready(self) -> list[str]:

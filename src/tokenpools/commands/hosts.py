@@ -4,6 +4,7 @@ front of it)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
@@ -87,26 +88,18 @@ def extproc(
     namespace: Annotated[str, typer.Option(help="with --kubernetes: the platform's")] = "default",
 ) -> None:
     """Run admission as an Envoy external processor (ext_proc), before the endpoint picker."""
-    if config is None and not kubernetes:
-        fail("give --config FILE, or --kubernetes")
-    try:
-        from tokenpools.extproc import serve as run
-    except ImportError as exc:
-        fail(f"{exc}: install the extproc extra (pip install 'tokenpools[extproc]')")
-    try:
-        run(
-            config,
-            host,
-            port,
-            metrics_port,
-            log_format.value,
-            access_log,
-            full_duplex_answers,
-            full_duplex_requests,
-            namespace if kubernetes else None,
-        )
-    except ConfigError as exc:
-        fail(str(exc))
+    _beside_envoy(
+        "extproc",
+        config,
+        namespace if kubernetes else None,
+        host,
+        port,
+        metrics_port,
+        log_format.value,
+        access_log,
+        full_duplex_answers,
+        full_duplex_requests,
+    )
 
 
 def authz(
@@ -144,8 +137,6 @@ def authz(
 ) -> None:
     """Run admission as Envoy's external authorization service (ext_authz), settled from
     Envoy's access log (deploy/envoy/envoy-authz.yaml)."""
-    if config is None and not kubernetes:
-        fail("give --config FILE, or --kubernetes")
     if settle_timeout <= 0:
         fail("--settle-timeout must be positive")
     if (advertise is None) != (peers is None):
@@ -153,23 +144,35 @@ def authz(
     host_part, _, port_part = (advertise or ":0").rpartition(":")
     if advertise is not None and (not host_part or not port_part.isdigit()):
         fail(f"--advertise {advertise!r}: give HOST:PORT")
+    _beside_envoy(
+        "authz",
+        config,
+        namespace if kubernetes else None,
+        host,
+        port,
+        log_port,
+        log_format.value,
+        access_log,
+        settle_timeout,
+        None if advertise is None or peers is None else (advertise, peers),
+        ticket_header,
+    )
+
+
+def _beside_envoy(
+    package: str, config: Path | None, namespace: str | None, *options: object
+) -> None:
+    """`tokenpools.<package>.serve`: a host beside Envoy (extproc, authz), on a file or on the
+    cluster of `namespace` with that file beside it; its extra missing or its config invalid,
+    said plainly."""
+    if config is None and namespace is None:
+        fail("give --config FILE, or --kubernetes")
     try:
-        from tokenpools.authz import serve as run
+        serve = importlib.import_module(f"tokenpools.{package}").serve
     except ImportError as exc:
         fail(f"{exc}: install the extproc extra (pip install 'tokenpools[extproc]')")
     try:
-        run(
-            config,
-            host,
-            port,
-            log_port,
-            log_format.value,
-            access_log,
-            namespace if kubernetes else None,
-            settle_timeout,
-            None if advertise is None or peers is None else (advertise, peers),
-            ticket_header,
-        )
+        serve(config, namespace, *options)
     except ConfigError as exc:
         fail(str(exc))
 

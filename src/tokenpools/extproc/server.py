@@ -6,7 +6,6 @@ beside them, as `tokenpools serve --kubernetes` does), and a graceful stop on SI
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from tokenpools.admission.access_log import LogFormat, setup_logging
 from tokenpools.event_loop import new_loop
 from tokenpools.extproc.processor import Processor
 from tokenpools.extproc.service import ExternalProcessor, Health
-from tokenpools.host_config import follow, open_config, until_stopped
+from tokenpools.host_config import open_config, run_until_stopped
 from tokenpools.probes import add_probes
 
 if TYPE_CHECKING:
@@ -96,18 +95,12 @@ async def _serve(
         processor.ready_checks.append(source.stale)
     running = await start(processor, host, port, http_port)
     log.info("ext_proc on %s:%d (gRPC), metrics on :%d", host, running.grpc_port, running.http_port)
-    following = asyncio.create_task(follow(processor, path, source))
-    await until_stopped()
-    following.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await following
-    await running.stop()
-    if source is not None:
-        source.stop()
+    await run_until_stopped(processor, path, source, running.stop)
 
 
 def serve(
     path: Path | None,
+    namespace: str | None,
     host: str = "127.0.0.1",
     port: int = 9002,
     http_port: int = 9090,
@@ -115,7 +108,6 @@ def serve(
     access_log: bool = True,
     duplex_answers: bool = False,
     duplex_requests: bool = False,
-    namespace: str | None = None,
 ) -> None:
     setup_logging(log_format)
     duplex = (duplex_requests, duplex_answers)
