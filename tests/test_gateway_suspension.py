@@ -299,3 +299,47 @@ def test_a_gateway_that_stops_ends_its_suspended_requests_at_once(
         assert g.text(CHAT) == "tok " * 150
     ended = [s for s in streams if any('"preempted"' in e for e in s.chunks_raw())]
     assert len(ended) >= 4  # the suspended ones (the others may be cut at the stop)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_budgets_count_what_the_clients_received(
+    emulator: ServerThread, store: str, request: pytest.FixtureRequest
+) -> None:
+    """A suspended segment ends on its whole reservation (the store cannot know what it
+    produced); the gateway then charges it what its client received: the budgets count each
+    prompt once and every output token once, as the answers' usage does."""
+    data = config_data(emulator.url)
+    data["budgets"] = [
+        {"name": f"b-{measure}", "tenant": "b", "limit": 10**9, "measure": measure}
+        for measure in ("input", "output")
+    ]
+    if store == "redis":
+        url = request.getfixturevalue("redis_url")
+        data["state"] = {"backend": "redis", "url": url, "keyPrefix": "susp-budget"}
+    server = ServerThread(make_app(Gateway(parse_config(data))))
+    try:
+        streams = [
+            Stream(server, "batch", CHAT, {"messages": [{"role": "user", "content": "go"}],
+                                           "max_tokens": 60,
+                                           "stream_options": {"include_usage": True}})
+            for _ in range(8)
+        ]  # fmt: skip
+        assert gold_asks(server, 10).status_code == 200
+        usage = [c["usage"] for s in streams for c in s.chunks() if c.get("usage")]
+        assert len(usage) == 8 and all(u["completion_tokens"] == 60 for u in usage)
+        wait_all_ended(server)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
+
+        def counted() -> dict[str, float]:
+            budgets = admin(server, "budgets")["budgets"]
+            return {b["measure"]: b["used"] + b["held"] for b in budgets}
+
+        # every output token once (the suspended segment's reservation was 60 more); each
+        # prompt once, as admission counted it (a budget counts at most the reservation)
+        seen = wait_for(counted, lambda c: c["output"] == 8 * 60, what="output counted once")
+        assert seen["input"] % 8 == 0 and 0 < seen["input"] <= sum(
+            u["prompt_tokens"] for u in usage
+        )
+    finally:
+        server.stop()

@@ -162,7 +162,7 @@ def test_backend_command_serves_the_packaged_model_until_interrupted() -> None:
     # Python then installs no Ctrl-C handler in the child.
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokenpools.cli", "backend", "llamacpp", "--slots", "2",
-         "--port", str(port)],
+         "--port", str(port), "--jinja"],
         stdout=subprocess.DEVNULL,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
@@ -171,6 +171,13 @@ def test_backend_command_serves_the_packaged_model_until_interrupted() -> None:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         reply = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5)
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
+        # --jinja: a final assistant message is continued (without it: closed, one token)
+        chat = client.chat.completions.create(
+            model=MODEL, max_tokens=5, temperature=0,
+            messages=[{"role": "user", "content": "Describe the sky."},
+                      {"role": "assistant", "content": "The sky is"}],
+        )  # fmt: skip
+        assert chat.usage is not None and chat.usage.completion_tokens >= 2
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0
@@ -178,8 +185,9 @@ def test_backend_command_serves_the_packaged_model_until_interrupted() -> None:
 
 @pytest.fixture(scope="module")
 def llama_jinja() -> Iterator[str]:
-    """The engine rendering the model's own Jinja chat template, as vLLM always does."""
-    server = LlamaCppServer(slots=2, ctx_per_slot=2048, jinja=True)
+    """The engine rendering the model's own Jinja chat template, as vLLM always does (and
+    continuing a final assistant message, as vLLM does with `continue_final_message`)."""
+    server = LlamaCppServer(slots=SLOTS, ctx_per_slot=2048, jinja=True)
     yield server.start()
     server.stop()
 
@@ -215,22 +223,34 @@ def test_admission_counts_the_prompt_as_the_engine_does(
     assert gw.counters["smollm2"].fallbacks == 0
 
 
-def test_a_suspended_completion_resumes_where_it_stopped_on_the_engines_cached_prefix(
-    llama: str,
+RESUMED = {
+    "completion": ("/v1/completions", {"prompt": "The history of the lighthouse is"}),
+    "chat": ("/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "List the colours of the rainbow."}]}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(RESUMED))
+def test_a_suspended_answer_resumes_where_it_stopped_on_the_engines_cached_prefix(
+    kind: str, request: pytest.FixtureRequest
 ) -> None:
     """The newest of three spot streams is suspended when the guaranteed tenant comes, and
     resumed once it is served: the client's text is the engine's greedy answer, whole, with
     its usage counted once, and the continuation prefilled only what llama.cpp's prompt cache
-    did not hold (its `cached_tokens`)."""
-    prompt = "The history of the lighthouse is"
-    asked = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-    alone = httpx.post(f"{llama}/v1/completions", json={"model": MODEL, **asked}, timeout=60)
-    expected = alone.json()["choices"][0]["text"]
+    did not hold (its `cached_tokens`). A chat answer resumes as a final assistant message the
+    engine continues: llama.cpp does that when it renders the model's Jinja template."""
+    path, prompt = RESUMED[kind]
+    llama: str = request.getfixturevalue("llama" if kind == "completion" else "llama_jinja")
+    asked = {**prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(f"{llama}{path}", json={"model": MODEL, **asked}, timeout=60)
+    (choice,) = alone.json()["choices"]
+    expected = choice["text"] if kind == "completion" else choice["message"]["content"]
     # The pool one slot short of the engine's, so the guaranteed request is served in an idle
     # slot and the suspended request's slot keeps its KV (llama.cpp caches per slot, and picks
     # the slot whose cached prompt the continuation shares). No claims: spot may fill gold's
     # idle baseline.
     config = gateway_config(llama, SLOTS - 1)
+    config["pools"][0]["chatContinuation"] = kind == "chat"
     running = serve(config | {"policy": config["policy"] | {"backfillWindowS": 0}})
     server, _ = next(running)
     try:
@@ -242,14 +262,14 @@ def test_a_suspended_completion_resumes_where_it_stopped_on_the_engines_cached_p
         newest = Stream(
             server,
             "spot",
-            "/v1/completions",
+            path,
             {"model": MODEL, **asked, "stream_options": {"include_usage": True}},
         )
         wait_for(lambda: len(newest.events), lambda n: n >= 5, what="the newest stream under way")
         gold = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["gold"], max_retries=0)
         reply = gold.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
         assert reply.usage is not None
-        assert newest.text("/v1/completions") == expected  # one answer, as if never paused
+        assert newest.text(path) == expected  # one answer, as if never paused
         (usage,) = [c["usage"] for c in newest.chunks() if c.get("usage")]
         assert usage["completion_tokens"] == 48
         assert usage["prompt_tokens"] == alone.json()["usage"]["prompt_tokens"]

@@ -14,13 +14,22 @@ from tokenpools.model.request import Usage
 from tokenpools.openai_api.answer_tap import AnswerTap
 
 EndFn = Callable[["Admitted", Usage | None, bool], None]
+RechargeFn = Callable[["Admitted", Usage], None]
 
 
 class Admitted:
-    def __init__(self, lease: Lease, task: asyncio.Task[Any] | None, on_end: EndFn) -> None:
+    def __init__(
+        self,
+        lease: Lease,
+        task: asyncio.Task[Any] | None,
+        on_end: EndFn,
+        on_recharge: RechargeFn | None = None,
+    ) -> None:
         self.lease = lease
         self.task = task  # cancelled on eviction; without one, the host checks `evicted`
         self._on_end = on_end
+        self._on_recharge = on_recharge
+        self.recharged = False
         self.ended = False  # settled or released by its host
         self.evicted = False  # ended by the core (eviction, expiry); the host stops serving it
         self.charge: Charge | None = None  # what its usage cost, once settled (if metered)
@@ -52,6 +61,16 @@ class Admitted:
         """The host is done with it: a request that never ended is charged in full (its
         usage is unknown), so nothing stays held."""
         self.end(None, refund=False)
+
+    def recharge(self, usage: Usage) -> bool:
+        """Evicted, so charged its whole reservation, and then suspended: once its host knows
+        what it produced, it is charged that instead (what its client received), once."""
+        if not self.evicted or self.recharged or self._on_recharge is None:
+            return False
+        self.recharged = True
+        self.usage = usage
+        self._on_recharge(self, usage)
+        return True
 
     def evict(self) -> None:
         if self.over:

@@ -19,6 +19,7 @@ from tokenpools.control.budgets import Budgets
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Decision
 from tokenpools.control.endings import Ending
+from tokenpools.control.metering import Charge
 from tokenpools.control.store import Lease, Outcome, StoreUnavailable
 from tokenpools.model.config import Config, ConfigError
 from tokenpools.model.request import RequestCost, Usage
@@ -82,6 +83,25 @@ class StoreDriver:
         except StoreUnavailable:  # ours is sent when Redis answers; another's expires there
             return
         self.core.ended(ending, now)
+
+    def recharge(self, lease: Lease, usage: Usage, now: float) -> None:
+        """A lease taken back on its worst case is charged `usage` instead (a suspended
+        request's segment, once its output is known); on a shared store a task of its own,
+        like an end."""
+        if self.shared is None:
+            self.core.recharge(lease, usage, now)
+            return
+        charge = self.core.charge(lease, usage)
+        if charge is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._recharge(lease, charge, now))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def _recharge(self, lease: Lease, charge: Charge, now: float) -> None:
+        assert self.shared is not None
+        with contextlib.suppress(StoreUnavailable):  # the worst case stays charged
+            await self.shared.recharge(lease, charge, now)
 
     async def renew(self, lease: Lease, now: float) -> bool:
         """False: the lease has ended elsewhere (evicted by another replica, or expired)."""

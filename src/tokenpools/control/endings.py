@@ -8,6 +8,7 @@ rules (which store holds a lease, what a usage costs, what an unreachable store 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from tokenpools.control import budgets
@@ -119,6 +120,15 @@ class Endings:
             return self._release(lease_id, lease_id in self.fallback.leases, refund, now)
         except StoreUnavailable:  # not a lease of ours and the store is away: it expires there
             return None
+
+    def recharge(self, lease: Lease, usage: Usage, now: float) -> None:
+        """A metered lease taken back on its worst case (an eviction the host turned into a
+        suspension) is charged `usage` instead (Store.recharge). An unreachable store keeps
+        the worst case charged."""
+        charge = self.charge(lease, usage)
+        if charge is not None:
+            with contextlib.suppress(StoreUnavailable):
+                self.store.recharge(lease, charge, now)
 
     def renewal(self, lease_id: str, now: float) -> tuple[float, bool]:
         """(the new expiry, whether this process's fallback holds the lease)."""

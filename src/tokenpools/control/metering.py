@@ -57,6 +57,29 @@ def overrun(charge: Charge, worst: Charge) -> tuple[float, float]:
     return max(0.0, charge.tokens - worst.tokens), max(0.0, charge.cost - worst.cost)
 
 
+def budget_refund(charge: Charge, worst: Charge, measure: str) -> float:
+    """What a budget gives back when a lease charged its worst case (taken back before its
+    usage was known) is charged `charge` instead: never negative, so a correction never
+    takes a budget up. The Redis script ports this (lua/metering.lua)."""
+    return max(0.0, counted(worst, worst, measure) - counted(charge, worst, measure))
+
+
+def ledger_correction(charge: Charge, worst: Charge) -> dict[str, float]:
+    """What a usage-ledger bucket adds when a lease it recorded at its worst case is charged
+    `charge` instead (a credit: the differences are negative, except an overrun). The Redis
+    script ports this (lua/metering.lua)."""
+    over_tokens, over_cost = overrun(charge, worst)
+    return {
+        "input": charge.input - worst.input,
+        "output": charge.output - worst.output,
+        "cached": charge.cached - worst.cached,
+        "tokens": charge.tokens - worst.tokens,
+        "cost": charge.cost - worst.cost,
+        "over_tokens": over_tokens,
+        "over_cost": over_cost,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetHold:
     """One budget a request reserves against, in its current window."""

@@ -8,9 +8,11 @@ request here ends, or at the Retry-After it was given, until its class's deadlin
 its continuation goes to the backend and its output is stitched onto the client's answer.
 
 The engine always streams; a client that did not stream gets one whole answer at the end.
-Settlement: each segment's lease ends as any lease does (a suspended one as an eviction ends
-it: on its reservation); the last segment settles on its own output, so no token is counted
-twice for the client (docs/decisions.md says what the ledger charges)."""
+Settlement: each segment's lease ends as any lease does: a suspended one as an eviction ends
+it, on its reservation, and once the exchange is over it is charged what the client received
+of it instead (`Admitted.recharge`: its output, the original prompt with the first; nothing
+for a whole answer never given); the last segment settles on its own output. So the ledger
+and budgets count each token the client received once (docs/decisions.md)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ class Resumable(Exchange):
         self.response: web.StreamResponse | None = None  # the client's stream, once begun
         self.suspensions = 0
         self._before = 0  # output tokens of the segments before the one under way
+        self._taken: list[tuple[Admitted, Usage]] = []  # suspended segments, what each made
+        self._delivered = False  # a whole answer was given (a stream gives as it goes)
 
     @property
     def recomputed(self) -> int:
@@ -74,23 +78,37 @@ class Resumable(Exchange):
     ) -> web.StreamResponse:
         del raw  # the engine's body is rewritten for every segment
         next_body = segment_body(self.path, body, None)
-        while True:
-            self.transcript.begin()
-            try:
-                ended = await self._segment(request, next_body)
-            except Suspended:
-                self.transcript.suspended()
-                self.suspensions += 1
-                resumed = await self._resume()
-                if isinstance(resumed, web.StreamResponse):
-                    return resumed
-                self.admitted = resumed.admitted
-                next_body = segment_body(self.path, resumed.body, None)  # it continues already
-                continue
-            return ended
+        try:
+            while True:
+                self.transcript.begin()
+                try:
+                    ended = await self._segment(request, next_body)
+                except Suspended:
+                    self.transcript.suspended()
+                    self.suspensions += 1
+                    self._taken.append((self.admitted, self._segment_usage()))
+                    resumed = await self._resume()
+                    if isinstance(resumed, web.StreamResponse):
+                        return resumed
+                    self.admitted = resumed.admitted
+                    next_body = segment_body(self.path, resumed.body, None)  # continues already
+                    continue
+                return ended
+        finally:
+            self._recharge_taken()
+
+    def _recharge_taken(self) -> None:
+        """Each suspended segment is charged what the client received of it: what it
+        streamed, or, for a client that waits for the whole answer, all of it if that answer
+        was given, else nothing."""
+        given = self.response is not None or self._delivered
+        for admitted, usage in self._taken:
+            admitted.recharge(usage if given else Usage(0, 0))
+        self._taken.clear()
 
     async def _segment(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         """One engine request; raises Suspended if the core takes it back."""
+        self._before = self.transcript.tokens
         segment = asyncio.create_task(self._engine_request(request, body))
         self.admitted.task = segment  # an eviction cancels the segment, not the exchange
         try:
@@ -134,25 +152,26 @@ class Resumable(Exchange):
             return self.response or web.Response(status=499)
         finally:
             backend.open_requests -= 1
-        admitted.end(Usage(self._segment_prompt(), self.transcript.tokens - self._before))
+        admitted.end(self._segment_usage())
         if self.response is not None:
             return self.response
+        self._delivered = True
         return web.json_response(self.transcript.whole(), headers=self.headers)
 
     def _abandon(self) -> None:
         """The segment broke off (the client or the backend went away): it ends on what was
         sent."""
         self.transcript.suspended()
-        used = Usage(self._segment_prompt(), self.transcript.tokens - self._before)
-        self.admitted.end(used, refund=False)
+        self.admitted.end(self._segment_usage(), refund=False)
 
-    def _segment_prompt(self) -> int:
-        # the first segment's lease settles on the prompt; a continuation's prompt (the
-        # original and the text so far) was counted with the first
-        return self.prompt_tokens if self.transcript.segments == 1 else 0
+    def _segment_usage(self) -> Usage:
+        """What the segment under way produced. The first segment's lease settles on the
+        prompt; a continuation's prompt (the original and the text so far) was counted with
+        the first."""
+        prompt = self.prompt_tokens if self.transcript.segments == 1 else 0
+        return Usage(prompt, self.transcript.tokens - self._before)
 
     async def _read_events(self, content: aiohttp.StreamReader) -> None:
-        self._before = self.transcript.tokens
         pending = b""
         async for chunk in content.iter_any():
             events, pending = split_events(pending + chunk)

@@ -38,7 +38,8 @@ def gateway_config(backend: str, slots: int) -> dict[str, Any]:
                 "backends": [{"url": backend, "timeoutS": 60}],
                 # tokens/s and KV generous: the engine's slots are what binds here
                 "perReplica": {"tokensPerSecond": 5000, "kvTokens": 4096, "concurrency": slots},
-                # llama.cpp's server closes a final assistant message instead of continuing it
+                # llama.cpp's server without --jinja closes a final assistant message
+                # instead of continuing it
                 "chatContinuation": False,
             }
         ],

@@ -109,6 +109,13 @@ class MemoryBook:
             self._budgets.charge(meter, charge)
         self._usage.ended(lease.pool, meter.bucket, now, charge, how, meter.worst)
 
+    def recharge(self, lease: Lease, charge: Charge, now: float) -> None:
+        meter = lease.meter
+        if meter is None:
+            return
+        self._budgets.recharge(meter, charge)
+        self._usage.recharged(lease.pool, meter.bucket, now, charge, meter.worst)
+
     @staticmethod
     def _update_holdback(e: EntitlementAccount, p: PoolAccount) -> None:
         hold_c = max(0.0, e.holdback_concurrency - e.concurrency)

@@ -7,7 +7,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenpools.control.metering import Charge, Meter, PendingUsage, UsageRow, counted, overrun
+from tokenpools.control.metering import (
+    Charge,
+    Meter,
+    PendingUsage,
+    UsageRow,
+    budget_refund,
+    counted,
+    ledger_correction,
+    overrun,
+)
 from tokenpools.control.store import INF
 
 HOUR = 3600
@@ -68,6 +77,13 @@ class BudgetBook:
             c = self._counters[hold.key]
             c.held -= needs[i]
             c.used += counted(charge, meter.worst, hold.measure)
+
+    def recharge(self, meter: Meter, charge: Charge) -> None:
+        """A lease charged its worst case is charged `charge` instead (never more)."""
+        for hold in meter.holds:
+            c = self._counters.get(hold.key)
+            if c is not None:
+                c.used = max(0.0, c.used - budget_refund(charge, meter.worst, hold.measure))
 
     def left(self, meter: Meter) -> tuple[float, ...]:
         out = []
@@ -156,6 +172,14 @@ class UsageBook:
                 v[measure] = v.get(measure, 0.0) + amount
         if how == "evicted" or how == "expired":
             v[how] = v.get(how, 0.0) + 1.0
+
+    def recharged(self, pool: str, bucket: str, now: float, charge: Charge, worst: Charge) -> None:
+        """A lease recorded at its worst case is charged `charge` instead: the difference goes
+        in the hour of `now` (a credit, made moments after the lease ended)."""
+        v = self._values(pool, bucket, now)
+        for measure, amount in ledger_correction(charge, worst).items():
+            if amount:
+                v[measure] = v.get(measure, 0.0) + amount
 
     def refused(self, pool: str, bucket: str, reason: str, now: float) -> None:
         v = self._values(pool, bucket, now)

@@ -169,6 +169,12 @@ class RedisHotPath:
     async def release(self, lease: Lease, now: float, refund: bool = True) -> None:
         await self._finish(lease, now, "0.0" if refund else "all", 0.0)
 
+    async def recharge(self, lease: Lease, charge: Charge, now: float) -> None:
+        """`RedisStore.recharge`, on this path (after the lease's own end, which went first)."""
+        if lease.meter is not None:
+            args = wire.recharge_args(lease, charge, self.store.budget_key)
+            await self._call(lease.pool, "recharge", now, args)
+
     async def _finish(
         self, lease: Lease, now: float, used: str, observed: float, charge: Charge = NO_CHARGE
     ) -> None:

@@ -16,7 +16,7 @@ from importlib.resources import files
 from typing import Any
 
 from tokenpools.control import backfill
-from tokenpools.control.metering import BudgetHold, PendingUsage, UsageRow
+from tokenpools.control.metering import BudgetHold, Charge, PendingUsage, UsageRow
 from tokenpools.control.store import (
     INF,
     EntitlementCounters,
@@ -49,6 +49,10 @@ PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
 # A lease end's charge besides the tokens (`used`): ignored when `used` is 'all' (the lease's
 # worst case is charged).
 FINISH_GROUP = ("id", "used", "observed", "at", "keep", "c_in", "c_out", "c_cached", "c_cost")
+RECHARGE_ARGS = (
+    "bucket", "w_in", "w_out", "w_tokens", "w_cost",
+    "c_in", "c_out", "c_cached", "c_tokens", "c_cost", "holds",
+)  # fmt: skip
 # Each operation's own arguments, after the header.
 OPS: dict[str, tuple[str, ...]] = {
     "configure_pool": ("b_rate", "b_depth", "pb_rate", "pb_depth", "new_epoch"),
@@ -61,6 +65,9 @@ OPS: dict[str, tuple[str, ...]] = {
     # as ended until then, so an admission of it that arrives late is refused (0: not).
     "finish": FINISH_GROUP,
     "renew": ("id", "expires"),
+    # A lease that ended on its worst case charged `c_*` instead (Store.recharge): its worst
+    # case, the charge, and how many budget holds follow, each as its key and measure.
+    "recharge": RECHARGE_ARGS,
     # stale: a replica not heard from since then is gone, and its leases end
     "expire": ("stale",),
     "get_lease": ("id",),
@@ -248,6 +255,28 @@ def admit_args(
         *reservation.victims[: reservation.victim_count],
     ]
     return [str(len(group) + 1), *group]
+
+
+def recharge_args(lease: Lease, charge: Charge, budget_key: KeyFn = str) -> list[str]:
+    """The recharge operation's arguments, in RECHARGE_ARGS order, then the holds."""
+    meter = lease.meter
+    assert meter is not None
+    w = meter.worst
+    values = {
+        "bucket": meter.bucket,
+        "w_in": num(w.input),
+        "w_out": num(w.output),
+        "w_tokens": num(w.tokens),
+        "w_cost": num(w.cost),
+        "c_in": num(charge.input),
+        "c_out": num(charge.output),
+        "c_cached": num(charge.cached),
+        "c_tokens": num(charge.tokens),
+        "c_cost": num(charge.cost),
+        "holds": str(len(meter.holds)),
+    }
+    holds = [a for h in meter.holds for a in (budget_key(h), h.measure)]
+    return [*args("recharge", **values), *holds]
 
 
 def layers_args(

@@ -107,6 +107,33 @@ local function meter_end(l, now, charge, how)
   ledger_add(l.bucket, now, values)
 end
 
+-- A lease that ended on its worst case is charged what it used instead (Store.recharge): each
+-- budget gives back budget_refund (never takes more), the ledger records the difference now.
+local function recharge(now)
+  local function a(i) return tonumber(ARGV[i]) end
+  local w = { input = a(A.w_in), output = a(A.w_out), cached = 0.0, tokens = a(A.w_tokens),
+    cost = a(A.w_cost) }
+  local c = { input = a(A.c_in), output = a(A.c_out), cached = a(A.c_cached),
+    tokens = a(A.c_tokens), cost = a(A.c_cost) }
+  local at = A.holds + 1
+  for _ = 1, a(A.holds) do
+    local key, m = ARGV[at], ARGV[at + 1]
+    local back = math.max(0, counted(w, w, m) - counted(c, w, m))
+    local used = budget_counter(key)
+    if back > 0 and redis.call('EXISTS', key) == 1 then
+      redis.call('HSET', key, 'used', fmt(math.max(0, used - back)))
+    end
+    at = at + 2
+  end
+  local bucket = ARGV[A.bucket]
+  if bucket ~= '' then
+    ledger_add(bucket, now, { input = c.input - w.input, output = c.output - w.output,
+      cached = c.cached - w.cached, tokens = c.tokens - w.tokens, cost = c.cost - w.cost,
+      over_tokens = math.max(0, c.tokens - w.tokens), over_cost = math.max(0, c.cost - w.cost) })
+  end
+  return 'ok'
+end
+
 -- The oldest `limit` pending rows, as {count, oldest, lost, rows}: how many are pending, when
 -- the oldest first changed ('' when none), how many had expired unwritten (LEDGER_TTL) and are
 -- dropped now, and each row: "<hour>:<bucket>", then field, value pairs. Changes nothing else.

@@ -268,6 +268,7 @@ if op == 'finish' then
 end
 if op == 'pending_usage' then return pending_usage(tonumber(ARGV[A.limit]), now) end
 if op == 'ack_usage' then return ack_usage(H.owner + 1) end  -- the pairs follow the header
+if op == 'recharge' then return recharge(now) end
 p = load(P)
 if op == 'configure_entitlement' then return configure_entitlement(p, now) end
 if op == 'remove_entitlement' then return remove_entitlement(p, now) end
