@@ -38,6 +38,7 @@ ONE_BUILD = {
     "test_usage_ledger.py": "the usage ledger, which is not compiled",
     "test_replicas.py": "gateway replicas on a Redis store (its Lua, not compiled)",
     "test_budget_replicas.py": "budgets across gateway replicas on Redis",
+    "test_suspension_killed.py": "a gateway killed on Redis (processes, the Lua not compiled)",
     "test_redis_cluster.py": "the Redis store on a Redis Cluster",
     "test_redis_sentinel.py": "the Redis store behind Sentinel",
     "test_extproc.py": "the Envoy host (gRPC), through a real Envoy",
