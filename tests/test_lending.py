@@ -86,6 +86,27 @@ def test_claims_hold_capacity_back_on_fcfs_engines_only() -> None:
         assert len(fill(c, "batch", resumable=True)) == expected, scheduling
 
 
+@pytest.mark.parametrize(("suspends", "most"), [(True, 8), (False, 6)])
+def test_once_measured_an_owner_claims_nothing_where_taking_back_suspends(
+    suspends: bool, most: int
+) -> None:
+    """After its first update period gold is measured (idle). Where taking back suspends,
+    its claim is gone and lent work fills the fcfs pool; where the host cannot suspend, the
+    claim fades from the baseline and still holds room back."""
+    ents = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
+    config = make_config(
+        ents,
+        concurrency=8,
+        tokens_per_s=100000,
+        policy={"backfillWindowS": 40},
+        pool_extra={"schedulingPolicy": "fcfs"},
+    )
+    c = DecisionCore(config, MemoryStore(), now=0.0, suspends=suspends)
+    c.tick(config.policy.update_period_s + 0.1)
+    admitted = len(fill(c, "batch", resumable=True))
+    assert (admitted == 8) if suspends else (4 <= admitted <= most)
+
+
 @pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
 def test_preemptible_work_the_host_cannot_end_is_never_lent(scheduling: str) -> None:
     """Envoy's ext_authz lets a request on and cannot stop it: a preemptible request admitted

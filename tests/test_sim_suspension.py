@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 
 from tokenpools.shipped import SCENARIOS
+from tokenpools.sim.fairness import asked_within
 from tokenpools.sim.family import family_scenario
 from tokenpools.sim.family_fair import fair_scenario
 from tokenpools.sim.metrics import summarize
+from tokenpools.sim.records import Attempt
 from tokenpools.sim.scenario import Scenario, load_scenario
 from tokenpools.sim.simulator import Simulation, simulate
 from tokenpools.sim.tokenpools_policy import TokenPools
@@ -114,3 +116,25 @@ def test_slo_attainment_is_split_into_what_was_promised_and_the_excess() -> None
     assert split["guaranteed"]["above"] < ours["slo_attainment"]["guaranteed"]
     theirs = summarize(simulate(scenario, "llm-d-legacy"))["fairness"]
     assert theirs["slo_attainment_split"] == {}
+
+
+def test_a_job_refused_room_above_its_baseline_counts_as_excess() -> None:
+    """Where lent work fills the pool, a protected tenant's burst above its baseline is refused
+    room (nothing is taken back for it): such a job is excess, not a broken promise. A job
+    counted within its entitlement was within its baseline when first refused, if it was."""
+    refused_above = refused_within = 0
+    for member in range(6):
+        result = simulate(fair_scenario(member).on_engines("fcfs"), "tokenpools", 1)
+        jobs: dict[int, list[Attempt]] = {}
+        for a in result.attempts:
+            jobs.setdefault(id(a.job), []).append(a)
+        for attempts in jobs.values():
+            first = min(attempts, key=lambda a: a.req.sent_at)
+            if first.outcome != "rejected" or first.reason != "pool_full":
+                continue
+            assert first.req.within is not None  # the policy says which side it asked on
+            refused_above += first.req.within is False
+            refused_within += first.req.within is True
+            assert asked_within(attempts) == first.req.within
+    assert refused_above > 0  # the case happened
+    assert refused_within <= refused_above / 10  # the pool's promise is rarely what refused

@@ -209,6 +209,16 @@ class DecisionCore:
         """An entitlement's debt, burst and priority as the store holds them."""
         return self.store.scores(entitlement, now)
 
+    def within_baseline(self, entitlement: str, now: float) -> bool:
+        """Whether one more request of a protected entitlement would be within its baseline's
+        concurrency now (what a report splits its SLO attainment by; admission itself decides
+        in the store's step)."""
+        view = self.catalog.entitlements.get(entitlement)
+        if view is None or not view.protected:
+            return False
+        in_flight = self.store.entitlement_counters(entitlement, now).concurrency
+        return in_flight + 1 <= view.ent.baseline.concurrency
+
     def store_answers(self, now: float) -> bool:
         """Whether the store answers a read now."""
         if not self.catalog.pools:

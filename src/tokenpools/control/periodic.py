@@ -91,7 +91,7 @@ class Periodic:
                     (view.plan.ent_concurrency, view.plan.ent_kv),
                     policy,
                 )
-                if self._claims(view)
+                if self._claims(view) and plans.claims_once_measured(policy)
                 else (0.0, 0.0)
             )
             self.catalog.adopt_scores(view, Scores(debt, burst, 0.0, claim_c, claim_k))

@@ -55,6 +55,17 @@ def leaves_claims(pool: Pool, policy: Policy) -> bool:
     return not (policy.suspend and pool.scheduling_policy == "priority")
 
 
+def claims_once_measured(policy: Policy) -> bool:
+    """Whether an owner's claim outlives its first measurement (control/backfill.py). Not
+    where taking back suspends: an owner measured is seen as it comes back, and the lent work
+    it displaces then is suspended, not lost, so lent work fills what it does not run. Only an
+    owner that has just bound, which nobody has measured yet, claims its whole baseline until
+    its first update period: on fcfs engines its first requests would otherwise queue behind
+    the prefills of a flood of lent work admitted at the same moment (docs/decisions.md,
+    "Lending, and taking back", with the measurements)."""
+    return not policy.suspend
+
+
 def reserve_plan(
     pool: Pool, ent: Entitlement, bound: bool, policy: Policy, lent: bool
 ) -> ReservePlan:

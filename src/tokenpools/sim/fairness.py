@@ -197,16 +197,17 @@ def job_outcomes(result: RunResult) -> dict[str, list[tuple[bool, bool | None]]]
                 and (slo is None or a.first_token_at - first <= slo)
                 for a in attempts
             )
-            rows.append((met, _within(attempts) if told else None))
+            rows.append((met, asked_within(attempts) if told else None))
         out[tenant.name] = rows
     return out
 
 
-def _within(attempts: list[Attempt]) -> bool:
+def asked_within(attempts: list[Attempt]) -> bool:
     """A job starts as excess when its first attempt is refused by the entitlement's own
-    limits; else it is within if admitted within the baseline, or never admitted at all."""
+    limits, or refused while it asked above its baseline (where the policy says so); else it
+    is within if admitted within the baseline, or never admitted at all."""
     first = min(attempts, key=lambda a: a.req.sent_at)
-    if first.outcome == "rejected" and first.reason in OWN_LIMITS:
+    if first.outcome == "rejected" and (first.reason in OWN_LIMITS or first.req.within is False):
         return False
     admitted = [a.req.within for a in attempts if a.outcome != "rejected"]
     return any(admitted) if admitted else True

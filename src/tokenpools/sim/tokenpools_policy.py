@@ -87,6 +87,8 @@ class TokenPools(AdmissionPolicy):
             if carried is not None:  # what the gateway writes into the body
                 req.priority = carried
             return Send([lease.lease_id for lease in decision.evict])
+        # a refused request says whether it asked within its baseline, as an admitted one does
+        req.within = self.core.within_baseline(req.entitlement, now)
         return Refuse(decision.reason.value, decision.retry_after_s)
 
     def decide(self, req: SimRequest, now: float) -> Decision:
