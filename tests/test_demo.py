@@ -30,3 +30,7 @@ def test_paper_exp1_over_http_matches_the_simulator_within_tolerance(tmp_path: P
     assert "| `tokenpools` |" in table and (tmp_path / "paper-exp1-queue.png").exists()
     assert 0.5 <= with_tp["busy_in_overload"] <= 1.0  # measured 0.8-0.95 (docs/experiments.md)
     assert f"{with_tp['busy_in_overload']:.0%} behind tokenpools" in table
+    # spot lent into the owners' idle baselines is taken back by suspending it, not ending it
+    assert 0 < with_tp["suspensions"] <= with_tp["taken_back"]
+    assert with_tp["recomputed_prompt_tokens"] <= 16 * with_tp["suspensions"]  # cached blocks
+    assert f"Taken back behind tokenpools: {with_tp['taken_back']} requests" in table

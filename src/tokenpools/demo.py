@@ -15,11 +15,14 @@ import json
 import subprocess
 import tempfile
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import aiohttp
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokenpools.engine.profile import load_profile
 from tokenpools.gateway.app import make_app as make_gateway
@@ -37,6 +40,36 @@ from tokenpools.sim.scenario import Scenario
 
 ADMIN_KEY = "sk-demo-admin"
 MODEL = "demo-model"
+
+
+@dataclass(frozen=True, slots=True)
+class TakenBack:
+    """What taking back did behind the gateway, from its metrics at the end of the run:
+    requests taken back (`tokenpools_evicted_total`), the suspensions among them (resumed, or
+    ended at their deadline), and the prompt tokens resumptions prefilled again."""
+
+    taken_back: int = 0
+    suspensions: int = 0
+    recomputed_prompt_tokens: int = 0
+
+    @classmethod
+    def from_metrics(cls, text: str) -> TakenBack:
+        totals = {"evicted": 0.0, "suspended": 0.0, "recomputed_prompt_tokens": 0.0}
+        for family in text_string_to_metric_families(text):
+            name = family.name.removeprefix("tokenpools_")
+            if name in totals:
+                totals[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return cls(
+            int(totals["evicted"]),
+            int(totals["suspended"]),
+            int(totals["recomputed_prompt_tokens"]),
+        )
+
+
+class DemoResults(NamedTuple):
+    with_tokenpools: RunResult
+    without: RunResult
+    taken_back: TakenBack
 
 
 async def _emulator(profile: str, speed: float) -> tuple[subprocess.Popen[bytes], str]:
@@ -87,7 +120,7 @@ async def run_demo(
     speed: float = 1.0,
     progress: Callable[[float], None] | None = None,
     ledger: Path | None = None,
-) -> tuple[RunResult, RunResult]:
+) -> DemoResults:
     """`ledger`: the SQLite file of the demo's usage (default: one in a temporary folder)."""
     if ledger is None:
         ledger = Path(tempfile.mkdtemp(prefix="tokenpools-demo-")) / "usage.sqlite3"
@@ -140,10 +173,12 @@ async def run_demo(
     )
     try:
         results = await asyncio.gather(with_tp.run(progress), without.run())
+        async with aiohttp.ClientSession() as http, http.get(f"{gw_url}/metrics") as reply:
+            taken_back = TakenBack.from_metrics(await reply.text())
     finally:
         await gw_runner.cleanup()
         stop(emu_with, emu_without)
-    return results[0], results[1]
+    return DemoResults(results[0], results[1], taken_back)
 
 
 def headline(result: RunResult, overload: str) -> dict[str, float]:
@@ -168,10 +203,9 @@ def headline(result: RunResult, overload: str) -> dict[str, float]:
     }
 
 
-def write_demo(
-    scenario: Scenario, results: tuple[RunResult, RunResult], out: Path, json_path: Path | None
-) -> str:
+def write_demo(scenario: Scenario, demo: DemoResults, out: Path, json_path: Path | None) -> str:
     out.mkdir(parents=True, exist_ok=True)
+    results = (demo.with_tokenpools, demo.without)
     summary = {
         "scenario": scenario.name,
         "seed": scenario.seed,
@@ -186,7 +220,7 @@ def write_demo(
         json_path.write_text(
             json.dumps(
                 {
-                    "with_tokenpools": headline(results[0], overload),
+                    "with_tokenpools": headline(results[0], overload) | asdict(demo.taken_back),
                     "without": headline(results[1], overload),
                 },
                 indent=2,
@@ -194,8 +228,12 @@ def write_demo(
             + "\n"
         )
     busy = [summarize(r)["utilization"].get(overload) or 0.0 for r in results]
+    back = demo.taken_back
     return (
         policy_table(scenario, summary)
         + f"\n\nBackend slots busy in the {overload}: {busy[0]:.0%} behind tokenpools "
         f"({results[0].policy}), {busy[1]:.0%} without ({results[1].policy}).\n"
+        f"Taken back behind tokenpools: {back.taken_back} requests, {back.suspensions} of them "
+        f"suspended rather than ended; {back.recomputed_prompt_tokens:,} prompt tokens "
+        "prefilled again by the resumptions.\n"
     )
