@@ -317,29 +317,27 @@ def test_budgets_count_what_the_clients_received(
         url = request.getfixturevalue("redis_url")
         data["state"] = {"backend": "redis", "url": url, "keyPrefix": "susp-budget"}
     server = ServerThread(make_app(Gateway(parse_config(data))))
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 60,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    def counted() -> dict[str, float]:
+        budgets = admin(server, "budgets")["budgets"]
+        return {b["measure"]: b["used"] + b["held"] for b in budgets}
+
     try:
-        streams = [
-            Stream(server, "batch", CHAT, {"messages": [{"role": "user", "content": "go"}],
-                                           "max_tokens": 60,
-                                           "stream_options": {"include_usage": True}})
-            for _ in range(8)
-        ]  # fmt: skip
+        Stream(server, "batch", CHAT, body).chunks()  # alone: what one request is charged
+        wait_all_ended(server)
+        one = wait_for(counted, lambda c: c["output"] == 60, what="one request charged")
+        streams = [Stream(server, "batch", CHAT, body) for _ in range(8)]
         assert gold_asks(server, 10).status_code == 200
         usage = [c["usage"] for s in streams for c in s.chunks() if c.get("usage")]
         assert len(usage) == 8 and all(u["completion_tokens"] == 60 for u in usage)
         wait_all_ended(server)
         metrics = httpx.get(f"{server.url}/metrics").text
         assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
-
-        def counted() -> dict[str, float]:
-            budgets = admin(server, "budgets")["budgets"]
-            return {b["measure"]: b["used"] + b["held"] for b in budgets}
-
-        # every output token once (the suspended segment's reservation was 60 more); each
-        # prompt once, as admission counted it (a budget counts at most the reservation)
-        seen = wait_for(counted, lambda c: c["output"] == 8 * 60, what="output counted once")
-        assert seen["input"] % 8 == 0 and 0 < seen["input"] <= sum(
-            u["prompt_tokens"] for u in usage
-        )
+        # every output token once (the suspended segment's reservation was 60 more), and each
+        # prompt once, as the lone request's was
+        seen = wait_for(counted, lambda c: c["output"] == 9 * 60, what="output counted once")
+        assert seen["input"] == 9 * one["input"]
     finally:
         server.stop()

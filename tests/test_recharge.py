@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from tokenpools.admission import Admitted
 from tokenpools.control.budgets import budget_status, used
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit
-from tokenpools.control.metering import Charge, counted
+from tokenpools.control.metering import Charge, budget_refund, counted
 from tokenpools.control.store import Lease, Store
 from tokenpools.model.config import Config, parse_config
 from tokenpools.model.request import Account, RequestCost, Usage
@@ -90,7 +91,12 @@ def run(core: DecisionCore, rng: random.Random) -> tuple[Charge, int]:
                     lease, prompt = spot.pop(victim.lease_id)
                     if rng.random() < 0.8:  # the host knows what the segment produced
                         usage = within(lease, prompt)
+                        (before,) = budget_status(core, now)
                         core.recharge(lease, usage, now)
+                        (after,) = budget_status(core, now)
+                        worst = lease.meter.worst  # type: ignore[union-attr]
+                        back = budget_refund(used(pool, usage), worst, before["measure"])
+                        assert after["used"] == pytest.approx(before["used"] - back)
                         add(used(pool, usage))
                         recharged += 1
                     else:  # it never says: the whole reservation stays charged
@@ -167,3 +173,24 @@ def test_a_recharge_never_takes_a_budget_up() -> None:
     core.recharge(d.evict[0], Usage(10_000, 10_000), START)
     (after,) = budget_status(core, START)
     assert after["used"] == before["used"]
+
+
+def test_only_a_request_taken_back_is_recharged_and_only_once() -> None:
+    """The guard between a recharge and a lease that was never charged its whole reservation:
+    a request that ended on its own (settled or released) is not recharged; one taken back is,
+    once."""
+    calls: list[Usage] = []
+    lease = Lease("l", "p", "spot", 100.0, 10.0, 0.0, 60.0, True)
+
+    def admitted() -> Admitted:
+        return Admitted(lease, None, lambda *_: None, lambda _, usage: calls.append(usage))
+
+    settled = admitted()
+    settled.end(Usage(10, 5))
+    assert not settled.recharge(Usage(10, 5))
+    running = admitted()
+    assert not running.recharge(Usage(10, 5))  # not taken back
+    taken = admitted()
+    taken.evict()
+    assert taken.recharge(Usage(10, 5)) and not taken.recharge(Usage(10, 6))
+    assert calls == [Usage(10, 5)]

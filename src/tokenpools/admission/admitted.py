@@ -64,7 +64,8 @@ class Admitted:
 
     def recharge(self, usage: Usage) -> bool:
         """Evicted, so charged its whole reservation, and then suspended: once its host knows
-        what it produced, it is charged that instead (what its client received), once."""
+        what its client received of it, it is charged that instead, once (`usage` becomes
+        that; a store that does not answer keeps the reservation charged, not retried)."""
         if not self.evicted or self.recharged or self._on_recharge is None:
             return False
         self.recharged = True

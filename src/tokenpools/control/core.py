@@ -211,8 +211,9 @@ class DecisionCore:
 
     def within_baseline(self, entitlement: str, now: float) -> bool:
         """Whether one more request of a protected entitlement would be within its baseline's
-        concurrency now (what a report splits its SLO attainment by; admission itself decides
-        in the store's step)."""
+        concurrency now: in flight and baseline concurrency only (what a report splits its SLO
+        attainment by; admission itself decides in the store's step, on KV and its own bucket
+        too). False for an entitlement that is not protected: it has no promised baseline."""
         view = self.catalog.entitlements.get(entitlement)
         if view is None or not view.protected:
             return False

@@ -93,10 +93,12 @@ class Endings:
         )
 
     def charge(self, lease: Lease, usage: Usage) -> Charge | None:
-        """A metered lease's usage in every measure its budgets and ledger count."""
-        if lease.meter is None:
+        """A metered lease's usage in every measure its budgets and ledger count (None: not
+        metered, or its pool is gone from the config)."""
+        pool_view = self.catalog.pools.get(lease.pool)
+        if lease.meter is None or pool_view is None:
             return None
-        return budgets.used(self.catalog.pools[lease.pool].pool, usage)
+        return budgets.used(pool_view.pool, usage)
 
     def settle(self, lease_id: str, usage: Usage, now: float) -> Lease | None:
         """The request finished; charge what it really used and refund the rest."""

@@ -9,10 +9,11 @@ its continuation goes to the backend and its output is stitched onto the client'
 
 The engine always streams; a client that did not stream gets one whole answer at the end.
 Settlement: each segment's lease ends as any lease does: a suspended one as an eviction ends
-it, on its reservation, and once the exchange is over it is charged what the client received
-of it instead (`Admitted.recharge`: its output, the original prompt with the first; nothing
-for a whole answer never given); the last segment settles on its own output. So the ledger
-and budgets count each token the client received once (docs/decisions.md)."""
+it, on its reservation, and is then charged what the client received of it instead
+(`Admitted.recharge`: its output, the original prompt with the first): a stream's at once, a
+whole answer's when it is known whether the answer is given (nothing if it never is). The last
+segment settles on its own output. So the ledger and budgets count each token the client
+received once (docs/decisions.md)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ class Resumable(Exchange):
                 except Suspended:
                     self.transcript.suspended()
                     self.suspensions += 1
-                    self._taken.append((self.admitted, self._segment_usage()))
+                    self._taken_back()
                     resumed = await self._resume()
                     if isinstance(resumed, web.StreamResponse):
                         return resumed
@@ -97,13 +98,21 @@ class Resumable(Exchange):
         finally:
             self._recharge_taken()
 
+    def _taken_back(self) -> None:
+        """The segment under way was taken back (its lease ended on its reservation): a
+        streaming client has its output already, and it is charged that at once, so that the
+        reservation does not hold the tenant's budget while the request waits to resume; a
+        client waiting for the whole answer is charged when it is known whether it gets one."""
+        if self.response is not None:
+            self.admitted.recharge(self._segment_usage())
+        else:
+            self._taken.append((self.admitted, self._segment_usage()))
+
     def _recharge_taken(self) -> None:
-        """Each suspended segment is charged what the client received of it: what it
-        streamed, or, for a client that waits for the whole answer, all of it if that answer
-        was given, else nothing."""
-        given = self.response is not None or self._delivered
+        """Each suspended segment of a whole answer is charged what the client received of
+        it: all of it if the answer was given, else nothing."""
         for admitted, usage in self._taken:
-            admitted.recharge(usage if given else Usage(0, 0))
+            admitted.recharge(usage if self._delivered else Usage(0, 0))
         self._taken.clear()
 
     async def _segment(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -160,9 +169,12 @@ class Resumable(Exchange):
 
     def _abandon(self) -> None:
         """The segment broke off (the client or the backend went away): it ends on what was
-        sent."""
+        sent. Taken back as it broke off, its lease has already ended on its reservation."""
         self.transcript.suspended()
-        self.admitted.end(self._segment_usage(), refund=False)
+        if self.admitted.evicted:
+            self._taken_back()
+        else:
+            self.admitted.end(self._segment_usage(), refund=False)
 
     def _segment_usage(self) -> Usage:
         """What the segment under way produced. The first segment's lease settles on the
@@ -202,8 +214,8 @@ class Resumable(Exchange):
         return web.Response(status=status, body=text, headers=self._passed(upstream.headers))
 
     async def _failed(self, exc: Exception, admitted: Admitted) -> web.StreamResponse:
-        if self.response is None and not self.transcript.text:
-            admitted.end(None)  # refunded: nothing came of it
+        if self.response is None:
+            admitted.end(None)  # refunded: the client gets no answer (nor its earlier segments)
         else:
             self._abandon()  # charged what was sent
         if isinstance(exc, aiohttp.ClientConnectorError):
