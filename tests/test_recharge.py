@@ -194,3 +194,19 @@ def test_only_a_request_taken_back_is_recharged_and_only_once() -> None:
     taken.evict()
     assert taken.recharge(Usage(10, 5)) and not taken.recharge(Usage(10, 6))
     assert calls == [Usage(10, 5)]
+
+
+def test_a_recharge_after_its_pool_left_the_config_does_nothing() -> None:
+    rng = random.Random(3)
+    config = generated_config(rng)
+    core = DecisionCore(config, MemoryStore(), now=START, suspends=True)
+    d = core.admit("spot", RequestCost(10, 10, 1, Account("acme", "k", "m")), START)
+    assert isinstance(d, Admit)
+    other = {"name": "q", "model": "Qwen3-8B",
+             "perReplica": {"tokensPerSecond": 1000, "kvTokens": 10**6, "concurrency": 8}}  # fmt: skip
+    core.apply_config(
+        parse_config({"pools": [other], "entitlements": [
+            {"name": "x", "tenantId": "x", "pool": "q", "serviceClass": "spot"}]}),
+        START + 1,
+    )  # fmt: skip
+    core.recharge(d.lease, Usage(5, 5), START + 1)  # the lease ended with its pool; no KeyError
