@@ -202,8 +202,8 @@ def test_a_recharge_after_its_pool_left_the_config_does_nothing() -> None:
     core = DecisionCore(config, MemoryStore(), now=START, suspends=True)
     d = core.admit("spot", RequestCost(10, 10, 1, Account("acme", "k", "m")), START)
     assert isinstance(d, Admit)
-    other = {"name": "q", "model": "Qwen3-8B",
-             "perReplica": {"tokensPerSecond": 1000, "kvTokens": 10**6, "concurrency": 8}}  # fmt: skip
+    capacity = {"tokensPerSecond": 1000, "kvTokens": 10**6, "concurrency": 8}
+    other = {"name": "q", "model": "Qwen3-8B", "perReplica": capacity}
     core.apply_config(
         parse_config({"pools": [other], "entitlements": [
             {"name": "x", "tenantId": "x", "pool": "q", "serviceClass": "spot"}]}),
