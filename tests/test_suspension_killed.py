@@ -1,8 +1,9 @@
 """A gateway killed (SIGKILL) while it holds suspended requests, on Redis beside a second
 gateway: every client of the killed one gets a prompt connection error (no hang), the pool's
 leases come back within the lease TTL (the survivor's tick expires them), each request is
-charged once (its reservation: taken back, or expired; no continuation booked twice), no
-counter goes negative, and the survivor admits lent work again.
+charged once (a suspended one what it streamed, a running one its reservation when it
+expires; no continuation booked), no counter goes negative, and the survivor admits lent work
+again.
 
 Real processes on loopback: redis-server, the emulator, two `tokenpools serve`."""
 
@@ -49,12 +50,14 @@ def config(backend: str, redis_url: str) -> dict[str, Any]:
 
 
 class Client:
-    """One streamed request read in a thread: whether it began, and how it ended."""
+    """One streamed request read in a thread: whether it began, the tokens it received (the
+    emulator streams one per event), and how it ended."""
 
     def __init__(self, url: str, who: str) -> None:
         self.began = threading.Event()
         self.ended = threading.Event()
         self.broken: Exception | None = None
+        self.tokens = 0
         body = {"model": "m", "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "go"}]}  # fmt: skip
 
@@ -69,6 +72,7 @@ class Client:
                     for line in response.iter_lines():
                         if line.startswith("data: "):
                             self.began.set()
+                            self.tokens += '"content":"tok' in line.replace(" ", "")
             except httpx.HTTPError as exc:
                 self.broken = exc
             self.began.set()
@@ -115,6 +119,14 @@ def test_a_gateway_killed_with_requests_suspended_leaves_nothing_behind(tmp_path
                 what="four batch streams taken back (suspended: their clients wait)",
             )
             assert not any(c.ended.is_set() for c in batch)
+            # the four newest were taken back: each is charged what it streamed at once, the
+            # four running ones hold their reservations
+            streamed = sum(c.tokens for c in batch[4:])
+            wait_for(
+                lambda: admin(other, "budgets")["budgets"][0],
+                lambda b: (b["used"], b["held"]) == (streamed, 4 * MAX_TOKENS),
+                what="the suspended streams charged what they streamed",
+            )
             killed.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             for c in [*batch, *gold]:
@@ -125,14 +137,14 @@ def test_a_gateway_killed_with_requests_suspended_leaves_nothing_behind(tmp_path
             back_s = time.monotonic() - killed_at
             assert back_s <= TTL_S + 3.0  # the TTL, the survivor's tick and its staleness check
             assert not negative_counters(r)
-            # each batch request charged once, its whole reservation: four taken back, four
-            # expired, no continuation booked
+            # each batch request charged once: the four taken back what they streamed, the four
+            # that expired their whole reservations; no continuation booked
             ledger = batch_ledger(r)
             assert ledger["requests"] == 8
             assert (ledger.get("evicted", 0), ledger.get("expired", 0)) == (4, 4)
-            assert ledger["output"] == 8 * MAX_TOKENS
+            assert ledger["output"] == streamed + 4 * MAX_TOKENS
             (budget,) = admin(other, "budgets")["budgets"]
-            assert (budget["used"], budget["held"]) == (8 * MAX_TOKENS, 0)
+            assert (budget["used"], budget["held"]) == (streamed + 4 * MAX_TOKENS, 0)
             # the survivor lends the freed room again
             reply = httpx.post(
                 f"{other}/v1/chat/completions",
