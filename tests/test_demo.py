@@ -33,4 +33,5 @@ def test_paper_exp1_over_http_matches_the_simulator_within_tolerance(tmp_path: P
     # spot lent into the owners' idle baselines is taken back by suspending it, not ending it
     assert 0 < with_tp["suspensions"] <= with_tp["taken_back"]
     assert with_tp["recomputed_prompt_tokens"] <= 16 * with_tp["suspensions"]  # cached blocks
+    assert 0 < with_tp["suspended_p50_s"] <= with_tp["suspended_p99_s"]
     assert f"Taken back behind tokenpools: {with_tp['taken_back']} requests" in table

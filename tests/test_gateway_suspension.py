@@ -128,6 +128,9 @@ def test_a_suspended_stream_pauses_and_resumes_into_one_answer(
     wait_all_ended(gateway)
     metrics = httpx.get(f"{gateway.url}/metrics").text
     assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
+    # one request suspended, for as long as gold's request held its room (10 tokens)
+    assert metric(metrics, "tokenpools_suspended_seconds_count", "batch") == 1
+    assert 0 < metric(metrics, "tokenpools_suspended_seconds_sum", "batch") < 5
     # the continuation's prompt is the original and the text so far; the engine had most of
     # it cached (whole 16-token blocks), and prefilled the rest
     assert 1 <= metric(metrics, "tokenpools_recomputed_prompt_tokens_total", "batch") <= 16

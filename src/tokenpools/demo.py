@@ -46,24 +46,53 @@ MODEL = "demo-model"
 class TakenBack:
     """What taking back did behind the gateway, from its metrics at the end of the run:
     requests taken back (`tokenpools_evicted_total`), the suspensions among them (resumed, or
-    ended at their deadline), and the prompt tokens resumptions prefilled again."""
+    ended at their deadline), the prompt tokens resumptions prefilled again, and how long a
+    suspended request waited for room in all (P50, P99: interpolated within the histogram's
+    buckets, as Prometheus' histogram_quantile does; None with nothing suspended)."""
 
     taken_back: int = 0
     suspensions: int = 0
     recomputed_prompt_tokens: int = 0
+    suspended_p50_s: float | None = None
+    suspended_p99_s: float | None = None
 
     @classmethod
     def from_metrics(cls, text: str) -> TakenBack:
         totals = {"evicted": 0.0, "suspended": 0.0, "recomputed_prompt_tokens": 0.0}
+        waited: dict[float, float] = {}  # bucket bound -> requests suspended at most that long
         for family in text_string_to_metric_families(text):
             name = family.name.removeprefix("tokenpools_")
             if name in totals:
                 totals[name] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+            elif name == "suspended_seconds":
+                for sample in family.samples:
+                    if sample.name.endswith("_bucket"):
+                        bound = float(sample.labels["le"])
+                        waited[bound] = waited.get(bound, 0.0) + sample.value
         return cls(
             int(totals["evicted"]),
             int(totals["suspended"]),
             int(totals["recomputed_prompt_tokens"]),
+            _quantile(waited, 0.5),
+            _quantile(waited, 0.99),
         )
+
+
+def _quantile(cumulative: dict[float, float], q: float) -> float | None:
+    """The q-quantile of a histogram given as cumulative counts by upper bound."""
+    bounds = sorted(cumulative)
+    total = cumulative[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return round(lower + (bound - lower) * (rank - below) / max(count - below, 1e-12), 3)
+        lower, below = bound, count
+    return lower
 
 
 class DemoResults(NamedTuple):
@@ -235,5 +264,10 @@ def write_demo(scenario: Scenario, demo: DemoResults, out: Path, json_path: Path
         f"({results[0].policy}), {busy[1]:.0%} without ({results[1].policy}).\n"
         f"Taken back behind tokenpools: {back.taken_back} requests, {back.suspensions} of them "
         f"suspended rather than ended; {back.recomputed_prompt_tokens:,} prompt tokens "
-        "prefilled again by the resumptions.\n"
+        "prefilled again by the resumptions; time suspended P50 "
+        f"{_seconds(back.suspended_p50_s)}, P99 {_seconds(back.suspended_p99_s)}.\n"
     )
+
+
+def _seconds(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f} s"

@@ -64,6 +64,7 @@ class RequestRecord:
     # suspended and resumed (the gateway): how often, and the prompt tokens its continuations'
     # engines prefilled again (not from their prefix cache) — the engine work it cost
     suspensions: int | None = None
+    suspended_s: float | None = None  # the time it spent suspended, in all
     recomputed_prompt_tokens: int | None = None
     ttft_s: float | None = None  # to the first streamed event, or to the whole answer
     duration_s: float = 0.0

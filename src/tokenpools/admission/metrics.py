@@ -33,6 +33,7 @@ TTFT_BUCKETS = (
 )
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 10 ms to 82 s
+SUSPENDED_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 BUDGET = ["budget", "measure", "window"]
@@ -52,6 +53,7 @@ class _Bound:
     ttft: Histogram
     tpot: Histogram
     suspended: Counter
+    suspended_time: Histogram
     recomputed: Counter
 
 
@@ -110,6 +112,13 @@ class AdmissionMetrics:
             LABELS,
             registry=r,
         )
+        self.suspended_time = Histogram(
+            "tokenpools_suspended_seconds",
+            "Time a suspended request waited for room, in all (one observation per request)",
+            LABELS,
+            buckets=SUSPENDED_BUCKETS,
+            registry=r,
+        )
         self.recomputed = Counter(
             "tokenpools_recomputed_prompt_tokens",
             "Prompt tokens resumed requests' engines prefilled again (not from their prefix "
@@ -150,6 +159,7 @@ class AdmissionMetrics:
                 self.ttft.labels(*labels),
                 self.tpot.labels(*labels),
                 self.suspended.labels(*labels),
+                self.suspended_time.labels(*labels),
                 self.recomputed.labels(*labels),
             )
             self._series[entitlement] = bound
@@ -194,6 +204,7 @@ class AdmissionMetrics:
             bound.cost.inc(record.cost_micros)
         if record.suspensions:
             bound.suspended.inc(record.suspensions)
+            bound.suspended_time.observe(record.suspended_s or 0.0)
             bound.recomputed.inc(record.recomputed_prompt_tokens or 0)
         if record.stream and record.ttft_s is not None:
             bound.ttft.observe(record.ttft_s)

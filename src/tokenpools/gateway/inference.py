@@ -98,6 +98,7 @@ async def _answer(
             record.settled(exchange.usage, admitted.charge, admitted.evicted)
             if isinstance(exchange, Resumable) and exchange.suspensions:
                 record.suspensions = exchange.suspensions
+                record.suspended_s = exchange.suspended_s
                 record.recomputed_prompt_tokens = exchange.recomputed
             record.first_token(exchange.first_token_at)
     finally:

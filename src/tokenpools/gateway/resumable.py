@@ -59,6 +59,7 @@ class Resumable(Exchange):
         self.transcript = Transcript(self.path, self.prompt_tokens, cleared.client_usage)
         self.response: web.StreamResponse | None = None  # the client's stream, once begun
         self.suspensions = 0
+        self.suspended_s = 0.0  # time spent suspended, waiting for room, in all
         self._before = 0  # output tokens of the segments before the one under way
         self._taken: list[tuple[Admitted, Usage]] = []  # suspended segments, what each made
         self._delivered = False  # a whole answer was given (a stream gives as it goes)
@@ -88,7 +89,11 @@ class Resumable(Exchange):
                     self.transcript.suspended()
                     self.suspensions += 1
                     self._taken_back()
-                    resumed = await self._resume()
+                    since = self.tap.clock()
+                    try:
+                        resumed = await self._resume()
+                    finally:
+                        self.suspended_s += self.tap.clock() - since
                     if isinstance(resumed, web.StreamResponse):
                         return resumed
                     self.admitted = resumed.admitted
