@@ -210,3 +210,39 @@ def test_a_recharge_after_its_pool_left_the_config_does_nothing() -> None:
         START + 1,
     )  # fmt: skip
     core.recharge(d.lease, Usage(5, 5), START + 1)  # the lease ended with its pool; no KeyError
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_a_window_given_room_back_is_no_longer_spent(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """A request that did not fit marks its budget window spent (exhausted); a recharge that
+    gives room back clears it, on both stores."""
+    data = {
+        "pools": [{"name": "p", "model": "Qwen3-8B", "schedulingPolicy": "priority",
+                   "perReplica": {"tokensPerSecond": 1e9, "kvTokens": 10**7, "concurrency": 8}}],
+        "entitlements": ENTITLEMENTS,
+        "budgets": [{"name": "b", "tenant": "acme", "limit": 800, "measure": "output"}],
+    }  # fmt: skip
+    if store == "memory":
+        backend: Store = MemoryStore()
+    else:
+        from tokenpools.state.redis.store import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        backend = RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)
+    core = DecisionCore(parse_config(data), backend, now=START, suspends=True)
+    acme = Account("acme", "k", "m")
+    spot = [core.admit("spot", RequestCost(10, 100, 1, acme), START) for _ in range(8)]
+    assert all(isinstance(d, Admit) for d in spot)  # 8 × 100 output: the whole budget
+    assert not isinstance(core.admit("spot", RequestCost(10, 100, 1, acme), START), Admit)
+    (spent,) = budget_status(core, START)
+    assert spent["exhausted"]
+    d = core.admit("gold", RequestCost(50, 50, 1, Account("g", "k", "m")), START)
+    assert isinstance(d, Admit) and len(d.evict) == 1
+    taken = next(
+        s.lease for s in spot if isinstance(s, Admit) and s.lease.lease_id == d.evict[0].lease_id
+    )
+    core.recharge(taken, Usage(10, 20), START)
+    (after,) = budget_status(core, START)
+    assert not after["exhausted"] and after["used"] + after["held"] == 720

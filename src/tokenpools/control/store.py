@@ -97,9 +97,10 @@ class Store(Protocol):
         """A metered lease that ended on its worst case because it was taken back before its
         usage was known (an eviction the host turned into a suspension) is charged `charge`
         instead: each budget counts what `charge` counts where it counted the worst case
-        (`budget_refund`: never more), and the ledger bucket records the difference in the
-        hour of `now`. The host that held the lease calls it once; nothing checks that it
-        ended, so a second call would give back twice."""
+        (`budget_refund`: never more; a window given room back is no longer marked spent), and
+        the ledger bucket records the difference in the hour of `now`. The host that held the
+        lease calls it once; nothing checks that it ended, so a second call would give back
+        twice."""
         ...
 
     def renew(self, lease_id: str, expires_at: float, now: float) -> bool: ...

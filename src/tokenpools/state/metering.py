@@ -79,11 +79,14 @@ class BudgetBook:
             c.used += counted(charge, meter.worst, hold.measure)
 
     def recharge(self, meter: Meter, charge: Charge) -> None:
-        """A lease charged its worst case is charged `charge` instead (never more)."""
+        """A lease charged its worst case is charged `charge` instead (never more); a window
+        given room back is no longer spent (a request that did not fit may fit now)."""
         for hold in meter.holds:
             c = self._counters.get(hold.key)
-            if c is not None:
-                c.used = max(0.0, c.used - budget_refund(charge, meter.worst, hold.measure))
+            back = budget_refund(charge, meter.worst, hold.measure)
+            if c is not None and back > 0:
+                c.used = max(0.0, c.used - back)
+                c.refused = False
 
     def left(self, meter: Meter) -> tuple[float, ...]:
         out = []

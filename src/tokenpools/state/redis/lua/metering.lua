@@ -122,6 +122,7 @@ local function recharge(now)
     local used = budget_counter(key)
     if back > 0 and redis.call('EXISTS', key) == 1 then
       redis.call('HSET', key, 'used', fmt(math.max(0, used - back)))
+      redis.call('HDEL', key, 'refused')  -- given room back: no longer spent
     end
     at = at + 2
   end
