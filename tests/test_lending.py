@@ -18,11 +18,17 @@ ENTS = [
     {"name": "gold", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 4},
     {"name": "spot", "serviceClass": "spot"},
 ]
+GOLD_BATCH = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
 
 
-def core(suspends: bool, scheduling: str = "priority", **policy: object) -> DecisionCore:
+def core(
+    suspends: bool,
+    scheduling: str = "priority",
+    ents: list[dict[str, object]] = ENTS,
+    **policy: object,
+) -> DecisionCore:
     config = make_config(
-        ENTS,
+        ents,
         concurrency=8,
         tokens_per_s=100000,
         policy={"backfillWindowS": 40, **policy},
@@ -73,16 +79,8 @@ def test_claims_hold_capacity_back_on_fcfs_engines_only() -> None:
     """Gold has just bound: its claim is its whole baseline until measured. On a fcfs pool a
     preemptible request leaves it free; on a priority pool, where taking back suspends, the
     claim holds nothing back."""
-    ents = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
     for scheduling, expected in (("fcfs", 4), ("priority", 8)):
-        config = make_config(
-            ents,
-            concurrency=8,
-            tokens_per_s=100000,
-            policy={"backfillWindowS": 40},
-            pool_extra={"schedulingPolicy": scheduling},
-        )
-        c = DecisionCore(config, MemoryStore(), now=0.0, suspends=True)
+        c = core(True, scheduling, GOLD_BATCH)
         assert len(fill(c, "batch", resumable=True)) == expected, scheduling
 
 
@@ -93,16 +91,8 @@ def test_once_measured_an_owner_claims_nothing_where_taking_back_suspends(
     """After its first update period gold is measured (idle). Where taking back suspends,
     its claim is gone and lent work fills the fcfs pool; where the host cannot suspend, the
     claim fades from the baseline and still holds room back."""
-    ents = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
-    config = make_config(
-        ents,
-        concurrency=8,
-        tokens_per_s=100000,
-        policy={"backfillWindowS": 40},
-        pool_extra={"schedulingPolicy": "fcfs"},
-    )
-    c = DecisionCore(config, MemoryStore(), now=0.0, suspends=suspends)
-    c.tick(config.policy.update_period_s + 0.1)
+    c = core(suspends, "fcfs", GOLD_BATCH)
+    c.tick(c.policy.update_period_s + 0.1)
     admitted = len(fill(c, "batch", resumable=True))
     assert (admitted == 8) if suspends else (4 <= admitted <= most)
 
@@ -112,15 +102,7 @@ def test_preemptible_work_the_host_cannot_end_is_never_lent(scheduling: str) -> 
     """Envoy's ext_authz lets a request on and cannot stop it: a preemptible request admitted
     there keeps off the protected baselines (as spot work that cannot be suspended), is not
     preemptible in the store, and no protected request is admitted on the hope of ending it."""
-    ents = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
-    config = make_config(
-        ents,
-        concurrency=8,
-        tokens_per_s=100000,
-        policy={"backfillWindowS": 0},
-        pool_extra={"schedulingPolicy": scheduling},
-    )
-    c = DecisionCore(config, MemoryStore(), now=0.0, suspends=True)
+    c = core(True, scheduling, GOLD_BATCH, backfillWindowS=0)
     kept = [
         c.admit("batch", RequestCost(100, 50, endable=False), 1.0, f"batch-{i}") for i in range(12)
     ]
@@ -130,7 +112,7 @@ def test_preemptible_work_the_host_cannot_end_is_never_lent(scheduling: str) -> 
     gold = [c.admit("gold", RequestCost(100, 50), 1.0, f"gold-{i}") for i in range(4)]
     assert all(isinstance(d, Admit) and not d.evict for d in gold)
     # the same work from a host that ends it is lent the whole pool, and taken back
-    c = DecisionCore(config, MemoryStore(), now=0.0, suspends=True)
+    c = core(True, scheduling, GOLD_BATCH, backfillWindowS=0)
     assert len(fill(c, "batch", resumable=False)) == 8
     gold0 = c.admit("gold", RequestCost(100, 50), 1.0, "gold-0")
     assert isinstance(gold0, Admit) and len(gold0.evict) == 1

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenpools.control.budgets import Budgets
 from tokenpools.control.core import DecisionCore
@@ -68,10 +68,15 @@ class StoreDriver:
         if self.shared is None or ending.local:
             self.core.end_on_store(ending, now)
             return ending
-        task = asyncio.get_running_loop().create_task(self._end(ending, now))
+        self._in_background(self._end(ending, now))
+        return ending
+
+    def _in_background(self, step: Coroutine[Any, Any, None]) -> None:
+        """A store step that must happen even if its request is cancelled: a task of its own,
+        awaited by `aclose`."""
+        task = asyncio.get_running_loop().create_task(step)
         self._ending.add(task)
         task.add_done_callback(self._ending.discard)
-        return ending
 
     async def _end(self, ending: Ending, now: float) -> None:
         assert self.shared is not None
@@ -94,9 +99,7 @@ class StoreDriver:
         charge = self.core.charge(lease, usage)
         if charge is None:
             return
-        task = asyncio.get_running_loop().create_task(self._recharge(lease, charge, now))
-        self._ending.add(task)
-        task.add_done_callback(self._ending.discard)
+        self._in_background(self._recharge(lease, charge, now))
 
     async def _recharge(self, lease: Lease, charge: Charge, now: float) -> None:
         assert self.shared is not None

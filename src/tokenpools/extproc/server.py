@@ -9,7 +9,6 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -22,9 +21,6 @@ from tokenpools.extproc.processor import Processor
 from tokenpools.extproc.service import ExternalProcessor, Health
 from tokenpools.host_config import open_config, run_until_stopped
 from tokenpools.probes import add_probes
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("tokenpools.extproc")
 TICK_INTERVAL_S = 0.25
