@@ -61,6 +61,10 @@ def test_the_first_segment_streams_with_usage_and_a_continuation_carries_the_tex
     assert text["prompt"] == "Once upon" and text["max_tokens"] == 9
     chat = segment_body(CHAT, {**CHAT_BODY, "max_completion_tokens": 10}, so_far)
     assert chat["max_completion_tokens"] == 7
+    # a field of another API is ignored by the engine, and by the continuation
+    text = segment_body(COMPLETIONS, {"prompt": "Once", "max_tokens": 10,
+                                      "max_completion_tokens": 50}, upon)  # fmt: skip
+    assert (text["max_tokens"], text["max_completion_tokens"]) == (9, 50)
     assert CHAT_BODY["messages"] == [{"role": "user", "content": "hi"}]  # not written to
 
 

@@ -114,10 +114,12 @@ class Resumable(Exchange):
             self._taken.append((self.admitted, self._segment_usage()))
 
     def _recharge_taken(self) -> None:
-        """Each suspended segment of a whole answer is charged what the client received of
-        it: all of it if the answer was given, else nothing."""
+        """Each suspended segment charged later is charged what the client received of it:
+        all of it if the answer was given (a whole answer, or a stream begun after the segment
+        was taken back before anything was sent), else nothing."""
+        given = self._delivered or self.response is not None
         for admitted, usage in self._taken:
-            admitted.recharge(usage if self._delivered else Usage(0, 0))
+            admitted.recharge(usage if given else Usage(0, 0))
         self._taken.clear()
 
     async def _segment(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:

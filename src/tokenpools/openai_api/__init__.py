@@ -130,13 +130,18 @@ CEILING_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+def ceiling_field(body: dict[str, Any], path: str) -> str | None:
+    """The field the request sets its output ceiling in, of those its API's engine reads."""
+    for name in CEILING_FIELDS.get(path, ()):
+        if isinstance(body.get(name), int):
+            return name
+    return None
+
+
 def max_tokens(body: dict[str, Any], path: str) -> int | None:
     """The output ceiling the request sets, in a field its API's engine reads."""
-    for name in CEILING_FIELDS.get(path, ()):
-        value = body.get(name)
-        if isinstance(value, int):
-            return value
-    return None
+    name = ceiling_field(body, path)
+    return None if name is None else int(body[name])
 
 
 def max_tokens_field(path: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenpools.openai_api import CHAT, COMPLETIONS, max_tokens
+from tokenpools.openai_api import CHAT, COMPLETIONS, ceiling_field
 
 # What a continuation cannot carry on: several sequences, tool calls, log probabilities.
 _NOT_SUSPENDABLE = ("tools", "functions", "logprobs", "top_logprobs", "best_of", "echo", "suffix")
@@ -52,10 +52,9 @@ def segment_body(path: str, body: dict[str, Any], so_far: Transcript | None) -> 
         out["messages"] = [*body["messages"], {"role": "assistant", "content": so_far.text}]
         out["continue_final_message"] = True
         out["add_generation_prompt"] = False
-    ceiling = max_tokens(body, path)
-    if ceiling is not None:
-        field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        out[field] = max(1, ceiling - so_far.tokens)
+    field = ceiling_field(body, path)
+    if field is not None:  # lowered in the field the engine reads the ceiling from
+        out[field] = max(1, int(body[field]) - so_far.tokens)
     return out
 
 
