@@ -20,7 +20,10 @@ from tokenpools.model.config import parse_config
 from tokenpools.model.keys import hash_key
 
 MODEL = "qwen3-8b"
-KEYS = {"gold": "sk-gold", "spot": "sk-spot", "batch": "sk-batch", "admin": "sk-admin"}
+KEYS = {
+    "gold": "sk-gold", "spot": "sk-spot", "batch": "sk-batch", "team": "sk-team",
+    "admin": "sk-admin",
+}  # fmt: skip
 FAST = EngineProfile(
     name="test",
     description="8 slots, 20 ms steps: a stream of n tokens holds its lease ~n/50 s",

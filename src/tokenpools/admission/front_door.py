@@ -142,10 +142,10 @@ class FrontDoor:
 
     def suspend_deadline_s(self, cleared: Cleared, path: str) -> float | None:
         """How long the host may keep this request suspended, if the core may suspend it
-        (lent work the host can resume from its text, where the policy suspends); None: the
-        core's taking it back ends it."""
+        (lent work and elastic work the host can resume from its text, where the policy
+        suspends: `Lease.resumable`); None: the core's taking it back ends it."""
         policy = self.admission.core.policy
-        if not (policy.suspend and cleared.decision.lease.preemptible):
+        if not (policy.suspend and cleared.decision.lease.resumable):
             return None
         pool = self.admission.pools[cleared.pool].pool
         if not suspendable(path, cleared.body, pool.chat_continuation):

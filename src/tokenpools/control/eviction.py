@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from tokenpools.control.store import Lease, PoolCounters, ReservePlan
 from tokenpools.model.policy import Policy
+from tokenpools.model.resources import Resources
 from tokenpools.model.service_class import PROTECTED, ServiceClass
 
 # An elastic entitlement under-served by more than this (debt, a fraction of its baseline) is
@@ -71,3 +72,38 @@ def choose_victims(
         need_c -= 1
         need_k -= lease.kv_tokens
     return victims if need_c <= 0 and need_k <= 0 else []
+
+
+def overdrawn(
+    counters: PoolCounters, capacity: Resources, held: tuple[float, float]
+) -> tuple[float, float]:
+    """How far the work that is not lent, with the unused baselines `held` for protected
+    owners, exceeds the pool's capacity, in sequences and KV tokens. Admission keeps it at or
+    below 0 (check 5's reserved limits); only a capacity loss under that work takes it
+    above."""
+    return (
+        counters.concurrency - counters.preemptible_concurrency + held[0] - capacity.concurrency,
+        counters.kv_tokens - counters.preemptible_kv + held[1] - capacity.kv_tokens,
+    )
+
+
+def choose_drained(
+    over: tuple[float, float],
+    groups: Mapping[str, Mapping[str, Lease]],
+    order: Sequence[str],
+) -> list[Lease]:
+    """Elastic work to take back after a capacity loss, where its host suspends it: the
+    resumable leases of the entitlements in `order` (lowest priority first), each one's
+    newest first, until what is `over` fits again (fewer if they run out). Elastic baselines
+    are time-averaged and oversubscribed; the reserved ones are a promise, so work that sits
+    on them when capacity shrinks waits, suspended, instead of the owner (docs/decisions.md,
+    "Lending, and taking back")."""
+    need_c, need_k = over
+    drained: list[Lease] = []
+    for lease in eviction_order(groups, order):
+        if need_c <= 0 and need_k <= 0:
+            break
+        drained.append(lease)
+        need_c -= 1
+        need_k -= lease.kv_tokens
+    return drained

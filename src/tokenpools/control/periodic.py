@@ -13,13 +13,14 @@ from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.backfill import BORROWERS, forgotten, next_claim
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.decisions import CapacityChange, TickResult
-from tokenpools.control.eviction import eviction_order
+from tokenpools.control.eviction import choose_drained, eviction_order, overdrawn
 from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
 from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
 from tokenpools.control.views import EntitlementView, PoolView
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.resources import Resources
+from tokenpools.model.service_class import ServiceClass
 
 
 class Periodic:
@@ -113,8 +114,10 @@ class Periodic:
     ) -> CapacityChange:
         """Apply a capacity change at once (replicas added or lost, or replicas that lost part
         of their capacity): admissions use the new capacity from now on, and preemptible
-        leases are evicted (lowest priority, newest first) until what remains fits. Other work
-        above the new capacity drains; nothing new is admitted meanwhile."""
+        leases are evicted (lowest priority, newest first) until what remains fits. Where the
+        host suspends, elastic work that now sits on an active owner's baseline is taken back
+        too (suspended). Other work above the new capacity drains; nothing new is admitted
+        meanwhile."""
         view = self.catalog.pools[pool_name]
         if replicas is not None:
             view.pool = view.pool.with_replicas(replicas)
@@ -139,10 +142,42 @@ class Periodic:
                 evicted.append(lease)
                 over_c -= 1
                 over_k -= lease.kv_tokens
+            if self.catalog.policy.suspend:
+                for lease in self._drained(view, now):
+                    self.store.release(lease.lease_id, now, refund=False)
+                    evicted.append(lease)
         except StoreUnavailable:
             pass
         self.catalog.note_evicted(evicted)
         return CapacityChange(tuple(evicted), states)
+
+    def _drained(self, view: PoolView, now: float) -> list[Lease]:
+        """Elastic work that sits on the baselines of protected owners with work in flight,
+        now that the pool has less capacity (control/eviction.py `choose_drained`). An owner
+        with nothing in flight is not counted: taking work back for one that may not come back
+        would only make that work wait for nothing; with none active, nothing is taken."""
+        ents = self.catalog.entitlements
+        members = [ents[name] for name in view.members]
+        active, held_c, held_k = False, 0.0, 0.0
+        for m in members:
+            if m.protected and m.state == BindingState.BOUND:
+                mine = self.store.entitlement_counters(m.ent.name, now)
+                if mine.leases:
+                    active = True
+                    held_c += max(0.0, m.ent.baseline.concurrency - mine.concurrency)
+                    held_k += max(0.0, m.ent.baseline.kv_tokens - mine.kv_tokens)
+        if not active:
+            return []
+        counters = self.store.pool_counters(view.pool.name, now)
+        over = overdrawn(counters, view.pool.capacity, (held_c, held_k))
+        if over[0] <= 0 and over[1] <= 0:
+            return []
+        elastic = sorted(
+            (m for m in members if m.ent.service_class is ServiceClass.ELASTIC),
+            key=lambda m: (m.priority, m.ent.name),
+        )
+        groups = self.store.resumable_leases(view.pool.name, now)
+        return choose_drained(over, groups, [m.ent.name for m in elastic])
 
     def desired_replicas(self, pool_name: str) -> int:
         view, ents = self.catalog.pools[pool_name], self.catalog.entitlements

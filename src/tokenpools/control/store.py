@@ -119,6 +119,12 @@ class Store(Protocol):
         entitlements with leases appear. A read-only view: do not mutate."""
         ...
 
+    def resumable_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
+        """In-flight leases whose host suspends them when taken back (`Lease.resumable`), by
+        entitlement, then by id, oldest first; read when capacity is lost, never on the
+        admission path."""
+        ...
+
     def take_window(self, name: str, now: float) -> Window: ...
 
     def pending_usage(self, pool: str, now: float, limit: int) -> PendingUsage:

@@ -51,6 +51,9 @@ class Lease:
     reserved_path: bool = False  # booked against its protected baseline (set by reserve)
     drew_own: bool = False  # took its tokens from the entitlement's own bucket (set by reserve)
     meter: Meter | None = None  # budgets and usage ledger; None: neither
+    # its host suspends it when it is taken back (and resumes it): what the core may take back
+    # of elastic work after a capacity loss (control/eviction.py `choose_drained`)
+    resumable: bool = False
 
     def __init__(
         self,
@@ -65,12 +68,14 @@ class Lease:
         reserved_path: bool = False,
         drew_own: bool = False,
         meter: Meter | None = None,
+        resumable: bool = False,
     ) -> None:
         self.lease_id, self.pool, self.entitlement = lease_id, pool, entitlement
         self.tokens, self.kv_tokens = tokens, kv_tokens
         self.started_at, self.expires_at = started_at, expires_at
         self.preemptible, self.reserved_path, self.drew_own = preemptible, reserved_path, drew_own
         self.meter = meter
+        self.resumable = resumable
 
 
 @dataclass(frozen=True, slots=True)

@@ -283,3 +283,10 @@ class MemoryStore(MemoryBook):
 
     def preemptible_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
         return self._pools[pool].preemptible_by_ent
+
+    def resumable_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
+        groups: dict[str, dict[str, Lease]] = {}
+        for lease in sorted(self._leases.values(), key=lambda v: v.started_at):
+            if lease.pool == pool and lease.resumable:
+                groups.setdefault(lease.entitlement, {})[lease.lease_id] = lease
+        return groups

@@ -237,6 +237,16 @@ class RedisStore(RedisLink):
             groups.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         return groups
 
+    def resumable_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
+        groups: dict[str, dict[str, Lease]] = {}
+        rows = sorted(
+            (wire.lease(row, pool) for row in self._call(pool, "resumable", now, ())),
+            key=lambda lease: lease.started_at,
+        )
+        for lease in rows:
+            groups.setdefault(lease.entitlement, {})[lease.lease_id] = lease
+        return groups
+
     # -- observation and scores ----------------------------------------------------------
 
     def take_window(self, name: str, now: float) -> Window:

@@ -32,7 +32,7 @@ KeyFn = Callable[[BudgetHold], str]
 # ARGV[4] the calling replica (the owner of the leases it books).
 HEADER = ("op", "epoch", "now", "owner")
 # A new lease, as adopt takes it and as each admission starts.
-LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre")
+LEASE_ARGS = ("id", "ent", "tokens", "kv", "started", "expires", "pre", "res")
 # One admission: how many arguments it has (this one included), when it is decided, the lease,
 # its own numbers; then the plan's numbers, then the victims' names. Several may follow each
 # other in one call, decided in that order. `more`: the next group is this request's next
@@ -72,6 +72,7 @@ OPS: dict[str, tuple[str, ...]] = {
     "expire": ("stale",),
     "get_lease": ("id",),
     "preemptible": (),
+    "resumable": (),
     "take_window": ("name",),
     "scores": ("name",),
     "set_scores": ("name", "debt", "burst", "priority", "peak_c", "peak_k"),
@@ -111,6 +112,7 @@ LEASE_ROW = {
     "preemptible": "pre",
     "reserved_path": "reserved",
     "drew_own": "own",
+    "resumable": "res",
 }
 # The admit reply: status ('ok' or a Shortfall), the three flags, the entitlement counters and
 # the pool counters, the evicted leases' rows, what each budget hold has left, and the index
@@ -180,7 +182,7 @@ def lease(row: Sequence[Any], pool: str) -> Lease:
     for name, value in zip(LEASE_ROW, text[1:], strict=True):
         if name == "entitlement":
             values[name] = value
-        elif name in ("preemptible", "reserved_path", "drew_own"):
+        elif name in ("preemptible", "reserved_path", "drew_own", "resumable"):
             values[name] = value == "1"
         else:
             values[name] = float(value)
@@ -221,6 +223,7 @@ def lease_args(lease: Lease) -> list[str]:
         "started": num(lease.started_at),
         "expires": num(lease.expires_at),
         "pre": "1" if lease.preemptible else "0",
+        "res": "1" if lease.resumable else "0",
     }
     return [values[name] for name in LEASE_ARGS]
 

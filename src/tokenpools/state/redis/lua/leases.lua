@@ -4,7 +4,7 @@
 
 local function lease_reply(id, l)
   local row = { id }
-  for _, f in ipairs(LEASE_ROW) do row[#row + 1] = fmt(l[f]) end
+  for _, f in ipairs(LEASE_ROW) do row[#row + 1] = fmt(l[f] or 0) end  -- none: booked before it
   return row
 end
 

@@ -80,7 +80,7 @@ local function adopt(p, now)
   if e == nil then return 0 end
   local l = { ent = name, tokens = tonumber(ARGV[A.tokens]), kv = tonumber(ARGV[A.kv]),
     started = tonumber(ARGV[A.started]), expires = tonumber(ARGV[A.expires]),
-    pre = tonumber(ARGV[A.pre]), reserved = 0, own = 0 }
+    pre = tonumber(ARGV[A.pre]), res = tonumber(ARGV[A.res]), reserved = 0, own = 0 }
   refill(p, 'b_', now)
   p.b_level = p.b_level - l.tokens
   e.admitted = e.admitted + l.tokens
@@ -208,6 +208,15 @@ if op == 'preemptible' then
   for _, id in ipairs(redis.call('ZRANGE', P .. ':pre', 0, -1)) do
     local l = load_lease(id)
     if l ~= nil then out[#out + 1] = lease_reply(id, l) end
+  end
+  return out
+end
+if op == 'resumable' then
+  -- every lease in flight is read: only when capacity is lost, never to admit
+  local out = {}
+  for _, id in ipairs(redis.call('ZRANGE', P .. ':exp', 0, -1)) do
+    local l = load_lease(id)
+    if l ~= nil and l.res == 1 then out[#out + 1] = lease_reply(id, l) end
   end
   return out
 end

@@ -179,7 +179,7 @@ local function admit(p, o)
     local l = { id = id, ent = name, tokens = tonumber(ARGV[o + A.tokens]),
       kv = tonumber(ARGV[o + A.kv]), started = tonumber(ARGV[o + A.started]),
       expires = tonumber(ARGV[o + A.expires]), pre = tonumber(ARGV[o + A.pre]),
-      reserved = 0, own = 0 }
+      res = tonumber(ARGV[o + A.res]), reserved = 0, own = 0 }
     if metered then
       l.bucket, l.w_in, l.w_out, l.w_cost, l.holds = ARGV[o + A.bucket], w.input, w.output, w.cost, flat
     end

@@ -75,7 +75,7 @@ local ENT_FIELDS = { 'conc', 'kv', 'peak_c', 'peak_k', 'leases', 'protected', 'b
   'hold_c', 'hold_k', 'o_rate', 'o_depth', 'o_level', 'o_t', 't_acc', 'conc_s', 'kv_s', 'settled', 'demand',
   'admitted', 'window_start', 'claim_c', 'claim_k', 'cl_c', 'cl_k' }
 local LEASE_FIELDS = { 'ent', 'tokens', 'kv', 'started', 'expires', 'pre', 'reserved', 'own',
-  'owner', 'bucket', 'w_in', 'w_out', 'w_cost', 'holds' }
+  'res', 'owner', 'bucket', 'w_in', 'w_out', 'w_cost', 'holds' }
 
 local function ent_key(name) return P .. ':e:' .. name end
 local function lease_key(id) return P .. ':l:' .. id end
