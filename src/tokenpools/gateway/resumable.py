@@ -1,5 +1,6 @@
-"""A lent chat or completions request the core may take back: suspended, not ended
-(docs/decisions.md, "Lending, and taking back"). Each engine request is one *segment*, run as
+"""A chat or completions request the core may take back (`Lease.resumable`: lent work, and
+elastic work after a capacity loss): suspended, not ended (docs/decisions.md, "Lending, and
+taking back"). Each engine request is one *segment*, run as
 its own task so that an eviction cancels the segment, not the client's exchange: the engine
 request is aborted (its connection closed), the client's connection stays open, and what was
 generated so far is kept (openai_api/continuation.py). The suspended request asks the front
