@@ -24,6 +24,7 @@ from tokenpools.model.config import Config
 from tokenpools.model.entitlement import BindingState, Entitlement
 from tokenpools.model.policy import Policy
 from tokenpools.model.pool import Pool
+from tokenpools.model.service_class import ServiceClass
 
 
 class Catalog:
@@ -150,6 +151,8 @@ class Catalog:
                     size_limit_tokens=limit_tokens,
                     size_limit_kv=limit_kv,
                     kept_plan=plans.reserve_plan(pool, ent, bound, policy, False) if kept else None,
+                    suspendable=policy.suspend
+                    and (lent or ent.service_class is ServiceClass.ELASTIC),
                 )
                 self._refresh_priority(ent.name, now)
             self.arrange_surplus(view)

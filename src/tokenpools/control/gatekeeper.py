@@ -123,7 +123,6 @@ class Gatekeeper:
             cost.endable and (cost.resumable or view.ent.service_class is ServiceClass.PREEMPTIBLE)
         )
         plan = view.kept_plan if kept and view.kept_plan is not None else view.plan
-        lent = view.preemptible and not kept
         lease = Lease(
             lease_id,
             pool.name,
@@ -132,16 +131,12 @@ class Gatekeeper:
             kv,
             now,
             now + self.catalog.policy.lease_ttl_s,
-            lent,
+            view.preemptible and not kept,
             meter=None
             if account is None
             else self.catalog.budgets.meter(account, ent, pool, cost.input_tokens, out, now),
-            # taking it back suspends it: lent work, and elastic work after a capacity loss
-            # (control/eviction.py `choose_drained`), that the host can resume
-            resumable=self.catalog.policy.suspend
-            and cost.resumable
-            and cost.endable
-            and (lent or ent.service_class is ServiceClass.ELASTIC),
+            # taking it back suspends it (a kept request is one the host cannot resume or end)
+            resumable=view.suspendable and cost.resumable and cost.endable,
         )
         # Who this request may evict: the pool's preemptible entitlements strictly below it,
         # if the pool owes it capacity.
