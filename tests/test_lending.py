@@ -1,8 +1,8 @@
-"""Who is lent what (control/eviction.py `is_lent`, control/plans.py `leaves_claims`), through
-the decision core: where the host suspends, spot work fills the unused protected baselines and
-is taken back when an owner comes; a spot request the host cannot resume, or any spot request
-where the host cannot suspend, keeps off them as before; the claims go where the engines
-schedule by priority."""
+"""Who is lent what (control/eviction.py `is_lent`, control/plans.py `claims_once_measured`),
+through the decision core: where the host suspends, spot work fills the unused protected
+baselines and is taken back when an owner comes; a spot request the host cannot resume, or any
+spot request where the host cannot suspend, keeps off them as before; an owner just bound
+claims its baseline until it is first measured, on every kind of engine."""
 
 from __future__ import annotations
 
@@ -37,10 +37,19 @@ def core(
     return DecisionCore(config, MemoryStore(), now=0.0, suspends=suspends)
 
 
-def fill(c: DecisionCore, name: str, resumable: bool, tries: int = 12) -> list[Admit]:
+def measured(c: DecisionCore) -> float:
+    """Past the first update period: every owner measured (idle). Returns the time."""
+    now = c.policy.update_period_s + 0.1
+    c.tick(now)
+    return now
+
+
+def fill(
+    c: DecisionCore, name: str, resumable: bool, tries: int = 12, now: float = 1.0
+) -> list[Admit]:
     admitted = []
     for i in range(tries):
-        d = c.admit(name, RequestCost(100, 50, resumable=resumable), 1.0, f"{name}-{i}")
+        d = c.admit(name, RequestCost(100, 50, resumable=resumable), now, f"{name}-{i}")
         if isinstance(d, Admit):
             admitted.append(d)
     return admitted
@@ -48,10 +57,11 @@ def fill(c: DecisionCore, name: str, resumable: bool, tries: int = 12) -> list[A
 
 def test_where_the_host_suspends_spot_fills_the_protected_baseline_and_gives_it_back() -> None:
     c = core(suspends=True)
-    spot = fill(c, "spot", resumable=True)
+    now = measured(c)
+    spot = fill(c, "spot", resumable=True, now=now)
     assert len(spot) == 8  # the whole pool, gold's idle baseline included
     assert all(d.lease.preemptible for d in spot)
-    gold = c.admit("gold", RequestCost(100, 50), 1.0, "gold-0")
+    gold = c.admit("gold", RequestCost(100, 50), now, "gold-0")
     assert isinstance(gold, Admit)
     assert [v.lease_id for v in gold.evict] == ["spot-7"]  # the newest lent request
 
@@ -75,25 +85,26 @@ def test_suspend_false_in_the_config_lends_as_without_suspension() -> None:
     assert len(fill(c, "spot", resumable=True)) == 4
 
 
-def test_claims_hold_capacity_back_on_fcfs_engines_only() -> None:
-    """Gold has just bound: its claim is its whole baseline until measured. On a fcfs pool a
-    preemptible request leaves it free; on a priority pool, where taking back suspends, the
-    claim holds nothing back."""
-    for scheduling, expected in (("fcfs", 4), ("priority", 8)):
-        c = core(True, scheduling, GOLD_BATCH)
-        assert len(fill(c, "batch", resumable=True)) == expected, scheduling
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
+def test_an_owner_just_bound_claims_its_baseline(scheduling: str) -> None:
+    """Gold has just bound: its claim is its whole baseline until measured, and a preemptible
+    request leaves it free, whatever the engines' scheduling (a lent prefill in progress is
+    not preempted for gold's first requests)."""
+    c = core(True, scheduling, GOLD_BATCH)
+    assert len(fill(c, "batch", resumable=True)) == 4
 
 
+@pytest.mark.parametrize("scheduling", ["fcfs", "priority"])
 @pytest.mark.parametrize(("suspends", "most"), [(True, 8), (False, 6)])
 def test_once_measured_an_owner_claims_nothing_where_taking_back_suspends(
-    suspends: bool, most: int
+    suspends: bool, most: int, scheduling: str
 ) -> None:
     """After its first update period gold is measured (idle). Where taking back suspends,
-    its claim is gone and lent work fills the fcfs pool; where the host cannot suspend, the
-    claim fades from the baseline and still holds room back."""
-    c = core(suspends, "fcfs", GOLD_BATCH)
-    c.tick(c.policy.update_period_s + 0.1)
-    admitted = len(fill(c, "batch", resumable=True))
+    its claim is gone and lent work fills the pool; where the host cannot suspend, the claim
+    fades from the baseline and still holds room back."""
+    c = core(suspends, scheduling, GOLD_BATCH)
+    now = measured(c)
+    admitted = len(fill(c, "batch", resumable=True, now=now))
     assert (admitted == 8) if suspends else (4 <= admitted <= most)
 
 

@@ -45,24 +45,15 @@ def own_bucket(ent: Entitlement, policy: Policy) -> BucketSpec:
     return BucketSpec(rate, rate * policy.burst_window_s)
 
 
-def leaves_claims(pool: Pool, policy: Policy) -> bool:
-    """Whether surplus work leaves the others' claims free (control/backfill.py). Not where
-    taking back suspends and the engines schedule by priority: there an owner's request is
-    prefilled before lent work and the lent work it displaces is suspended, not lost, so
-    holding capacity back in advance buys nothing (docs/decisions.md, "Lending, and taking
-    back", with the measurements). On fcfs engines an owner's prefill queues behind lent
-    prefills: the claims keep its TTFT."""
-    return not (policy.suspend and pool.scheduling_policy == "priority")
-
-
 def claims_once_measured(policy: Policy) -> bool:
     """Whether an owner's claim outlives its first measurement (control/backfill.py). Not
     where taking back suspends: an owner measured is seen as it comes back, and the lent work
     it displaces then is suspended, not lost, so lent work fills what it does not run. Only an
     owner that has just bound, which nobody has measured yet, claims its whole baseline until
-    its first update period: on fcfs engines its first requests would otherwise queue behind
-    the prefills of a flood of lent work admitted at the same moment (docs/decisions.md,
-    "Lending, and taking back", with the measurements)."""
+    its first update period: its first requests would otherwise queue behind the prefills of
+    a flood of lent work admitted at the same moment, on fcfs engines and on priority ones
+    alike (a prefill in progress is not preempted; docs/decisions.md, "Lending, and taking
+    back", with the measurements)."""
     return not policy.suspend
 
 
@@ -102,7 +93,7 @@ def reserve_plan(
         shared_kv=cap.kv_tokens,
         nonpreemptible_concurrency=INF if preemptible else cap.concurrency,
         nonpreemptible_kv=INF if preemptible else cap.kv_tokens,
-        surplus=ent.service_class in BORROWERS and leaves_claims(pool, policy),
+        surplus=ent.service_class in BORROWERS,
         shared_bucket_floor=0.0,
         nonpreemptible_bucket_floor=-lend * depth,
         contended_concurrency=cap.concurrency * (1.0 - policy.headroom),
