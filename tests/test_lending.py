@@ -6,11 +6,13 @@ claims its baseline until it is first measured, on every kind of engine."""
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 
 from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
-from tokenpools.control.decisions import Admit
+from tokenpools.control.decisions import Admit, Reason, Reject
 from tokenpools.model.request import RequestCost
 from tokenpools.state.memory import MemoryStore
 
@@ -45,11 +47,11 @@ def measured(c: DecisionCore) -> float:
 
 
 def fill(
-    c: DecisionCore, name: str, resumable: bool, tries: int = 12, now: float = 1.0
+    c: DecisionCore, name: str, resumable: bool, tries: int = 12, now: float = 1.0, tag: str = ""
 ) -> list[Admit]:
     admitted = []
     for i in range(tries):
-        d = c.admit(name, RequestCost(100, 50, resumable=resumable), now, f"{name}-{i}")
+        d = c.admit(name, RequestCost(100, 50, resumable=resumable), now, f"{name}{tag}-{i}")
         if isinstance(d, Admit):
             admitted.append(d)
     return admitted
@@ -127,3 +129,36 @@ def test_preemptible_work_the_host_cannot_end_is_never_lent(scheduling: str) -> 
     assert len(fill(c, "batch", resumable=False)) == 8
     gold0 = c.admit("gold", RequestCost(100, 50), 1.0, "gold-0")
     assert isinstance(gold0, Admit) and len(gold0.evict) == 1
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_lent_work_takes_room_a_request_was_refused_only_for_idle_baselines(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """Check 5 sheds lower-priority work for a higher-priority request's unmet demand. An
+    elastic request refused only because the rest is gold's idle baseline cannot use that room
+    whatever spot does, so spot, lent it, is not shed for it; once the pool itself is full,
+    the elastic refusal counts again."""
+    ents = [*ENTS[:1], {"name": "team", "serviceClass": "elastic", "sloTargetMs": 500},
+            ENTS[1]]  # fmt: skip
+    c = core(True, "priority", ents)
+    if store == "redis":
+        from tokenpools.state.redis.store import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        c = DecisionCore(c.config, RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0),
+                         now=0.0, suspends=True)  # fmt: skip
+    now = measured(c)
+    team = fill(c, "team", resumable=False, tries=6, now=now)
+    assert len(team) == 8 - 4  # the rest is gold's
+    assert len(fill(c, "spot", resumable=True, tries=2, now=now)) == 2  # 6 of 8: contended
+    refused = c.admit("team", RequestCost(100, 50, resumable=False), now, "team-more")
+    assert isinstance(refused, Reject) and refused.reason == Reason.POOL_FULL
+    assert c.scores("team", now).priority > c.scores("spot", now).priority
+    spot = fill(c, "spot", resumable=True, tries=4, now=now, tag="b")
+    assert len(spot) == 2  # to the pool's 8, not shed for team
+    refused = c.admit("team", RequestCost(100, 50, resumable=False), now, "team-full")
+    assert isinstance(refused, Reject)  # the pool is full now: noted
+    c.release(spot[0].lease.lease_id, now)
+    shed = c.admit("spot", RequestCost(100, 50), now, "spot-shed")
+    assert isinstance(shed, Reject) and shed.reason == Reason.LOW_PRIORITY

@@ -94,8 +94,18 @@ def first_shortfall(
             short = Shortfall.RESERVED_KV
         elif unreserved < plan.nonpreemptible_bucket_floor:
             short = Shortfall.RESERVED_THROUGHPUT
+        if short is not None:
+            # Noted for check 5 only where the pool is full too: where only the unused
+            # baselines stop it, lent work may run there, and that leaves this request no less.
+            if (
+                used_c + 1 > plan.shared_concurrency
+                or used_k + kv > plan.shared_kv
+                or bucket.level - tokens < plan.shared_bucket_floor
+            ):
+                p.note_refusal(e.name, e.priority, now)
+            return short
         # Surplus work leaves its share of what the others are expected to claim back free.
-        elif (
+        if (
             plan.surplus
             and used_c
             + 1
