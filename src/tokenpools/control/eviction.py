@@ -64,14 +64,26 @@ def choose_victims(
     need_k = counters.kv_tokens + kv - plan.shared_kv
     if need_c > counters.preemptible_concurrency or need_k > counters.preemptible_kv:
         return []
-    victims: list[Lease] = []
+    victims, enough = until_fits((need_c, need_k), groups, order)
+    return victims if enough else []
+
+
+def until_fits(
+    need: tuple[float, float],
+    groups: Mapping[str, Mapping[str, Lease]],
+    order: Sequence[str],
+) -> tuple[list[Lease], bool]:
+    """Leases in eviction order until they free `need` (sequences, KV tokens), and whether
+    they do."""
+    need_c, need_k = need
+    taken: list[Lease] = []
     for lease in eviction_order(groups, order):
         if need_c <= 0 and need_k <= 0:
             break
-        victims.append(lease)
+        taken.append(lease)
         need_c -= 1
         need_k -= lease.kv_tokens
-    return victims if need_c <= 0 and need_k <= 0 else []
+    return taken, need_c <= 0 and need_k <= 0
 
 
 def overdrawn(
@@ -98,12 +110,4 @@ def choose_drained(
     are time-averaged and oversubscribed; the reserved ones are a promise, so work that sits
     on them when capacity shrinks waits, suspended, instead of the owner (docs/decisions.md,
     "Lending, and taking back")."""
-    need_c, need_k = over
-    drained: list[Lease] = []
-    for lease in eviction_order(groups, order):
-        if need_c <= 0 and need_k <= 0:
-            break
-        drained.append(lease)
-        need_c -= 1
-        need_k -= lease.kv_tokens
-    return drained
+    return until_fits(over, groups, order)[0]

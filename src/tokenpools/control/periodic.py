@@ -13,7 +13,7 @@ from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.backfill import BORROWERS, forgotten, next_claim
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.decisions import CapacityChange, TickResult
-from tokenpools.control.eviction import choose_drained, eviction_order, overdrawn
+from tokenpools.control.eviction import choose_drained, overdrawn, until_fits
 from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
 from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
@@ -132,16 +132,11 @@ class Periodic:
         evicted: list[Lease] = []
         try:  # unreachable store: admissions already use the new capacity; nothing evicted
             counters = self.store.pool_counters(pool_name, now)
-            over_c = counters.concurrency - cap.concurrency
-            over_k = counters.kv_tokens - cap.kv_tokens
+            over = (counters.concurrency - cap.concurrency, counters.kv_tokens - cap.kv_tokens)
             groups = self.store.preemptible_leases(pool_name, now)
-            for lease in eviction_order(groups, view.preemptible_order):
-                if over_c <= 0 and over_k <= 0:
-                    break
+            for lease in until_fits(over, groups, view.preemptible_order)[0]:
                 self.store.release(lease.lease_id, now, refund=False)
                 evicted.append(lease)
-                over_c -= 1
-                over_k -= lease.kv_tokens
             if self.catalog.policy.suspend:
                 for lease in self._drained(view, now):
                     self.store.release(lease.lease_id, now, refund=False)
