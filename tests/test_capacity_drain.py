@@ -1,5 +1,5 @@
 """Elastic work taken back after a capacity loss (control/eviction.py `overdrawn` and
-`choose_drained`, control/periodic.py): where the host suspends, the elastic work that now sits
+`elastic_to_take_back`, control/periodic.py): where the host suspends, the elastic work that now sits
 on the baselines of protected owners with work in flight is suspended, lowest priority first and
 newest first, until the owners' baselines fit again, and never more; elastic work the host cannot
 resume, and elastic work with no active owner to make room for, runs on. Checked on generated
@@ -150,11 +150,14 @@ def test_generated_pools_on_the_memory_store() -> None:
     assert sum(n > 0 for n in taken) >= 10  # the case happened, often
 
 
-@pytest.mark.parametrize("seed", range(0, 60, 6))
-def test_generated_pools_on_redis(seed: int, redis_url: str) -> None:
+def test_generated_pools_on_redis(redis_url: str) -> None:
     from tokenpools.state.redis.store import RedisStore
 
-    check_drain(seed, RedisStore(redis_url, prefix=secrets.token_hex(4), timeout_s=2.0))
+    taken = [
+        check_drain(seed, RedisStore(redis_url, prefix=secrets.token_hex(4), timeout_s=2.0))
+        for seed in range(0, 60, 4)
+    ]
+    assert sum(n > 0 for n in taken) >= 3  # the case happened
 
 
 OWNER_AND_ELASTIC = [
@@ -180,6 +183,8 @@ def test_team_work_on_golds_baseline_is_taken_back_newest_first() -> None:
     core, taken = drop(suspends=True, gold=2)
     # 2 gold + 4 team + gold's 2 unused = 8 on 4 slots: 4 over, all team's
     assert [lease.lease_id for lease in taken] == ["team-3", "team-2", "team-1", "team-0"]
+    # what surplus work learns from its evictions (control/backfill.py) is not touched
+    assert core.pools["p"].claim_scale == 1.0
     assert all(isinstance(core.admit("gold", RequestCost(100, 100), 5.0), Admit) for _ in range(2))
 
 
@@ -188,8 +193,27 @@ def test_team_work_on_golds_baseline_is_taken_back_newest_first() -> None:
     [(False, 2, True), (True, 0, True), (True, 2, False)],
     ids=["host-does-not-suspend", "owner-idle", "cannot-resume"],
 )
-def test_otherwise_elastic_work_drains_on_its_own(
-    suspends: bool, gold: int, resumable: bool
-) -> None:
+def test_otherwise_elastic_work_runs_to_its_end(suspends: bool, gold: int, resumable: bool) -> None:
     _, taken = drop(suspends, gold, resumable)
     assert taken == []
+
+
+def test_leases_started_together_are_taken_back_in_the_same_order_on_both_stores(
+    redis_url: str,
+) -> None:
+    """Newest first means by start, then by id, on every store: team-9 and team-10 started
+    at the same instant."""
+    from tokenpools.state.redis.store import RedisStore
+
+    def taken(store: Store) -> list[str]:
+        config = make_config(OWNER_AND_ELASTIC, concurrency=8, tokens_per_s=TOKENS_PER_S)
+        core = DecisionCore(config, store, now=0.0, suspends=True)
+        assert isinstance(core.admit("gold", RequestCost(100, 100), 0.1, "gold-0"), Admit)
+        for name in ("team-9", "team-10"):
+            assert isinstance(core.admit("team", RequestCost(100, 100), 0.2, name), Admit)
+        change = core.set_capacity("p", 1.0, per_replica=Resources(TOKENS_PER_S, 32768, 5))
+        return [lease.lease_id for lease in change.evict]
+
+    memory = taken(MemoryStore())
+    assert memory == ["team-9"]  # ids compare as text: "team-9" > "team-10"
+    assert taken(RedisStore(redis_url, prefix=secrets.token_hex(4), timeout_s=2.0)) == memory

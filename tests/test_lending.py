@@ -162,3 +162,30 @@ def test_lent_work_takes_room_a_request_was_refused_only_for_idle_baselines(
     c.release(spot[0].lease.lease_id, now)
     shed = c.admit("spot", RequestCost(100, 50), now, "spot-shed")
     assert isinstance(shed, Reject) and shed.reason == Reason.LOW_PRIORITY
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_such_a_refusal_still_sheds_lower_priority_work_that_is_not_lent(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """The same refusal counts against work that is not lent: that work competes for the very
+    room it was refused, and the slot a lower-priority elastic request frees goes to the
+    higher-priority one."""
+    ents = [*ENTS[:1], {"name": "team", "serviceClass": "elastic", "sloTargetMs": 500},
+            {"name": "low", "serviceClass": "elastic", "sloTargetMs": 30000}]  # fmt: skip
+    c = core(True, "priority", ents)
+    if store == "redis":
+        from tokenpools.state.redis.store import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        c = DecisionCore(c.config, RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0),
+                         now=0.0, suspends=True)  # fmt: skip
+    now = measured(c)
+    low = fill(c, "low", resumable=False, tries=2, now=now)
+    assert len(low) == 2 and len(fill(c, "team", resumable=False, tries=2, now=now)) == 2
+    refused = c.admit("team", RequestCost(100, 50, resumable=False), now, "team-more")
+    assert isinstance(refused, Reject) and refused.reason == Reason.POOL_FULL  # gold's 4 held
+    c.release(low[0].lease.lease_id, now)
+    shed = c.admit("low", RequestCost(100, 50, resumable=False), now, "low-again")
+    assert isinstance(shed, Reject) and shed.reason == Reason.LOW_PRIORITY
+    assert isinstance(c.admit("team", RequestCost(100, 50), now, "team-again"), Admit)

@@ -89,17 +89,18 @@ def until_fits(
 def overdrawn(
     counters: PoolCounters, capacity: Resources, held: tuple[float, float]
 ) -> tuple[float, float]:
-    """How far the work that is not lent, with the unused baselines `held` for protected
-    owners, exceeds the pool's capacity, in sequences and KV tokens. Admission keeps it at or
-    below 0 (check 5's reserved limits); only a capacity loss under that work takes it
-    above."""
+    """How far the work that is not lent, with the unused part `held` of the protected owners'
+    baselines, exceeds the pool's capacity, in sequences and KV tokens: how much must go for
+    the owners' whole baselines to fit beside the rest. Admission keeps it at or below 0 for
+    every bound owner (the reserved limits); only a capacity loss under work already running
+    takes it above."""
     return (
         counters.concurrency - counters.preemptible_concurrency + held[0] - capacity.concurrency,
         counters.kv_tokens - counters.preemptible_kv + held[1] - capacity.kv_tokens,
     )
 
 
-def choose_drained(
+def elastic_to_take_back(
     over: tuple[float, float],
     groups: Mapping[str, Mapping[str, Lease]],
     order: Sequence[str],

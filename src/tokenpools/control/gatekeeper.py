@@ -135,7 +135,8 @@ class Gatekeeper:
             meter=None
             if account is None
             else self.catalog.budgets.meter(account, ent, pool, cost.input_tokens, out, now),
-            # taking it back suspends it (a kept request is one the host cannot resume or end)
+            # taking it back suspends it (control/views.py `suspendable`; a request the host
+            # cannot resume or end never is)
             resumable=view.suspendable and cost.resumable and cost.endable,
         )
         # Who this request may evict: the pool's preemptible entitlements strictly below it,

@@ -13,7 +13,7 @@ from tokenpools.control.autoscale import capacity_need, desired_replicas
 from tokenpools.control.backfill import BORROWERS, forgotten, next_claim
 from tokenpools.control.catalog import Catalog
 from tokenpools.control.decisions import CapacityChange, TickResult
-from tokenpools.control.eviction import choose_drained, overdrawn, until_fits
+from tokenpools.control.eviction import elastic_to_take_back, overdrawn, until_fits
 from tokenpools.control.fallback import LocalFallback
 from tokenpools.control.observation import Observation, burst_excess, ewma, observe, service_gap
 from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
@@ -115,9 +115,9 @@ class Periodic:
         """Apply a capacity change at once (replicas added or lost, or replicas that lost part
         of their capacity): admissions use the new capacity from now on, and preemptible
         leases are evicted (lowest priority, newest first) until what remains fits. Where the
-        host suspends, elastic work that now sits on an active owner's baseline is taken back
-        too (suspended). Other work above the new capacity drains; nothing new is admitted
-        meanwhile."""
+        host suspends, elastic work that now leaves too little room beside the baselines of
+        the owners with work in flight is taken back too (suspended). Other work above the new
+        capacity runs to its end; nothing new is admitted meanwhile."""
         view = self.catalog.pools[pool_name]
         if replicas is not None:
             view.pool = view.pool.with_replicas(replicas)
@@ -137,20 +137,22 @@ class Periodic:
             for lease in until_fits(over, groups, view.preemptible_order)[0]:
                 self.store.release(lease.lease_id, now, refund=False)
                 evicted.append(lease)
+            # what the preemptible work learns from (control/backfill.py): not the elastic
+            self.catalog.note_evicted(evicted)
             if self.catalog.policy.suspend:
-                for lease in self._drained(view, now):
+                for lease in self._taken_back_for_owners(view, now):
                     self.store.release(lease.lease_id, now, refund=False)
                     evicted.append(lease)
         except StoreUnavailable:
-            pass
-        self.catalog.note_evicted(evicted)
+            self.catalog.note_evicted(evicted)
         return CapacityChange(tuple(evicted), states)
 
-    def _drained(self, view: PoolView, now: float) -> list[Lease]:
-        """Elastic work that sits on the baselines of protected owners with work in flight,
-        now that the pool has less capacity (control/eviction.py `choose_drained`). An owner
-        with nothing in flight is not counted: taking work back for one that may not come back
-        would only make that work wait for nothing; with none active, nothing is taken."""
+    def _taken_back_for_owners(self, view: PoolView, now: float) -> list[Lease]:
+        """Elastic work to take back now that the pool has less capacity, so that the
+        baselines of the protected owners with work in flight fit beside the work that is not
+        lent (control/eviction.py `elastic_to_take_back`). An owner with nothing in flight is not
+        counted: taking work back for one that may not come back would only make that work
+        wait for nothing; with none active, nothing is taken."""
         ents = self.catalog.entitlements
         members = [ents[name] for name in view.members]
         active, held_c, held_k = False, 0.0, 0.0
@@ -172,7 +174,7 @@ class Periodic:
             key=lambda m: (m.priority, m.ent.name),
         )
         groups = self.store.resumable_leases(view.pool.name, now)
-        return choose_drained(over, groups, [m.ent.name for m in elastic])
+        return elastic_to_take_back(over, groups, [m.ent.name for m in elastic])
 
     def desired_replicas(self, pool_name: str) -> int:
         view, ents = self.catalog.pools[pool_name], self.catalog.entitlements

@@ -121,8 +121,8 @@ class Store(Protocol):
 
     def resumable_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
         """In-flight leases whose host suspends them when taken back (`Lease.resumable`), by
-        entitlement, then by id, oldest first; read when capacity is lost, never on the
-        admission path."""
+        entitlement, then by id, oldest first (by start, then id: the same order on every
+        store); read when capacity is lost, never on the admission path."""
         ...
 
     def take_window(self, name: str, now: float) -> Window: ...

@@ -51,8 +51,9 @@ class Lease:
     reserved_path: bool = False  # booked against its protected baseline (set by reserve)
     drew_own: bool = False  # took its tokens from the entitlement's own bucket (set by reserve)
     meter: Meter | None = None  # budgets and usage ledger; None: neither
-    # its host suspends it when it is taken back (and resumes it): what the core may take back
-    # of elastic work after a capacity loss (control/eviction.py `choose_drained`)
+    # taking it back suspends it (its host resumes it later) rather than ending it: lent work,
+    # and elastic work after a capacity loss (control/eviction.py `elastic_to_take_back`), that the
+    # host can resume
     resumable: bool = False
 
     def __init__(

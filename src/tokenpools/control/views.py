@@ -36,7 +36,7 @@ class EntitlementView:
     # class is not lent, or preemptible, whose requests are lent whatever ends them)
     kept_plan: ReservePlan | None = None
     # its requests the host can resume are suspended when taken back: lent work, and elastic
-    # work after a capacity loss (control/eviction.py `choose_drained`), where the host suspends
+    # work after a capacity loss (control/eviction.py `elastic_to_take_back`), where the host suspends
     suspendable: bool = False
 
 

@@ -41,6 +41,18 @@ class Bucket:
         self.level = min(self.depth, self.level + tokens)
 
 
+# The key prefix of a refusal that counts in check 5 against work that is not lent only
+# (`PoolAccount.note_refusal`); no entitlement name holds it.
+RESERVED_ONLY = "\x1f"
+
+
+def _counts(key: str, asker: str, lent: bool) -> bool:
+    """Whether the refusal noted under `key` counts in check 5 against `asker`."""
+    if key.startswith(RESERVED_ONLY):
+        return not lent and key[1:] != asker
+    return key != asker
+
+
 class EntitlementAccount:
     __slots__ = (
         "admitted",
@@ -176,20 +188,31 @@ class PoolAccount:
             claimed_kv=self.claimed_kv,
         )
 
-    def note_refusal(self, name: str, priority: float, now: float) -> None:
-        """Remember that `name` was refused room: unmet demand, for check 5. The cached top
-        stays the highest entry of the dict, or None (rebuilt when next asked)."""
-        self.refused[name] = (now, priority)
+    def note_refusal(
+        self, name: str, priority: float, now: float, reserved_only: bool = False
+    ) -> None:
+        """Remember that `name` was refused room: unmet demand, for check 5. `reserved_only`:
+        work that is not lent, refused only for the room the unused protected baselines hold,
+        which lent work may take and leave it no less; it counts against work that is not lent
+        only, kept under its own key. The cached top stays the highest entry of the dict, or
+        None (rebuilt when next asked)."""
+        key = RESERVED_ONLY + name if reserved_only else name
+        self.refused[key] = (now, priority)
         top = self.refused_top
         if top is None:
             return
         if priority >= top[0]:
-            self.refused_top = (priority, name, now)
-        elif top[1] == name:  # the top entry itself went down
+            self.refused_top = (priority, key, now)
+        elif top[1] == key:  # the top entry itself went down
             self.refused_top = None
 
     def outranked(
-        self, asker: str, w: float, since: float, ents: Mapping[str, EntitlementAccount]
+        self,
+        asker: str,
+        w: float,
+        since: float,
+        ents: Mapping[str, EntitlementAccount],
+        lent: bool = False,
     ) -> bool:
         """Check 5 for a request in a pool near full: refused when another entitlement of
         higher priority was refused room since `since` (its demand is unmet), and this one's
@@ -198,7 +221,8 @@ class PoolAccount:
         keeps the pool work-conserving: nobody is shed for a tenant that wants nothing.
 
         The highest refusal is cached; the dict is scanned (dropping aged entries) when that
-        one has aged out, or for the others' highest when it is the asker's own."""
+        one has aged out, or for the others' highest when it is the asker's own or one that
+        does not count against it (a lent asker's: `note_refusal`'s `reserved_only`)."""
         top = self.refused_top
         if top is None or top[2] < since:
             top = None
@@ -208,9 +232,13 @@ class PoolAccount:
                 elif top is None or priority > top[0]:
                     top = (priority, name, t)
             self.refused_top = top
-        if top is not None and top[1] == asker:  # the asker's own: the highest of the others
+        if top is not None and not _counts(top[1], asker, lent):  # the highest of the others
             top = max(
-                ((pr, n, t) for n, (t, pr) in self.refused.items() if n != asker and t >= since),
+                (
+                    (pr, n, t)
+                    for n, (t, pr) in self.refused.items()
+                    if t >= since and _counts(n, asker, lent)
+                ),
                 default=None,
             )
         if top is None or top[0] <= w:

@@ -81,7 +81,11 @@ def first_shortfall(
             or used_k + hold_k + kv > plan.contended_kv
             or unreserved < plan.contended_bucket
         ) and p.outranked(
-            e.name, e.priority * plan.priority_margin, now - plan.contention_window_s, ents
+            e.name,
+            e.priority * plan.priority_margin,
+            now - plan.contention_window_s,
+            ents,
+            lease.preemptible,
         ):
             p.note_refusal(e.name, e.priority, now)
             return Shortfall.LOW_PRIORITY
@@ -95,14 +99,14 @@ def first_shortfall(
         elif unreserved < plan.nonpreemptible_bucket_floor:
             short = Shortfall.RESERVED_THROUGHPUT
         if short is not None:
-            # Noted for check 5 only where the pool is full too: where only the unused
-            # baselines stop it, lent work may run there, and that leaves this request no less.
-            if (
+            # Where only the unused baselines stop it, lent work may run there and leave this
+            # request no less: its refusal then counts in check 5 against work not lent only.
+            full = (
                 used_c + 1 > plan.shared_concurrency
                 or used_k + kv > plan.shared_kv
                 or bucket.level - tokens < plan.shared_bucket_floor
-            ):
-                p.note_refusal(e.name, e.priority, now)
+            )
+            p.note_refusal(e.name, e.priority, now, reserved_only=not full)
             return short
         # Surplus work leaves its share of what the others are expected to claim back free.
         if (

@@ -17,7 +17,7 @@ from tokenpools.control.store import (
     ReservePlan,
     Shortfall,
 )
-from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
+from tokenpools.state.accounts import RESERVED_ONLY, Bucket, EntitlementAccount, PoolAccount
 from tokenpools.state.checks import first_shortfall
 from tokenpools.state.memory_book import MemoryBook
 
@@ -102,6 +102,7 @@ class MemoryStore(MemoryBook):
         self._update_claim(e, p)
         p.protected.discard(name)
         p.refused.pop(name, None)
+        p.refused.pop(RESERVED_ONLY + name, None)
         p.refused_top = None
         del self._ents[name]
         return ended
@@ -286,7 +287,7 @@ class MemoryStore(MemoryBook):
 
     def resumable_leases(self, pool: str, now: float) -> Mapping[str, Mapping[str, Lease]]:
         groups: dict[str, dict[str, Lease]] = {}
-        for lease in sorted(self._leases.values(), key=lambda v: v.started_at):
+        for lease in sorted(self._leases.values(), key=lambda v: (v.started_at, v.lease_id)):
             if lease.pool == pool and lease.resumable:
                 groups.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         return groups

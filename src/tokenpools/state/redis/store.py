@@ -241,7 +241,7 @@ class RedisStore(RedisLink):
         groups: dict[str, dict[str, Lease]] = {}
         rows = sorted(
             (wire.lease(row, pool) for row in self._call(pool, "resumable", now, ())),
-            key=lambda lease: lease.started_at,
+            key=lambda lease: (lease.started_at, lease.lease_id),
         )
         for lease in rows:
             groups.setdefault(lease.entitlement, {})[lease.lease_id] = lease

@@ -25,6 +25,7 @@ from tokenpools.control.store import (
     Reservation,
     ReservePlan,
 )
+from tokenpools.state.accounts import RESERVED_ONLY
 
 KeyFn = Callable[[BudgetHold], str]
 
@@ -149,6 +150,7 @@ def prelude() -> str:
             f"local LEASE_ROW = {_lua_list(list(LEASE_ROW.values()))}",
             f"local ADMIT_FLAGS = {_lua_list(ADMIT_FLAGS)}",
             f"local CLAIM_SIGMAS = {backfill.SPREAD_SIGMAS!r}  -- control/backfill.open_claims",
+            f"local RESERVED_ONLY = '\\{ord(RESERVED_ONLY)}'  -- state/accounts.py",
             "",
         ]
     )

@@ -96,21 +96,34 @@ end
 
 -- check 5
 
-local function refused(name, priority, now)
-  redis.call('ZADD', P .. ':ref', fmt(priority), name)
-  redis.call('HSET', P .. ':reft', name, fmt(now))
+-- A refusal of work that is not lent for want only of the room the unused protected
+-- baselines hold counts against work that is not lent only, under its own key: the name after
+-- the prefix RESERVED_ONLY (state/accounts.py).
+local function refused(name, priority, now, reserved_only)
+  local key = reserved_only and (RESERVED_ONLY .. name) or name
+  redis.call('ZADD', P .. ':ref', fmt(priority), key)
+  redis.call('HSET', P .. ':reft', key, fmt(now))
 end
 
--- The highest priority among other entitlements refused room since `since`; stale entries
--- found on the way are dropped.
-local function top_refused(name, since)
+-- Whether the refusal noted under `key` counts in check 5 against `name` (`lent`: its request
+-- is lent).
+local function counts(key, name, lent)
+  if string.sub(key, 1, 1) == RESERVED_ONLY then
+    return not lent and string.sub(key, 2) ~= name
+  end
+  return key ~= name
+end
+
+-- The highest priority among other entitlements refused room since `since` whose refusals
+-- count against `name`; stale entries found on the way are dropped.
+local function top_refused(name, since, lent)
   local start = 0
   while true do
     local batch = redis.call('ZREVRANGE', P .. ':ref', start, start + 7, 'WITHSCORES')
     if #batch == 0 then return nil end
     for i = 1, #batch, 2 do
       local other = batch[i]
-      if other ~= name then
+      if counts(other, name, lent) then
         local t = tonumber(redis.call('HGET', P .. ':reft', other))
         if t == nil or t < since then
           redis.call('ZREM', P .. ':ref', other)
@@ -134,8 +147,8 @@ local function threshold(name)
   return -INF
 end
 
-local function outranked(name, priority, since)
-  local top = top_refused(name, since)
+local function outranked(name, priority, since, lent)
+  local top = top_refused(name, since, lent)
   if top == nil or top <= priority then return false end
   return priority < threshold(name)
 end

@@ -63,8 +63,8 @@ local function remove_entitlement(p, now)
   e.claim_c, e.claim_k = 0.0, 0.0
   update_claim(e, p)
   redis.call('SREM', P .. ':prot', name)
-  redis.call('ZREM', P .. ':ref', name)
-  redis.call('HDEL', P .. ':reft', name)
+  redis.call('ZREM', P .. ':ref', name, RESERVED_ONLY .. name)
+  redis.call('HDEL', P .. ':reft', name, RESERVED_ONLY .. name)
   redis.call('DEL', key)
   save(P, p, POOL_FIELDS)
   return ended

@@ -54,24 +54,27 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     if (used_c + hold_c + 1 > plan.contended_concurrency
         or used_k + hold_k + kv > plan.contended_kv
         or unreserved < plan.contended_bucket)
-        and outranked(name, e.priority * plan.priority_margin, now - plan.contention_window_s) then
+        and outranked(name, e.priority * plan.priority_margin, now - plan.contention_window_s,
+          l.pre == 1) then
       return contended('low_priority')
     end
     -- What is held for protected baselines first: evicting preemptible work cannot help there.
-    -- Noted for check 5 only where the pool is full too: where only the unused baselines stop
-    -- it, lent work may run there, and that leaves this request no less.
-    local function held(short)
-      if used_c + 1 > plan.shared_concurrency or used_k + kv > plan.shared_kv
-          or p.b_level - tokens < plan.shared_bucket_floor then
-        return contended(short)
-      end
+    local short = nil
+    if used_c - pre_c + hold_c + 1 > plan.nonpreemptible_concurrency then
+      short = 'reserved_concurrency'
+    elseif used_k - pre_k + hold_k + kv > plan.nonpreemptible_kv then
+      short = 'reserved_kv'
+    elseif unreserved < plan.nonpreemptible_bucket_floor then
+      short = 'reserved_throughput'
+    end
+    if short then
+      -- Where only the unused baselines stop it, lent work may run there and leave this
+      -- request no less: its refusal then counts in check 5 against work not lent only.
+      local full = used_c + 1 > plan.shared_concurrency or used_k + kv > plan.shared_kv
+        or p.b_level - tokens < plan.shared_bucket_floor
+      refused(name, e.priority, now, not full)
       return short
     end
-    if used_c - pre_c + hold_c + 1 > plan.nonpreemptible_concurrency then
-      return held('reserved_concurrency')
-    end
-    if used_k - pre_k + hold_k + kv > plan.nonpreemptible_kv then return held('reserved_kv') end
-    if unreserved < plan.nonpreemptible_bucket_floor then return held('reserved_throughput') end
     -- surplus work leaves its share of what the others are expected to claim back free
     -- (control/backfill.py's slots_kept and kv_kept: whole sequences, so a fading claim's
     -- fraction of one holds no slot back)

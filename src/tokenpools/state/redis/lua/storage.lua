@@ -13,8 +13,9 @@
 --   P:pre       zset   preemptible lease id -> booking sequence (oldest first)
 --   P:inf       hash   entitlement -> its shared-path leases in flight (check 5's competitors)
 --   P:low       zset   entitlement in flight -> priority (the threshold is its lowest other)
---   P:ref       zset   entitlement -> priority when last refused room
---   P:reft      hash   entitlement -> when last refused room
+--   P:ref       zset   entitlement -> priority when last refused room (RESERVED_ONLY and its
+--                      name: refused only the unused baselines' room; leases.lua `refused`)
+--   P:reft      hash   the same keys -> when last refused room
 --   P:prot      set    entitlements holding a reserved baseline
 --   P:alive     hash   replica -> when it last expired leases (its heartbeat)
 --   P:o:<name>  set    the leases a replica booked and holds
