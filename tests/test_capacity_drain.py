@@ -1,9 +1,9 @@
 """Elastic work taken back after a capacity loss (control/eviction.py `overdrawn` and
-`elastic_to_take_back`, control/periodic.py): where the host suspends, the elastic work that now sits
-on the baselines of protected owners with work in flight is suspended, lowest priority first and
-newest first, until the owners' baselines fit again, and never more; elastic work the host cannot
-resume, and elastic work with no active owner to make room for, runs on. Checked on generated
-pools, on the memory store and on Redis, against what the store's counters say."""
+`elastic_to_take_back`, control/periodic.py): where the host suspends, the elastic work that
+now sits on the baselines of protected owners with work in flight is suspended, lowest priority
+first and newest first, until the owners' baselines fit again, and never more; elastic work the
+host cannot resume, and elastic work with no active owner to make room for, runs on. Checked on
+generated pools, on the memory store and on Redis, against what the store's counters say."""
 
 from __future__ import annotations
 

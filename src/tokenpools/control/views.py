@@ -35,8 +35,9 @@ class EntitlementView:
     # the plan of a request of a lent class that the host cannot resume: not lent (None: the
     # class is not lent, or preemptible, whose requests are lent whatever ends them)
     kept_plan: ReservePlan | None = None
-    # its requests the host can resume are suspended when taken back: lent work, and elastic
-    # work after a capacity loss (control/eviction.py `elastic_to_take_back`), where the host suspends
+    # its requests the host can resume are suspended when taken back, where the host suspends:
+    # lent work, and elastic work after a capacity loss (control/eviction.py
+    # `elastic_to_take_back`)
     suspendable: bool = False
 
 
