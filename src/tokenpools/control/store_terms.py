@@ -52,8 +52,8 @@ class Lease:
     drew_own: bool = False  # took its tokens from the entitlement's own bucket (set by reserve)
     meter: Meter | None = None  # budgets and usage ledger; None: neither
     # taking it back suspends it (its host resumes it later) rather than ending it: lent work,
-    # and elastic work after a capacity loss (control/eviction.py `elastic_to_take_back`), that the
-    # host can resume
+    # and elastic work after a capacity loss (control/eviction.py `elastic_to_take_back`),
+    # that the host can resume
     resumable: bool = False
 
     def __init__(

@@ -1,9 +1,9 @@
 """A chat or completions request the core may take back (`Lease.resumable`: lent work, and
 elastic work after a capacity loss): suspended, not ended (docs/decisions.md, "Lending, and
-taking back"). Each engine request is one *segment*, run as
-its own task so that an eviction cancels the segment, not the client's exchange: the engine
-request is aborted (its connection closed), the client's connection stays open, and what was
-generated so far is kept (openai_api/continuation.py). The suspended request asks the front
+taking back"). Each engine request is one *segment*, run as its own task so that an eviction
+cancels the segment, not the client's exchange: the engine request is aborted (its connection
+closed), the client's connection stays open, and what was generated so far is kept
+(openai_api/continuation.py). The suspended request asks the front
 door again — as one more request, its prompt the original and the text so far — whenever a
 request here ends, or at the Retry-After it was given, until its class's deadline; admitted,
 its continuation goes to the backend and its output is stitched onto the client's answer.
