@@ -162,6 +162,9 @@ async def replay(
                     _, admitted, req, output = flying.pop(event.index % len(flying))
                     sim.finished(req, output, now)
                     admitted.end(_usage(req, output))
+                    # on a shared store the end is a task of its own: the next decision is
+                    # compared with the simulator's once it has reached the store
+                    await runtime.driver.ends_done()
             else:
                 assert isinstance(event, Ask)
                 path, body = body_of(event)

@@ -157,10 +157,15 @@ class StoreDriver:
         if self.shared is not None:
             await self.shared.warm()
 
-    async def aclose(self) -> None:
-        """Wait for the lease ends in flight, then close the store's connections."""
+    async def ends_done(self) -> None:
+        """Wait for the lease ends (and recharges) in flight to reach the shared store: what a
+        host that stops, or a test comparing decisions step by step, needs there."""
         if self._ending:
             await asyncio.gather(*self._ending, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Wait for the lease ends in flight, then close the store's connections."""
+        await self.ends_done()
         if self.shared is not None:
             await self.shared.aclose()
         if self._worker is not None:
