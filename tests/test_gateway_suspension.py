@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -134,6 +134,24 @@ def test_a_suspended_stream_pauses_and_resumes_into_one_answer(
     # the continuation's prompt is the original and the text so far; the engine had most of
     # it cached (whole 16-token blocks), and prefilled the rest
     assert 1 <= metric(metrics, "tokenpools_recomputed_prompt_tokens_total", "batch") <= 16
+
+
+def charged_once(
+    server: ServerThread,
+    counted: Callable[[], dict[str, float]],
+    one: dict[str, float],
+    requests: int,
+    output: int,
+) -> None:
+    """After one batch request suspended among `requests` of `output` tokens each: the budgets
+    (`counted`) count every output token once, and each prompt once, as the lone request's
+    (`one`) was."""
+    wait_all_ended(server)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
+    total = requests * output
+    seen = wait_for(counted, lambda c: c["output"] == total, what="output counted once")
+    assert seen["input"] == requests * one["input"]
 
 
 def metric(text: str, name: str, entitlement: str) -> float:
@@ -335,12 +353,7 @@ def test_budgets_count_what_the_clients_received(
         assert gold_asks(server, 10).status_code == 200
         usage = [c["usage"] for s in streams for c in s.chunks() if c.get("usage")]
         assert len(usage) == 8 and all(u["completion_tokens"] == 60 for u in usage)
-        wait_all_ended(server)
-        metrics = httpx.get(f"{server.url}/metrics").text
-        assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
-        # every output token once (the suspended segment's reservation was 60 more), and each
-        # prompt once, as the lone request's was
-        seen = wait_for(counted, lambda c: c["output"] == 9 * 60, what="output counted once")
-        assert seen["input"] == 9 * one["input"]
+        # the suspended segment's reservation was 60 more
+        charged_once(server, counted, one, requests=9, output=60)
     finally:
         server.stop()

@@ -46,6 +46,17 @@ def measured(c: DecisionCore) -> float:
     return now
 
 
+def on_store(c: DecisionCore, store: str, request: pytest.FixtureRequest) -> DecisionCore:
+    """The same core on the store named (memory: as it is; redis: a fresh key prefix)."""
+    if store == "memory":
+        return c
+    from tokenpools.state.redis.store import RedisStore
+
+    url = request.getfixturevalue("redis_url")
+    backend = RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)
+    return DecisionCore(c.config, backend, now=0.0, suspends=True)
+
+
 def fill(
     c: DecisionCore, name: str, resumable: bool, tries: int = 12, now: float = 1.0, tag: str = ""
 ) -> list[Admit]:
@@ -141,13 +152,7 @@ def test_lent_work_takes_room_a_request_was_refused_only_for_idle_baselines(
     the elastic refusal counts again."""
     ents = [*ENTS[:1], {"name": "team", "serviceClass": "elastic", "sloTargetMs": 500},
             ENTS[1]]  # fmt: skip
-    c = core(True, "priority", ents)
-    if store == "redis":
-        from tokenpools.state.redis.store import RedisStore
-
-        url = request.getfixturevalue("redis_url")
-        c = DecisionCore(c.config, RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0),
-                         now=0.0, suspends=True)  # fmt: skip
+    c = on_store(core(True, "priority", ents), store, request)
     now = measured(c)
     team = fill(c, "team", resumable=False, tries=6, now=now)
     assert len(team) == 8 - 4  # the rest is gold's
@@ -173,13 +178,7 @@ def test_such_a_refusal_still_sheds_lower_priority_work_that_is_not_lent(
     higher-priority one."""
     ents = [*ENTS[:1], {"name": "team", "serviceClass": "elastic", "sloTargetMs": 500},
             {"name": "low", "serviceClass": "elastic", "sloTargetMs": 30000}]  # fmt: skip
-    c = core(True, "priority", ents)
-    if store == "redis":
-        from tokenpools.state.redis.store import RedisStore
-
-        url = request.getfixturevalue("redis_url")
-        c = DecisionCore(c.config, RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0),
-                         now=0.0, suspends=True)  # fmt: skip
+    c = on_store(core(True, "priority", ents), store, request)
     now = measured(c)
     low = fill(c, "low", resumable=False, tries=2, now=now)
     assert len(low) == 2 and len(fill(c, "team", resumable=False, tries=2, now=now)) == 2

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tests.gateway_setup import KEYS, MODEL, admin, config_data, wait_all_ended
 from tests.servers import ServerThread, wait_for
-from tests.test_gateway_suspension import metric
+from tests.test_gateway_suspension import charged_once, metric
 from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.openai_api import CHAT
@@ -142,12 +142,7 @@ def test_a_stream_taken_back_before_its_engine_answered_is_charged_its_prompt_on
             reader.join(30)
         assert gold == [200]
         assert texts == ["tok " * 20] * 9  # every stream whole, the suspended one too
-        wait_all_ended(server)
-        metrics = httpx.get(f"{server.url}/metrics").text
-        assert metric(metrics, "tokenpools_suspended_total", "batch") == 1
-        # each prompt once, the suspended one's too, and every output token once
-        seen = wait_for(counted, lambda c: c["output"] == 9 * 20, what="output counted once")
-        assert seen["input"] == 9 * one["input"]
+        charged_once(server, counted, one, requests=9, output=20)  # the suspended one's too
     finally:
         server.stop()
         backend.stop()
