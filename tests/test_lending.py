@@ -16,11 +16,11 @@ from tokenpools.control.decisions import Admit, Reason, Reject
 from tokenpools.model.request import RequestCost
 from tokenpools.state.memory import MemoryStore
 
-ENTS = [
+ENTS: list[dict[str, object]] = [
     {"name": "gold", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 4},
     {"name": "spot", "serviceClass": "spot"},
 ]
-GOLD_BATCH = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
+GOLD_BATCH: list[dict[str, object]] = [*ENTS[:1], {"name": "batch", "serviceClass": "preemptible"}]
 
 
 def core(
