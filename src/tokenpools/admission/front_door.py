@@ -142,15 +142,12 @@ class FrontDoor:
 
     def suspend_deadline_s(self, cleared: Cleared, path: str) -> float | None:
         """How long the host may keep this request suspended, if the core may suspend it
-        (lent work and elastic work the host can resume from its text, where the policy
-        suspends: `Lease.resumable`); None: the core's taking it back ends it."""
-        policy = self.admission.core.policy
-        if not (policy.suspend and cleared.decision.lease.resumable):
+        (`Lease.resumable`: lent work and elastic work the host can resume from its text —
+        `enter` said so in its cost — where the policy suspends); None: the core's taking it
+        back ends it."""
+        if not cleared.decision.lease.resumable:
             return None
-        pool = self.admission.pools[cleared.pool].pool
-        if not suspendable(path, cleared.body, pool.chat_continuation):
-            return None
-        return policy.suspend_deadline_s[cleared.service_class]
+        return self.admission.core.policy.suspend_deadline_s[cleared.service_class]
 
     async def identify(
         self, record: RequestRecord, shown: Credentials, declared_length: int | None

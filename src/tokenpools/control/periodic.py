@@ -129,7 +129,8 @@ class Periodic:
         view.bucket = plans.pool_bucket(view.pool, self.catalog.policy)
         states = self.catalog.rebind(now)
         cap = view.pool.capacity
-        evicted: list[Lease] = []
+        evicted: list[Lease] = []  # preemptible work, what surplus work learns from
+        taken: list[Lease] = []  # elastic work, taken back for owners
         try:  # unreachable store: admissions already use the new capacity; nothing evicted
             counters = self.store.pool_counters(pool_name, now)
             over = (counters.concurrency - cap.concurrency, counters.kv_tokens - cap.kv_tokens)
@@ -137,15 +138,14 @@ class Periodic:
             for lease in until_fits(over, groups, view.preemptible_order)[0]:
                 self.store.release(lease.lease_id, now, refund=False)
                 evicted.append(lease)
-            # what the preemptible work learns from (control/backfill.py): not the elastic
-            self.catalog.note_evicted(evicted)
             if self.catalog.policy.suspend:
                 for lease in self._taken_back_for_owners(view, now):
                     self.store.release(lease.lease_id, now, refund=False)
-                    evicted.append(lease)
+                    taken.append(lease)
         except StoreUnavailable:
-            self.catalog.note_evicted(evicted)
-        return CapacityChange(tuple(evicted), states)
+            pass
+        self.catalog.note_evicted(evicted)
+        return CapacityChange((*evicted, *taken), states)
 
     def _taken_back_for_owners(self, view: PoolView, now: float) -> list[Lease]:
         """Elastic work to take back now that the pool has less capacity, so that the

@@ -206,6 +206,12 @@ class PoolAccount:
         elif top[1] == key:  # the top entry itself went down
             self.refused_top = None
 
+    def forget_refusals(self, name: str) -> None:
+        """`name` is gone (removed from the config): its refusals no longer count."""
+        self.refused.pop(name, None)
+        self.refused.pop(RESERVED_ONLY + name, None)
+        self.refused_top = None
+
     def outranked(
         self,
         asker: str,

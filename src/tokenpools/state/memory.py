@@ -17,7 +17,7 @@ from tokenpools.control.store import (
     ReservePlan,
     Shortfall,
 )
-from tokenpools.state.accounts import RESERVED_ONLY, Bucket, EntitlementAccount, PoolAccount
+from tokenpools.state.accounts import Bucket, EntitlementAccount, PoolAccount
 from tokenpools.state.checks import first_shortfall
 from tokenpools.state.memory_book import MemoryBook
 
@@ -101,9 +101,7 @@ class MemoryStore(MemoryBook):
         e.peak_recent_concurrency = e.peak_recent_kv = 0.0
         self._update_claim(e, p)
         p.protected.discard(name)
-        p.refused.pop(name, None)
-        p.refused.pop(RESERVED_ONLY + name, None)
-        p.refused_top = None
+        p.forget_refusals(name)
         del self._ents[name]
         return ended
 
