@@ -134,24 +134,28 @@ class SameLedger(RuleBasedStateMachine):
         may_overcommit=st.booleans(),
         burst=st.integers(1, 4),
         share=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+        resumable=st.booleans(),
     )
     def admit(
         self, data: Any, tokens: float, kv: float, preemptible: bool, plan: ReservePlan,
-        may_overcommit: bool, burst: int, share: float,
+        may_overcommit: bool, burst: int, share: float, resumable: bool,
     ) -> None:  # fmt: skip
         name = data.draw(st.sampled_from(sorted(self.configured)))
         victims = data.draw(st.permutations(sorted(self.configured)))
         for _ in range(burst):  # the same request again and again: pools fill up
-            self.admit_both(name, tokens, kv, preemptible, plan, victims, may_overcommit, share)
+            self.admit_both(
+                name, tokens, kv, preemptible, plan, victims, may_overcommit, share, resumable
+            )
 
     def admit_both(
         self, name: str, tokens: float, kv: float, preemptible: bool, plan: ReservePlan,
-        victims: list[str], may_overcommit: bool, share: float = 0.0,
-    ) -> None:  # fmt: skip
+        victims: list[str], may_overcommit: bool, share: float = 0.0, resumable: bool = False,
+    ) -> tuple[Any, Any]:  # fmt: skip
         self.seq += 1
         lease = Lease(
-            f"l{self.seq}", POOL_OF[name], name, tokens, kv, self.now, self.now + 30, preemptible
-        )
+            f"l{self.seq}", POOL_OF[name], name, tokens, kv, self.now, self.now + 30, preemptible,
+            resumable=resumable,
+        )  # fmt: skip
         a, b = (
             store.admit(
                 Reservation(
@@ -170,6 +174,7 @@ class SameLedger(RuleBasedStateMachine):
             self.live.append(lease.lease_id)
             gone = {v.lease_id for v in a.evicted}
             self.live = [x for x in self.live if x not in gone]
+        return a, b
 
     @precondition(lambda self: len(self.configured & {"a", "b", "c"}) >= 2)
     @rule(
@@ -234,6 +239,27 @@ class SameLedger(RuleBasedStateMachine):
         else:
             plan = replace(OPEN, base_concurrency=0.0, shared_concurrency=used)
         self.admit_both(taker, 1.0, 1.0, False, plan, [victim], overcommit)
+
+    @precondition(lambda self: len(self.configured & {"a", "b", "c"}) >= 2)
+    @rule(data=st.data(), resumable=st.lists(st.booleans(), min_size=1, max_size=4))
+    def crowd_out_tokens(self, data: Any, resumable: list[bool]) -> None:
+        """Lent work draws pool p's token bucket down; then a protected request within its
+        baseline needs tokens: taking back lent work its host suspends gives its reservation
+        back (control/eviction.py `refund_when_taken`), work taking back would end gives none."""
+        victim, taker = data.draw(st.permutations(sorted(self.configured & {"a", "b", "c"})))[:2]
+        level = self.memory.pool_counters("p", self.now).bucket
+        if not math.isfinite(level):
+            return
+        # enough to leave the bucket below the 100 tokens asked, 0 to 2 leases more
+        count = max(0, math.ceil((level - 50.0) / 300.0)) + len(resumable) % 3
+        for i in range(min(count, 40)):
+            each = resumable[i % len(resumable)]
+            self.admit_both(victim, 300.0, 1.0, True, OPEN, [], False, resumable=each)
+        plan = replace(OPEN, base_concurrency=INF, reserved_bucket_floor=0.0,
+                       shared_bucket_floor=0.0)  # fmt: skip
+        a, _ = self.admit_both(taker, 100.0, 1.0, False, plan, [victim], False)
+        REACHED["taken back for tokens"] += bool(a.evicted)
+        assert all(v.resumable for v in a.evicted)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), used=st.sampled_from([0.0, 10.0, 500.0]), how=st.sampled_from("srR"))
@@ -314,5 +340,6 @@ def test_memory_and_redis_stores_agree_on_every_operation(redis_url: str) -> Non
     # refusal needs scores and refusals lined up: the core-level differential test reaches it).
     for what in ("admitted", "evicting", "overcommit", "expired", "pool_kv",
                  "entitlement_concurrency", "reserved_concurrency", "layer 1 of 2",
-                 "layer 2 of 2", "layer 2 of 3", "layer 3 of 3"):  # fmt: skip
+                 "layer 2 of 2", "layer 2 of 3", "layer 3 of 3",
+                 "taken back for tokens"):  # fmt: skip
         assert REACHED[what] > 0, (what, REACHED)

@@ -51,20 +51,30 @@ def eviction_order(
             yield from reversed(list(group.values()))
 
 
+def refund_when_taken(lease: Lease) -> float:
+    """The tokens a lease taken back gives back to the pool's token bucket: its whole
+    reservation where its host suspends it (the continuation reserves again what is left to
+    do, the prompt to prefill again included, so the request is charged once), none where
+    taking it back ends it (that work was done, and is lost)."""
+    return lease.tokens if lease.resumable else 0.0
+
+
 def choose_victims(
     counters: PoolCounters,
     plan: ReservePlan,
     kv: float,
+    tokens: float,
     groups: Mapping[str, Mapping[str, Lease]],
     order: Sequence[str],
 ) -> list[Lease]:
-    """Leases, in eviction order, until a request of `kv` tokens fits the pool's shared
-    capacity; none if it never would."""
+    """Leases, in eviction order, until a request of `kv` KV tokens reserving `tokens` fits
+    the pool's shared capacity and token bucket; none if it never would."""
     need_c = counters.concurrency + 1 - plan.shared_concurrency
     need_k = counters.kv_tokens + kv - plan.shared_kv
     if need_c > counters.preemptible_concurrency or need_k > counters.preemptible_kv:
         return []
-    victims, enough = until_fits((need_c, need_k), groups, order)
+    need_t = tokens - counters.bucket + plan.shared_bucket_floor
+    victims, enough = until_fits((need_c, need_k), groups, order, tokens=need_t)
     return victims if enough else []
 
 
@@ -72,18 +82,25 @@ def until_fits(
     need: tuple[float, float],
     groups: Mapping[str, Mapping[str, Lease]],
     order: Sequence[str],
+    tokens: float = 0.0,
 ) -> tuple[list[Lease], bool]:
-    """Leases in eviction order until they free `need` (sequences, KV tokens), and whether
-    they do."""
+    """Leases in eviction order until they free `need` (sequences, KV tokens) and give back
+    `tokens` to the pool's bucket (`refund_when_taken`), and whether they do. Once only
+    tokens are needed, a lease that gives none back is passed over: taking it would end work
+    for nothing."""
     need_c, need_k = need
     taken: list[Lease] = []
     for lease in eviction_order(groups, order):
         if need_c <= 0 and need_k <= 0:
-            break
+            if tokens <= 0:
+                break
+            if refund_when_taken(lease) <= 0:
+                continue
         taken.append(lease)
         need_c -= 1
         need_k -= lease.kv_tokens
-    return taken, need_c <= 0 and need_k <= 0
+        tokens -= refund_when_taken(lease)
+    return taken, need_c <= 0 and need_k <= 0 and tokens <= 0
 
 
 def overdrawn(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from tokenpools.control.backfill import kv_kept, slots_kept
+from tokenpools.control.eviction import refund_when_taken
 from tokenpools.control.store import Lease, ReservePlan, Shortfall
 from tokenpools.state.accounts import EntitlementAccount, PoolAccount
 
@@ -41,13 +42,16 @@ def first_shortfall(
     within = own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv
     if victims and e.protected and not within:  # the pool owes it nothing beyond its baseline
         return Shortfall.POOL_CONCURRENCY
+    bucket = p.bucket
+    bucket.refill(now)
+    level = bucket.level
     for victim in victims:
         used_c -= 1
         pre_c -= 1
         used_k -= victim.kv_tokens
         pre_k -= victim.kv_tokens
-    bucket = p.bucket
-    bucket.refill(now)
+        level += refund_when_taken(victim)
+    level = min(level, bucket.depth)
     pbucket = p.protected_bucket
     pbucket.refill(now)
 
@@ -65,7 +69,7 @@ def first_shortfall(
             short = Shortfall.POOL_CONCURRENCY
         elif used_k + kv > lk:
             short = Shortfall.POOL_KV
-        elif bucket.level - tokens < lf:
+        elif level - tokens < lf:
             short = Shortfall.POOL_THROUGHPUT
         if short is not None:
             p.note_refusal(e.name, e.priority, now)
@@ -75,7 +79,7 @@ def first_shortfall(
         lease.reserved_path = lease.drew_own = True
     else:
         hold_c, hold_k = p.held_concurrency, p.held_kv
-        unreserved = bucket.level - pbucket.level - tokens
+        unreserved = level - pbucket.level - tokens
         if (
             used_c + hold_c + 1 > plan.contended_concurrency
             or used_k + hold_k + kv > plan.contended_kv
@@ -104,7 +108,7 @@ def first_shortfall(
             full = (
                 used_c + 1 > plan.shared_concurrency
                 or used_k + kv > plan.shared_kv
-                or bucket.level - tokens < plan.shared_bucket_floor
+                or level - tokens < plan.shared_bucket_floor
             )
             p.note_refusal(e.name, e.priority, now, reserved_only=not full)
             return short
@@ -126,7 +130,7 @@ def first_shortfall(
             short = Shortfall.POOL_CONCURRENCY
         elif used_k + kv > plan.shared_kv:
             short = Shortfall.POOL_KV
-        elif bucket.level - tokens < plan.shared_bucket_floor:
+        elif level - tokens < plan.shared_bucket_floor:
             short = Shortfall.POOL_THROUGHPUT
         if short is not None:
             p.note_refusal(e.name, e.priority, now)

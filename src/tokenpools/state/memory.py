@@ -6,7 +6,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from tokenpools.control.eviction import choose_victims
+from tokenpools.control.eviction import choose_victims, refund_when_taken
 from tokenpools.control.metering import NO_CHARGE, Charge
 from tokenpools.control.store import (
     ADMITTED,
@@ -154,11 +154,12 @@ class MemoryStore(MemoryBook):
         short = self._reserve(lease, plan, now, demand=reservation.demand, claim_share=share)
         if short is None:
             return self._after(Outcome(None), lease, now) if self.counters_on_admit else ADMITTED
-        if short in (Shortfall.POOL_CONCURRENCY, Shortfall.POOL_KV) and reservation.victim_count:
+        if short in _POOL_SHORTFALLS and reservation.victim_count:
             victims = choose_victims(
                 self.pool_counters(lease.pool, now),
                 plan,
                 lease.kv_tokens,
+                lease.tokens,
                 self._pools[lease.pool].preemptible_by_ent,
                 reservation.victims[: reservation.victim_count],
             )
@@ -208,7 +209,8 @@ class MemoryStore(MemoryBook):
         if short is not None:
             return short
         for victim in victims:
-            self._finish(victim, now, bucket_used=victim.tokens, observed=0.0, how="evicted")
+            used = victim.tokens - refund_when_taken(victim)
+            self._finish(victim, now, bucket_used=used, observed=0.0, how="evicted")
         p.bucket.level -= lease.tokens
         e.admitted += lease.tokens
         self._book(lease, e, p, now)

@@ -2,6 +2,12 @@
 
 -- admission: a port of MemoryStore.admit and _reserve, state/checks.py and control/eviction.py
 
+-- control/eviction.py refund_when_taken: what a lease taken back gives back to the pool bucket
+local function refund_when_taken(v)
+  if v.res == 1 then return v.tokens end
+  return 0.0
+end
+
 local function counters(t, names)
   local out = {}
   for _, f in ipairs(names) do out[#out + 1] = fmt(t[f] or 0.0) end  -- none: written before it
@@ -23,13 +29,16 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
   local within = own_ok and conc_after <= plan.base_concurrency and kv_after <= plan.base_kv
   -- the pool owes a protected request nothing beyond its baseline
   if #victims > 0 and e.protected == 1 and not within then return 'pool_concurrency' end
+  refill(p, 'b_', now)
+  local level = p.b_level
   for _, victim in ipairs(victims) do
     used_c = used_c - 1
     pre_c = pre_c - 1
     used_k = used_k - victim[2].kv
     pre_k = pre_k - victim[2].kv
+    level = level + refund_when_taken(victim[2])
   end
-  refill(p, 'b_', now)
+  if level > p.b_depth then level = p.b_depth end
   refill(p, 'pb_', now)
   local name = l.ent
   local function contended(short)
@@ -44,13 +53,13 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     end
     if used_c + 1 > lc then return contended('pool_concurrency') end
     if used_k + kv > lk then return contended('pool_kv') end
-    if p.b_level - tokens < lf then return contended('pool_throughput') end
+    if level - tokens < lf then return contended('pool_throughput') end
     e.o_level = e.o_level - tokens
     p.pb_level = p.pb_level - tokens
     l.reserved, l.own = 1, 1
   else
     local hold_c, hold_k = p.hold_c, p.hold_k
-    local unreserved = p.b_level - p.pb_level - tokens
+    local unreserved = level - p.pb_level - tokens
     if (used_c + hold_c + 1 > plan.contended_concurrency
         or used_k + hold_k + kv > plan.contended_kv
         or unreserved < plan.contended_bucket)
@@ -71,7 +80,7 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
       -- Where only the unused baselines stop it, lent work may run there and leave this
       -- request no less: its refusal then counts in check 5 against work not lent only.
       local full = used_c + 1 > plan.shared_concurrency or used_k + kv > plan.shared_kv
-        or p.b_level - tokens < plan.shared_bucket_floor
+        or level - tokens < plan.shared_bucket_floor
       refused(name, e.priority, now, not full)
       return short
     end
@@ -87,7 +96,7 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     end
     if used_c + 1 > plan.shared_concurrency then return contended('pool_concurrency') end
     if used_k + kv > plan.shared_kv then return contended('pool_kv') end
-    if p.b_level - tokens < plan.shared_bucket_floor then return contended('pool_throughput') end
+    if level - tokens < plan.shared_bucket_floor then return contended('pool_throughput') end
     if plan.own_required == 1 then
       e.o_level = e.o_level - tokens
       l.own = 1
@@ -96,11 +105,11 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
   for _, victim in ipairs(victims) do
     local vid, v = victim[1], victim[2]
     if v.ent == name then
-      finish(vid, v, e, p, now, v.tokens, 0.0, nil, 'evicted')
+      finish(vid, v, e, p, now, v.tokens - refund_when_taken(v), 0.0, nil, 'evicted')
     else
       local vkey = ent_key(v.ent)
       local ve = load_ent(vkey)
-      finish(vid, v, ve, p, now, v.tokens, 0.0, nil, 'evicted')
+      finish(vid, v, ve, p, now, v.tokens - refund_when_taken(v), 0.0, nil, 'evicted')
       save_ent(vkey, ve)
     end
   end
@@ -111,11 +120,14 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
 end
 
 -- Preemptible leases of the entitlements in `order` (that order; the newest first within
--- one) until a request of `kv` tokens fits the pool's shared capacity; none if it never would.
-local function choose_victims(p, plan, kv, order)
+-- one) until a request of `kv` KV tokens reserving `tokens` fits the pool's shared capacity
+-- and token bucket; none if it never would.
+local function choose_victims(p, plan, kv, tokens, order, now)
   local need_c = p.conc + 1 - plan.shared_concurrency
   local need_k = p.kv + kv - plan.shared_kv
   if need_c > p.pre_c or need_k > p.pre_k then return {} end
+  refill(p, 'b_', now)
+  local need_t = tokens - p.b_level + plan.shared_bucket_floor
   local wanted, groups = {}, {}
   for _, name in ipairs(order) do wanted[name] = true end
   for _, id in ipairs(redis.call('ZREVRANGE', P .. ':pre', 0, -1)) do
@@ -132,13 +144,19 @@ local function choose_victims(p, plan, kv, order)
   local victims = {}
   for _, name in ipairs(order) do
     for _, victim in ipairs(groups[name] or {}) do
-      if need_c <= 0 and need_k <= 0 then return victims end
-      victims[#victims + 1] = victim
-      need_c = need_c - 1
-      need_k = need_k - victim[2].kv
+      local refund = refund_when_taken(victim[2])
+      local slots_met = need_c <= 0 and need_k <= 0
+      if slots_met and need_t <= 0 then return victims end
+      -- once only tokens are needed, a lease that gives none back runs on
+      if not slots_met or refund > 0 then
+        victims[#victims + 1] = victim
+        need_c = need_c - 1
+        need_k = need_k - victim[2].kv
+        need_t = need_t - refund
+      end
     end
   end
-  if need_c <= 0 and need_k <= 0 then return victims end
+  if need_c <= 0 and need_k <= 0 and need_t <= 0 then return victims end
   return {}
 end
 
@@ -202,9 +220,9 @@ local function admit(p, o)
   local share = tonumber(ARGV[o + A.claim_share])
   local short = attempt(p, e, l, plan, now, false, {}, share)
   local overcommit, evicted = 0, {}
-  if short == 'pool_concurrency' or short == 'pool_kv' then
+  if POOL_SHORTFALLS[short] then
     local victims = {}
-    if #order > 0 then victims = choose_victims(p, plan, l.kv, order) end
+    if #order > 0 then victims = choose_victims(p, plan, l.kv, l.tokens, order, now) end
     if #victims > 0 then
       l = new_lease()
       if attempt(p, e, l, plan, now, false, victims, share) == nil then

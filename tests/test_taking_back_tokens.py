@@ -1,0 +1,164 @@
+"""Lent work and the pool's token bucket (control/plans.py, control/eviction.py
+`refund_when_taken` and `choose_victims`, state/checks.py and its Lua port): where taking back
+suspends, lent work may draw the whole bucket, the protected share included, and an owner's
+request within its baseline that finds the bucket short takes lent work back for tokens, as
+it does for slots and KV: each suspended lease gives its whole reservation back. Lent work
+that taking back would end gives none back, so it leaves the protected share alone and is
+never taken for tokens. Checked on generated pools, on the memory store and on Redis, against
+an oracle written from that rule and the store's counters."""
+
+from __future__ import annotations
+
+import random
+import secrets
+from typing import Any
+
+import pytest
+
+from tests.builders import make_config
+from tokenpools.control.core import DecisionCore
+from tokenpools.control.decisions import Admit, Reject
+from tokenpools.control.eviction import eviction_order
+from tokenpools.control.store import Store
+from tokenpools.model.request import RequestCost
+from tokenpools.state.memory import MemoryStore
+
+SLOTS = 64  # neither slots nor KV bind here: only tokens
+KV_PER_SLOT = 4000
+
+
+def generated(rng: random.Random) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A pool's policy and capacity, one owner and one lent tenant."""
+    setup = {
+        "tokens_per_s": rng.choice([400, 800, 1200]),
+        "policy": {"burstWindowS": rng.choice([5, 10]), "overcommit": rng.choice([0.0, 0.1])},
+    }
+    base = rng.randint(2, 6)
+    ents = [
+        {"name": "owner", "serviceClass": rng.choice(["guaranteed", "dedicated"]),
+         "sloTargetMs": 1000, "concurrency": base},
+        {"name": "lent", "serviceClass": rng.choice(["preemptible", "spot"])},
+    ]  # fmt: skip
+    return setup, ents
+
+
+def make_core(setup: dict[str, Any], ents: list[dict[str, Any]], store: Store) -> DecisionCore:
+    config = make_config(
+        ents, concurrency=SLOTS, kv_tokens=SLOTS * KV_PER_SLOT, tokens_per_s=setup["tokens_per_s"],
+        policy=setup["policy"],
+    )  # fmt: skip
+    return DecisionCore(config, store, now=0.0, suspends=True)
+
+
+def check_pool(seed: int, store: Store) -> int:
+    """Returns how many leases were taken back for tokens."""
+    rng = random.Random(seed)
+    setup, ents = generated(rng)
+    core = make_core(setup, ents, store)
+    now = core.policy.update_period_s + 0.1
+    core.tick(now)  # past the first period: the owner is measured (idle)
+    rate = setup["tokens_per_s"]
+    depth = rate * setup["policy"]["burstWindowS"]
+    lend = setup["policy"]["overcommit"] * depth
+
+    # Lent work, at one instant (nothing refills): resumable work fills the bucket itself;
+    # work that taking back would end stops at the protected share (less the overcommit).
+    refusals = 0
+    for i in range(400):
+        if refusals >= 15:
+            break
+        prompt, out = rng.randint(50, 400), rng.randint(100, 800)
+        resumable = rng.random() < 0.7
+        before = store.pool_counters("p", now)
+        d = core.admit("lent", RequestCost(prompt, out, resumable=resumable), now, f"lent-{i}")
+        after = store.pool_counters("p", now)
+        if isinstance(d, Reject):
+            refusals += 1
+            if resumable:  # only the bucket itself stops it
+                assert before.bucket < prompt + out, (before, prompt + out)
+            else:  # or the protected share too
+                unreserved = before.bucket - before.protected_bucket - (prompt + out)
+                assert before.bucket < prompt + out or unreserved < -lend + 1e-6, before
+        elif not resumable:
+            assert after.bucket - after.protected_bucket >= -lend - 1e-6, after
+    lent_leases = store.preemptible_leases("p", now).get("lent", {})
+    assert lent_leases, "no lent work admitted"
+
+    # The owner, within its baseline: it finds the bucket short and takes back what it needs.
+    own_depth = rate * ents[0]["concurrency"] / SLOTS * setup["policy"]["burstWindowS"]
+    size = int(own_depth / ents[0]["concurrency"])
+    taken = 0
+    for j in range(ents[0]["concurrency"]):
+        before = store.pool_counters("p", now)
+        groups = store.preemptible_leases("p", now)
+        need = size - before.bucket
+        expected: list[str] = []
+        freed = 0.0
+        for lease in eviction_order(groups, ["lent"]):
+            if need - freed <= 0:
+                break
+            if lease.resumable:
+                expected.append(lease.lease_id)
+                freed += lease.tokens
+        d = core.admit("owner", RequestCost(size // 2, size - size // 2), now, f"owner-{j}")
+        after = store.pool_counters("p", now)
+        if need <= 0:
+            assert isinstance(d, Admit) and not d.evict
+            assert after.bucket == pytest.approx(before.bucket - size)
+        elif freed >= need and min(depth, before.bucket + freed) - size >= 0:
+            assert isinstance(d, Admit), d
+            assert [v.lease_id for v in d.evict] == expected  # newest first, resumable only
+            assert after.bucket == pytest.approx(min(depth, before.bucket + freed) - size)
+            assert all(store.get_lease(lid, now) is None for lid in expected)
+            taken += len(expected)
+        elif before.bucket - size >= -lend:  # not enough to take back: it overcommits
+            assert isinstance(d, Admit) and d.overcommit and not d.evict, d
+            assert after.bucket == pytest.approx(before.bucket - size)
+        else:  # refused, and nothing taken back
+            assert isinstance(d, Reject), d
+            assert after.bucket == pytest.approx(before.bucket)
+            assert store.preemptible_leases("p", now) == groups
+        assert after.concurrency >= 0 and after.leases >= 0
+    return taken
+
+
+def test_lent_work_gives_its_tokens_back_to_the_owners_on_generated_pools() -> None:
+    taken = [check_pool(seed, MemoryStore()) for seed in range(80)]
+    assert sum(1 for t in taken if t) >= 40, taken  # the rule, not the fallbacks, was tested
+
+
+def test_lent_work_gives_its_tokens_back_on_redis(redis_url: str) -> None:
+    from tokenpools.state.redis.store import RedisStore
+
+    taken = [
+        check_pool(seed, RedisStore(redis_url, prefix=secrets.token_hex(4), timeout_s=2.0))
+        for seed in range(12)
+    ]
+    assert sum(1 for t in taken if t) >= 4, taken
+
+
+def test_where_taking_back_ends_work_lent_work_leaves_the_protected_share_alone() -> None:
+    """A host that cannot suspend: preemptible work stops at the protected share of the
+    bucket (less the overcommit), and an owner finds its share there."""
+    setup = {"tokens_per_s": 800, "policy": {"burstWindowS": 10, "overcommit": 0.0}}
+    ents = [
+        {"name": "owner", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 16},
+        {"name": "lent", "serviceClass": "preemptible"},
+    ]
+    config = make_config(
+        ents, concurrency=SLOTS, kv_tokens=SLOTS * KV_PER_SLOT, tokens_per_s=800,
+        policy=setup["policy"],
+    )  # fmt: skip
+    store = MemoryStore()
+    core = DecisionCore(config, store, now=0.0, suspends=False)
+    now = core.policy.update_period_s + 0.1
+    core.tick(now)
+    for i in range(100):
+        core.admit("lent", RequestCost(100, 100), now, f"lent-{i}")
+    counters = store.pool_counters("p", now)
+    share = 800 * 16 / SLOTS * 10  # the owner's baseline over the burst window: 2,000 tokens
+    assert counters.protected_bucket == pytest.approx(share)
+    assert share <= counters.bucket < share + 200  # lent work stopped at the share
+    for j in range(10):  # the owner's whole share, 200 tokens at a time, nothing evicted
+        d = core.admit("owner", RequestCost(100, 100), now, f"owner-{j}")
+        assert isinstance(d, Admit) and not d.evict and not d.overcommit, d
