@@ -188,3 +188,31 @@ def test_such_a_refusal_still_sheds_lower_priority_work_that_is_not_lent(
     shed = c.admit("low", RequestCost(100, 50, resumable=False), now, "low-again")
     assert isinstance(shed, Reject) and shed.reason == Reason.LOW_PRIORITY
     assert isinstance(c.admit("team", RequestCost(100, 50), now, "team-again"), Admit)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_a_refusal_for_unreserved_tokens_sheds_lent_work_too(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """Tokens are not slots: lent work spends them from the same unreserved allowance an
+    elastic request was refused, so that refusal counts in check 5 against lent work too,
+    though the bucket itself still has room (lent work would otherwise draw it down, on the
+    protected share it gives back, while the elastic tenant waits)."""
+    ents = [*ENTS[:1], {"name": "team", "serviceClass": "elastic", "sloTargetMs": 500},
+            ENTS[1]]  # fmt: skip
+    config = make_config(
+        ents, concurrency=100, tokens_per_s=1000,  # 10,000-token bucket; gold's share 400
+        policy={"backfillWindowS": 40, "burstWindowS": 10, "overcommit": 0.0},
+    )  # fmt: skip
+    c = on_store(DecisionCore(config, MemoryStore(), now=0.0, suspends=True), store, request)
+    now = measured(c)
+    team = fill(c, "team", resumable=False, tries=100, now=now)
+    refused = c.admit("team", RequestCost(100, 50, resumable=False), now, "team-more")
+    assert isinstance(refused, Reject) and refused.reason == Reason.POOL_FULL
+    assert refused.dimension == "throughput"
+    pool = c.store.pool_counters("p", now)
+    assert pool.bucket - pool.protected_bucket < 150 <= pool.bucket  # the bucket has room
+    assert len(team) == int((10_000 - 400) / 150)
+    assert c.scores("team", now).priority > c.scores("spot", now).priority
+    shed = c.admit("spot", RequestCost(100, 50), now, "spot-shed")
+    assert isinstance(shed, Reject) and shed.reason == Reason.LOW_PRIORITY

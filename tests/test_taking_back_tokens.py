@@ -1,11 +1,12 @@
-"""Lent work and the pool's token bucket (control/plans.py, control/eviction.py
-`refund_when_taken` and `choose_victims`, state/checks.py and its Lua port): where taking back
-suspends, lent work may draw the whole bucket, the protected share included, and an owner's
-request within its baseline that finds the bucket short takes lent work back for tokens, as
-it does for slots and KV: each suspended lease gives its whole reservation back. Lent work
-that taking back would end gives none back, so it leaves the protected share alone and is
-never taken for tokens. Checked on generated pools, on the memory store and on Redis, against
-an oracle written from that rule and the store's counters."""
+"""Lent work and the pool's token bucket (control/eviction.py `refund_when_taken` and
+`choose_victims`, state/checks.py and its Lua port): where taking back suspends, lent work may
+draw on the protected share of the bucket as far as the lent work in flight would give it back
+(the bucket, with what taking back the lent work gives back, always covers the protected share
+less the overcommit), and an owner's request within its baseline that finds the bucket short
+takes lent work back for tokens, as it does for slots and KV: each suspended lease gives its
+whole reservation back. Lent work that taking back would end gives none back: it never draws
+on the share, and is never taken for tokens. Checked on generated pools, on the memory store
+and on Redis, against an oracle written from that rule and the store's counters."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reject
 from tokenpools.control.eviction import eviction_order
-from tokenpools.control.store import Store
+from tokenpools.control.store import PoolCounters, Store
 from tokenpools.model.request import RequestCost
 from tokenpools.state.memory import MemoryStore
 
@@ -50,8 +51,14 @@ def make_core(setup: dict[str, Any], ents: list[dict[str, Any]], store: Store) -
     return DecisionCore(config, store, now=0.0, suspends=True)
 
 
-def check_pool(seed: int, store: Store) -> int:
-    """Returns how many leases were taken back for tokens."""
+def covered(c: PoolCounters) -> float:
+    """What covers the protected share: the bucket and what lent work would give back."""
+    return c.bucket + c.reclaimable_tokens - c.protected_bucket
+
+
+def check_pool(seed: int, store: Store) -> tuple[int, bool]:
+    """How many leases were taken back for tokens, and whether lent work drew on the
+    protected share."""
     rng = random.Random(seed)
     setup, ents = generated(rng)
     core = make_core(setup, ents, store)
@@ -61,9 +68,9 @@ def check_pool(seed: int, store: Store) -> int:
     depth = rate * setup["policy"]["burstWindowS"]
     lend = setup["policy"]["overcommit"] * depth
 
-    # Lent work, at one instant (nothing refills): resumable work fills the bucket itself;
-    # work that taking back would end stops at the protected share (less the overcommit).
-    refusals = 0
+    # Lent work, at one instant (nothing refills): it fills the bucket, the protected share
+    # included as far as it gives it back; work that taking back would end gives none back.
+    refusals, drew = 0, False
     for i in range(400):
         if refusals >= 15:
             break
@@ -72,15 +79,15 @@ def check_pool(seed: int, store: Store) -> int:
         before = store.pool_counters("p", now)
         d = core.admit("lent", RequestCost(prompt, out, resumable=resumable), now, f"lent-{i}")
         after = store.pool_counters("p", now)
-        if isinstance(d, Reject):
+        tokens = prompt + out
+        if isinstance(d, Reject):  # the bucket itself, or the share not covered, stops it
             refusals += 1
-            if resumable:  # only the bucket itself stops it
-                assert before.bucket < prompt + out, (before, prompt + out)
-            else:  # or the protected share too
-                unreserved = before.bucket - before.protected_bucket - (prompt + out)
-                assert before.bucket < prompt + out or unreserved < -lend + 1e-6, before
-        elif not resumable:
-            assert after.bucket - after.protected_bucket >= -lend - 1e-6, after
+            assert before.bucket < tokens or covered(before) - tokens < -lend + 1e-6, before
+        else:
+            gave = tokens if resumable else 0.0
+            assert covered(after) == pytest.approx(covered(before) - tokens + gave)
+            drew = drew or after.bucket < after.protected_bucket
+        assert covered(after) >= -lend - 1e-6, after
     lent_leases = store.preemptible_leases("p", now).get("lent", {})
     assert lent_leases, "no lent work admitted"
 
@@ -119,22 +126,26 @@ def check_pool(seed: int, store: Store) -> int:
             assert after.bucket == pytest.approx(before.bucket)
             assert store.preemptible_leases("p", now) == groups
         assert after.concurrency >= 0 and after.leases >= 0
-    return taken
+        assert covered(after) == pytest.approx(covered(before))  # owners spend their share
+    return taken, drew
 
 
 def test_lent_work_gives_its_tokens_back_to_the_owners_on_generated_pools() -> None:
-    taken = [check_pool(seed, MemoryStore()) for seed in range(80)]
-    assert sum(1 for t in taken if t) >= 40, taken  # the rule, not the fallbacks, was tested
+    runs = [check_pool(seed, MemoryStore()) for seed in range(80)]
+    # the rule, not the fallbacks, was tested
+    assert sum(1 for taken, _ in runs if taken) >= 40, runs
+    assert sum(1 for _, drew in runs if drew) >= 40, runs
 
 
 def test_lent_work_gives_its_tokens_back_on_redis(redis_url: str) -> None:
     from tokenpools.state.redis.store import RedisStore
 
-    taken = [
+    runs = [
         check_pool(seed, RedisStore(redis_url, prefix=secrets.token_hex(4), timeout_s=2.0))
         for seed in range(12)
     ]
-    assert sum(1 for t in taken if t) >= 4, taken
+    assert sum(1 for taken, _ in runs if taken) >= 4, runs
+    assert sum(1 for _, drew in runs if drew) >= 4, runs
 
 
 def test_where_taking_back_ends_work_lent_work_leaves_the_protected_share_alone() -> None:

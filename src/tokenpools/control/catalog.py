@@ -136,8 +136,7 @@ class Catalog:
                 if bound and previous.get(ent.name) != BindingState.BOUND:
                     self._claim_baseline(ent, now, rebound=ent.name in previous)
                 lent = is_lent(ent.service_class, policy)
-                resumable = lent and policy.suspend  # taking its requests back suspends them
-                plan = plans.reserve_plan(pool, ent, bound, policy, lent, resumable)
+                plan = plans.reserve_plan(pool, ent, bound, policy, lent)
                 # the plan of a lent class's request the host cannot take back (gatekeeper.py)
                 kept = lent
                 limit_tokens, limit_kv = plans.size_limits(plan, own, view.bucket, ent, policy)
@@ -152,9 +151,6 @@ class Catalog:
                     size_limit_tokens=limit_tokens,
                     size_limit_kv=limit_kv,
                     kept_plan=plans.reserve_plan(pool, ent, bound, policy, False) if kept else None,
-                    ending_plan=plans.reserve_plan(pool, ent, bound, policy, lent)
-                    if resumable
-                    else None,
                     suspendable=policy.suspend
                     and (lent or ent.service_class is ServiceClass.ELASTIC),
                 )

@@ -122,15 +122,7 @@ class Gatekeeper:
         kept = view.kept_plan is not None and not (
             cost.endable and (cost.resumable or view.ent.service_class is ServiceClass.PREEMPTIBLE)
         )
-        # taking it back suspends it (control/views.py `suspendable`; a request the host
-        # cannot resume or end never is)
-        resumable = view.suspendable and cost.resumable and cost.endable
-        if kept and view.kept_plan is not None:
-            plan = view.kept_plan
-        elif view.ending_plan is not None and not resumable:
-            plan = view.ending_plan
-        else:
-            plan = view.plan
+        plan = view.kept_plan if kept and view.kept_plan is not None else view.plan
         lease = Lease(
             lease_id,
             pool.name,
@@ -143,7 +135,9 @@ class Gatekeeper:
             meter=None
             if account is None
             else self.catalog.budgets.meter(account, ent, pool, cost.input_tokens, out, now),
-            resumable=resumable,
+            # taking it back suspends it (control/views.py `suspendable`; a request the host
+            # cannot resume or end never is)
+            resumable=view.suspendable and cost.resumable and cost.endable,
         )
         # Who this request may evict: the pool's preemptible entitlements strictly below it,
         # if the pool owes it capacity.

@@ -58,13 +58,9 @@ def claims_once_measured(policy: Policy) -> bool:
 
 
 def reserve_plan(
-    pool: Pool, ent: Entitlement, bound: bool, policy: Policy, lent: bool, resumable: bool = False
+    pool: Pool, ent: Entitlement, bound: bool, policy: Policy, lent: bool
 ) -> ReservePlan:
-    """`lent`: the plan of requests on lent capacity (control/eviction.py `is_lent`).
-    `resumable`: of lent requests that taking back suspends, which then give their whole
-    reservation back to the pool's token bucket (control/eviction.py `refund_when_taken`):
-    they may draw on the protected share of the bucket too. Lent work that taking back ends
-    gives back no tokens, so it leaves that share alone (but for the overcommit)."""
+    """`lent`: the plan of requests on lent capacity (control/eviction.py `is_lent`)."""
     cap = pool.capacity
     over = 1.0 + policy.overcommit
     lend = policy.overcommit
@@ -99,7 +95,7 @@ def reserve_plan(
         nonpreemptible_kv=INF if preemptible else cap.kv_tokens,
         surplus=ent.service_class in BORROWERS,
         shared_bucket_floor=0.0,
-        nonpreemptible_bucket_floor=-INF if lent and resumable else -lend * depth,
+        nonpreemptible_bucket_floor=-lend * depth,
         contended_concurrency=cap.concurrency * (1.0 - policy.headroom),
         contended_kv=cap.kv_tokens * (1.0 - policy.headroom),
         contended_bucket=policy.headroom * depth,

@@ -48,7 +48,12 @@ def expected_wait_s(
     if shortfall == Shortfall.POOL_THROUGHPUT:
         return _refill_s(tokens - pool.bucket, pool_bucket.rate)
     if shortfall == Shortfall.RESERVED_THROUGHPUT:
-        unreserved = pool.bucket - pool.protected_bucket - plan.nonpreemptible_bucket_floor
+        unreserved = (
+            pool.bucket
+            + pool.reclaimable_tokens
+            - pool.protected_bucket
+            - plan.nonpreemptible_bucket_floor
+        )
         return _refill_s(tokens - unreserved, pool_bucket.rate)
     # Low priority: the answer changes when priorities are next updated or a slot frees up.
     return max(until_next_update_s, mean_service_s / max(1.0, pool.concurrency))

@@ -24,6 +24,8 @@ class PoolCounters:
     # surplus work leaves free (control/backfill.py)
     claimed_concurrency: float = 0.0
     claimed_kv: float = 0.0
+    # Σ tokens taking back the lent work in flight would give back to the bucket
+    reclaimable_tokens: float = 0.0
 
     def __init__(
         self,
@@ -38,12 +40,14 @@ class PoolCounters:
         leases: int,
         claimed_concurrency: float = 0.0,
         claimed_kv: float = 0.0,
+        reclaimable_tokens: float = 0.0,
     ) -> None:
         self.concurrency, self.kv_tokens = concurrency, kv_tokens
         self.preemptible_concurrency, self.preemptible_kv = preemptible_concurrency, preemptible_kv
         self.holdback_concurrency, self.holdback_kv = holdback_concurrency, holdback_kv
         self.bucket, self.protected_bucket, self.leases = bucket, protected_bucket, leases
         self.claimed_concurrency, self.claimed_kv = claimed_concurrency, claimed_kv
+        self.reclaimable_tokens = reclaimable_tokens
 
 
 @dataclass(slots=True)

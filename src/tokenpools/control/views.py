@@ -35,10 +35,6 @@ class EntitlementView:
     # the plan of a request of a lent class that the host cannot resume: not lent (None: the
     # class is not lent, or preemptible, whose requests are lent whatever ends them)
     kept_plan: ReservePlan | None = None
-    # the plan of a lent request that taking back would end, not suspend, where the others
-    # are suspended: it leaves the protected share of the token bucket alone, as ending it
-    # gives back no tokens (None: no such request has another plan)
-    ending_plan: ReservePlan | None = None
     # its requests the host can resume are suspended when taken back, where the host suspends:
     # lent work, and elastic work after a capacity loss (control/eviction.py
     # `elastic_to_take_back`)

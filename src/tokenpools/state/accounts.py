@@ -145,6 +145,7 @@ class PoolAccount:
         "preemptible_by_ent",
         "protected",
         "protected_bucket",
+        "reclaimable",
         "refused",
         "refused_top",
     )
@@ -156,6 +157,10 @@ class PoolAccount:
         self.claimed_concurrency = self.claimed_kv = 0.0  # Σ open claims (backfill.py)
         self.claimed_sq_concurrency = self.claimed_sq_kv = 0.0  # Σ of their squares
         self.leases = 0
+        # Σ what taking back the lent work in flight would give back to the bucket
+        # (control/eviction.py `refund_when_taken`): lent work may draw on the protected
+        # share of the bucket, and the share counts it as there
+        self.reclaimable = 0.0
         # entitlement → its in-flight leases on the shared path: the competitors of check 5.
         # Work inside a reserved baseline is not competing for shared capacity, so it neither
         # sets nor faces the threshold.
@@ -186,6 +191,7 @@ class PoolAccount:
             leases=self.leases,
             claimed_concurrency=self.claimed_concurrency,
             claimed_kv=self.claimed_kv,
+            reclaimable_tokens=self.reclaimable,
         )
 
     def note_refusal(

@@ -44,13 +44,15 @@ def first_shortfall(
         return Shortfall.POOL_CONCURRENCY
     bucket = p.bucket
     bucket.refill(now)
-    level = bucket.level
+    level, reclaimable = bucket.level, p.reclaimable
     for victim in victims:
         used_c -= 1
         pre_c -= 1
         used_k -= victim.kv_tokens
         pre_k -= victim.kv_tokens
-        level += refund_when_taken(victim)
+        refund = refund_when_taken(victim)
+        level += refund
+        reclaimable -= refund
     level = min(level, bucket.depth)
     pbucket = p.protected_bucket
     pbucket.refill(now)
@@ -79,11 +81,16 @@ def first_shortfall(
         lease.reserved_path = lease.drew_own = True
     else:
         hold_c, hold_k = p.held_concurrency, p.held_kv
-        unreserved = level - pbucket.level - tokens
+        # What the bucket holds beyond the protected share. Lent work's tokens are spent, as
+        # its slots are used, in what makes the pool contended; but the share is kept as long
+        # as the lent work in flight, this request included if lent, would give back what it
+        # draws of it when taken back.
+        spare = level - pbucket.level - tokens
+        unreserved = spare + reclaimable
         if (
             used_c + hold_c + 1 > plan.contended_concurrency
             or used_k + hold_k + kv > plan.contended_kv
-            or unreserved < plan.contended_bucket
+            or spare < plan.contended_bucket
         ) and p.outranked(
             e.name,
             e.priority * plan.priority_margin,
@@ -105,8 +112,10 @@ def first_shortfall(
         if short is not None:
             # Where only the unused baselines stop it, lent work may run there and leave this
             # request no less: its refusal then counts in check 5 against work not lent only.
+            # Not so for tokens: lent work spends them from the same unreserved allowance.
             full = (
-                used_c + 1 > plan.shared_concurrency
+                short is Shortfall.RESERVED_THROUGHPUT
+                or used_c + 1 > plan.shared_concurrency
                 or used_k + kv > plan.shared_kv
                 or level - tokens < plan.shared_bucket_floor
             )

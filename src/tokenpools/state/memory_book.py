@@ -9,6 +9,7 @@ import heapq
 import secrets
 from collections.abc import Sequence
 
+from tokenpools.control.eviction import refund_when_taken
 from tokenpools.control.metering import BudgetHold, Charge, PendingUsage, UsageRow
 from tokenpools.control.store import EntitlementCounters, Lease, PoolCounters, Scores, Window
 from tokenpools.state.accounts import EntitlementAccount, PoolAccount
@@ -38,6 +39,7 @@ class MemoryBook:
         if lease.preemptible:
             p.pre_concurrency += 1
             p.pre_kv += lease.kv_tokens
+            p.reclaimable += refund_when_taken(lease)
             p.preemptible_by_ent.setdefault(lease.entitlement, {})[lease.lease_id] = lease
         if e.protected:
             self._update_holdback(e, p)
@@ -79,6 +81,7 @@ class MemoryBook:
         if lease.preemptible:
             p.pre_concurrency -= 1
             p.pre_kv -= lease.kv_tokens
+            p.reclaimable -= refund_when_taken(lease)
             group = p.preemptible_by_ent[lease.entitlement]
             del group[lease.lease_id]
             if not group:

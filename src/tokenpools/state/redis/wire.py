@@ -96,6 +96,7 @@ POOL_COUNTERS = {
     "leases": "leases",
     "claimed_concurrency": "cl_c",
     "claimed_kv": "cl_k",
+    "reclaimable_tokens": "recl",
 }
 ENTITLEMENT_COUNTERS = {
     "concurrency": "conc",

@@ -2,6 +2,12 @@
 
 -- leases
 
+-- control/eviction.py refund_when_taken: what a lease taken back gives back to the pool bucket
+local function refund_when_taken(l)
+  if l.res == 1 then return l.tokens end
+  return 0.0
+end
+
 local function lease_reply(id, l)
   local row = { id }
   for _, f in ipairs(LEASE_ROW) do row[#row + 1] = fmt(l[f] or 0) end  -- none: booked before it
@@ -24,6 +30,7 @@ local function book(id, l, e, p, now)
   if l.pre == 1 then
     p.pre_c = p.pre_c + 1
     p.pre_k = p.pre_k + l.kv
+    p.recl = (p.recl or 0.0) + refund_when_taken(l)  -- none: a pool written before it
     redis.call('ZADD', P .. ':pre', redis.call('HINCRBY', P, 'seq', 1), id)
   end
   if e.protected == 1 then update_holdback(e, p) end
@@ -58,6 +65,7 @@ local function finish(id, l, e, p, now, used, observed, charge, how)
   if l.pre == 1 then
     p.pre_c = p.pre_c - 1
     p.pre_k = p.pre_k - l.kv
+    p.recl = (p.recl or 0.0) - refund_when_taken(l)
     redis.call('ZREM', P .. ':pre', id)
   end
   if e.protected == 1 then update_holdback(e, p) end

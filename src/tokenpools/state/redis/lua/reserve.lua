@@ -2,12 +2,6 @@
 
 -- admission: a port of MemoryStore.admit and _reserve, state/checks.py and control/eviction.py
 
--- control/eviction.py refund_when_taken: what a lease taken back gives back to the pool bucket
-local function refund_when_taken(v)
-  if v.res == 1 then return v.tokens end
-  return 0.0
-end
-
 local function counters(t, names)
   local out = {}
   for _, f in ipairs(names) do out[#out + 1] = fmt(t[f] or 0.0) end  -- none: written before it
@@ -30,13 +24,15 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
   -- the pool owes a protected request nothing beyond its baseline
   if #victims > 0 and e.protected == 1 and not within then return 'pool_concurrency' end
   refill(p, 'b_', now)
-  local level = p.b_level
+  local level, reclaimable = p.b_level, p.recl or 0.0
   for _, victim in ipairs(victims) do
     used_c = used_c - 1
     pre_c = pre_c - 1
     used_k = used_k - victim[2].kv
     pre_k = pre_k - victim[2].kv
-    level = level + refund_when_taken(victim[2])
+    local refund = refund_when_taken(victim[2])
+    level = level + refund
+    reclaimable = reclaimable - refund
   end
   if level > p.b_depth then level = p.b_depth end
   refill(p, 'pb_', now)
@@ -59,10 +55,13 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     l.reserved, l.own = 1, 1
   else
     local hold_c, hold_k = p.hold_c, p.hold_k
-    local unreserved = level - p.pb_level - tokens
+    -- beyond the protected share: lent work's tokens are spent in what makes the pool
+    -- contended, but the share is kept while lent work would give back what it draws of it
+    local spare = level - p.pb_level - tokens
+    local unreserved = spare + reclaimable
     if (used_c + hold_c + 1 > plan.contended_concurrency
         or used_k + hold_k + kv > plan.contended_kv
-        or unreserved < plan.contended_bucket)
+        or spare < plan.contended_bucket)
         and outranked(name, e.priority * plan.priority_margin, now - plan.contention_window_s,
           l.pre == 1) then
       return contended('low_priority')
@@ -79,8 +78,9 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     if short then
       -- Where only the unused baselines stop it, lent work may run there and leave this
       -- request no less: its refusal then counts in check 5 against work not lent only.
-      local full = used_c + 1 > plan.shared_concurrency or used_k + kv > plan.shared_kv
-        or level - tokens < plan.shared_bucket_floor
+      -- Not so for tokens: lent work spends them from the same unreserved allowance.
+      local full = short == 'reserved_throughput' or used_c + 1 > plan.shared_concurrency
+        or used_k + kv > plan.shared_kv or level - tokens < plan.shared_bucket_floor
       refused(name, e.priority, now, not full)
       return short
     end

@@ -71,7 +71,7 @@ end
 
 local POOL_FIELDS = { 'conc', 'kv', 'pre_c', 'pre_k', 'hold_c', 'hold_k', 'leases',
   'b_rate', 'b_depth', 'b_level', 'b_t', 'pb_rate', 'pb_depth', 'pb_level', 'pb_t', 'cl_c', 'cl_k',
-  'cl_c2', 'cl_k2' }
+  'cl_c2', 'cl_k2', 'recl' }
 local ENT_FIELDS = { 'conc', 'kv', 'peak_c', 'peak_k', 'leases', 'protected', 'base_c', 'base_k',
   'hold_c', 'hold_k', 'o_rate', 'o_depth', 'o_level', 'o_t', 't_acc', 'conc_s', 'kv_s', 'settled', 'demand',
   'admitted', 'window_start', 'claim_c', 'claim_k', 'cl_c', 'cl_k' }
