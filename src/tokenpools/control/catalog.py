@@ -16,7 +16,7 @@ from tokenpools.control import plans
 from tokenpools.control.backfill import BORROWERS, first_claim, rescaled
 from tokenpools.control.binding import bind, external_states
 from tokenpools.control.budgets import Budgets
-from tokenpools.control.eviction import is_lent, may_evict
+from tokenpools.control.eviction import is_lent, may_evict, turn
 from tokenpools.control.priority import priority, slo_reference
 from tokenpools.control.store import Lease, Scores, Store, StoreUnavailable
 from tokenpools.control.views import EntitlementView, PoolView
@@ -174,10 +174,12 @@ class Catalog:
         )
 
     def arrange_surplus(self, view: PoolView) -> None:
-        """From the members' latest scores: the order preemptible entitlements are evicted in."""
+        """From the members' latest scores: the order preemptible entitlements are evicted in
+        (lowest priority first; equal ones take turns, control/eviction.py `turn`)."""
+        period = view.last_period
         evictable = sorted(
             (self._ents[n] for n in view.members if self._ents[n].preemptible),
-            key=lambda m: (m.priority, m.ent.name),
+            key=lambda m: (m.priority, turn(period, m.ent.name), m.ent.name),
         )
         view.preemptible_order = [m.ent.name for m in evictable]
         view.preemptible_priorities = [m.priority for m in evictable]

@@ -4,6 +4,7 @@ capacity shrinks."""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
 from tokenpools.control.store import Lease, PoolCounters, ReservePlan
@@ -37,6 +38,14 @@ def may_evict(service_class: ServiceClass, debt: float) -> bool:
     if service_class in PROTECTED:
         return True
     return service_class == ServiceClass.ELASTIC and debt > OWED_DEBT
+
+
+def turn(period: int, name: str) -> int:
+    """Among lent entitlements of equal priority, who is taken back first in update period
+    `period`: a different one each period, the same on every replica. A fixed order (by
+    name) took back the same tenant again and again: in the scale scenario the first of eight
+    equal batch tenants completed 30 % less than the others."""
+    return zlib.crc32(f"{period}:{name}".encode())
 
 
 def eviction_order(
