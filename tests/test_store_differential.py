@@ -248,16 +248,16 @@ class SameLedger(RuleBasedStateMachine):
         back (control/eviction.py `refund_when_taken`), work taking back would end gives none."""
         victim, taker = data.draw(st.permutations(sorted(self.configured & {"a", "b", "c"})))[:2]
         level = self.memory.pool_counters("p", self.now).bucket
-        if not math.isfinite(level):
+        if not math.isfinite(level) or level < 2.0:  # only what lent work drew can come back
             return
-        # enough to leave the bucket below the 100 tokens asked, 0 to 2 leases more
-        count = max(0, math.ceil((level - 50.0) / 300.0)) + len(resumable) % 3
+        # enough lent work to leave the bucket below half its level, 0 to 2 leases more
+        count = math.ceil(level / 300.0) + len(resumable) % 3
         for i in range(min(count, 40)):
             each = resumable[i % len(resumable)]
             self.admit_both(victim, 300.0, 1.0, True, OPEN, [], False, resumable=each)
         plan = replace(OPEN, base_concurrency=INF, reserved_bucket_floor=0.0,
                        shared_bucket_floor=0.0)  # fmt: skip
-        a, _ = self.admit_both(taker, 100.0, 1.0, False, plan, [victim], False)
+        a, _ = self.admit_both(taker, level / 2, 1.0, False, plan, [victim], False)
         REACHED["taken back for tokens"] += bool(a.evicted)
         assert all(v.resumable for v in a.evicted)
 
