@@ -52,3 +52,13 @@ def test_owners_take_back_every_equal_tenant_in_turn_the_same_on_every_replica()
         for lease in list(store.leases.values()):  # an empty pool for the next period
             store.release(lease.lease_id, now)
     assert set(taken) == set(NAMES[:4]) and max(taken.values()) <= 20, taken
+
+
+def test_a_turn_is_the_same_in_every_process() -> None:
+    """Replicas are separate processes: the turn is CRC-32 of the period and the name, not
+    Python's per-process salted hash."""
+    assert [turn(p, n) for p, n in ((0, "batch-0"), (1, "batch-0"), (7, "spot"))] == [
+        1715664067,
+        1899618432,
+        3680146430,
+    ]

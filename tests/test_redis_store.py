@@ -404,3 +404,22 @@ def test_a_replica_that_stopped_ticking_has_its_leases_ended_by_the_others(
     assert live.store.entitlement_counters("elastic-b", 11.5).leases == 0
     assert live.tick(30.0).expired == ()  # and the live one, ticking, is never taken for gone
     assert live.store.pool_counters("p", 30.0).leases == 1
+
+
+def test_a_pool_written_before_reclaimable_tokens_counts_them_once(
+    redis_url: str, redis_client
+) -> None:
+    """What taking back the lent work in flight would give back is kept on the pool record;
+    a record written before it was kept is counted once from its lent leases, and the count
+    ends at exactly 0 with the last of them, not below."""
+    store = RedisStore(redis_url, timeout_s=1.0, prefix="up")
+    core = DecisionCore(config(claims=False), store=store, suspends=True)
+    admitted = [core.admit("batch", RequestCost(10, 10), 1.0, f"b{i}") for i in range(2)]
+    assert all(isinstance(d, Admit) and d.lease.resumable for d in admitted)
+    assert redis_client.hdel("up:{p}", "recl") == 1  # as the script before it left the pool
+    held = sum(d.lease.tokens for d in admitted if isinstance(d, Admit))
+    assert store.pool_counters("p", 1.0).reclaimable_tokens == pytest.approx(held)
+    for d in admitted:
+        assert isinstance(d, Admit)
+        core.settle(d.lease.lease_id, Usage(10, 10), 2.0)
+    assert store.pool_counters("p", 2.0).reclaimable_tokens == 0.0

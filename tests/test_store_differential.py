@@ -322,6 +322,8 @@ class SameLedger(RuleBasedStateMachine):
             for f in fields(a):
                 assert close(getattr(a, f.name), getattr(b, f.name)), (pool, f.name, a, b)
             assert a.concurrency >= 0 and a.kv_tokens >= -1e-6 and a.leases >= 0
+            lent = [x for x in self.memory.leases.values() if x.pool == pool and x.preemptible]
+            assert close(a.reclaimable_tokens, sum(x.tokens for x in lent if x.resumable))
         for name in self.configured:
             a, b = self.both("entitlement_counters", name, self.now)
             for f in fields(a):

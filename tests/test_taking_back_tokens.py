@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import secrets
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -20,7 +21,16 @@ from tests.builders import make_config
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reject
 from tokenpools.control.eviction import eviction_order
-from tokenpools.control.store import PoolCounters, Store
+from tokenpools.control.retry import expected_wait_s
+from tokenpools.control.store import (
+    INF,
+    BucketSpec,
+    EntitlementCounters,
+    PoolCounters,
+    ReservePlan,
+    Shortfall,
+    Store,
+)
 from tokenpools.model.request import RequestCost
 from tokenpools.state.memory import MemoryStore
 
@@ -173,3 +183,54 @@ def test_where_taking_back_ends_work_lent_work_leaves_the_protected_share_alone(
     for j in range(10):  # the owner's whole share, 200 tokens at a time, nothing evicted
         d = core.admit("owner", RequestCost(100, 100), now, f"owner-{j}")
         assert isinstance(d, Admit) and not d.evict and not d.overcommit, d
+
+
+def test_retry_after_for_unreserved_tokens_counts_what_lent_work_gives_back() -> None:
+    """The refusal's wait is the refill of what the check found missing: bucket 100 and 600
+    that lent work would give back, against a protected share of 1,000 less a 200-token
+    overcommit, leave 150 tokens 250 short: 5 s at 50 tokens/s (13 s counting the bucket
+    alone)."""
+    values: dict[str, Any] = {f.name: INF for f in fields(ReservePlan)}
+    values.update(own_required=False, surplus=False, nonpreemptible_bucket_floor=-200.0)
+    plan = ReservePlan(**values)
+    pool = PoolCounters(0, 0, 0, 0, 0, 0, bucket=100.0, protected_bucket=1000.0, leases=0,
+                        reclaimable_tokens=600.0)  # fmt: skip
+    ent = EntitlementCounters(0, 0, 0.0, 0)
+    wait = expected_wait_s(
+        Shortfall.RESERVED_THROUGHPUT, 150.0, 10.0, plan, pool, ent,
+        BucketSpec(50.0, 5000.0), BucketSpec(INF, INF), 1.0, 5.0,
+    )  # fmt: skip
+    assert wait == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_what_is_given_back_never_fills_the_bucket_past_its_depth(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    """An owner takes a slot back from lent work while the bucket is full again: the lease's
+    reservation goes back, but the bucket holds at most its depth."""
+    ents = [
+        {"name": "owner", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 1},
+        {"name": "lent", "serviceClass": "preemptible"},
+    ]
+    config = make_config(
+        ents, concurrency=2, kv_tokens=2 * KV_PER_SLOT, tokens_per_s=400,
+        policy={"burstWindowS": 10, "overcommit": 0.0},
+    )  # fmt: skip
+    if store == "memory":
+        backend: Store = MemoryStore()
+    else:
+        from tokenpools.state.redis.store import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        backend = RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)
+    core = DecisionCore(config, backend, now=0.0, suspends=True)
+    now = core.policy.update_period_s + 0.1
+    core.tick(now)
+    lent = [core.admit("lent", RequestCost(100, 200), now, f"lent-{i}") for i in range(2)]
+    assert all(isinstance(d, Admit) for d in lent)
+    now += 10.0  # the bucket refills to its depth, 4,000
+    assert backend.pool_counters("p", now).bucket == pytest.approx(4000.0)
+    d = core.admit("owner", RequestCost(50, 50), now, "owner-0")
+    assert isinstance(d, Admit) and [v.lease_id for v in d.evict] == ["lent-1"]
+    assert backend.pool_counters("p", now).bucket == pytest.approx(4000.0 - 100)

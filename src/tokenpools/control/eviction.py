@@ -83,7 +83,7 @@ def choose_victims(
     if need_c > counters.preemptible_concurrency or need_k > counters.preemptible_kv:
         return []
     need_t = tokens - counters.bucket + plan.shared_bucket_floor
-    victims, enough = until_fits((need_c, need_k), groups, order, tokens=need_t)
+    victims, enough = until_fits((need_c, need_k), groups, order, need_tokens=need_t)
     return victims if enough else []
 
 
@@ -91,25 +91,25 @@ def until_fits(
     need: tuple[float, float],
     groups: Mapping[str, Mapping[str, Lease]],
     order: Sequence[str],
-    tokens: float = 0.0,
+    need_tokens: float = 0.0,
 ) -> tuple[list[Lease], bool]:
     """Leases in eviction order until they free `need` (sequences, KV tokens) and give back
-    `tokens` to the pool's bucket (`refund_when_taken`), and whether they do. Once only
+    `need_tokens` to the pool's bucket (`refund_when_taken`), and whether they do. Once only
     tokens are needed, a lease that gives none back is passed over: taking it would end work
     for nothing."""
     need_c, need_k = need
     taken: list[Lease] = []
     for lease in eviction_order(groups, order):
         if need_c <= 0 and need_k <= 0:
-            if tokens <= 0:
+            if need_tokens <= 0:
                 break
             if refund_when_taken(lease) <= 0:
                 continue
         taken.append(lease)
         need_c -= 1
         need_k -= lease.kv_tokens
-        tokens -= refund_when_taken(lease)
-    return taken, need_c <= 0 and need_k <= 0 and tokens <= 0
+        need_tokens -= refund_when_taken(lease)
+    return taken, need_c <= 0 and need_k <= 0 and need_tokens <= 0
 
 
 def overdrawn(

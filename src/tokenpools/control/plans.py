@@ -5,10 +5,12 @@ The capacity rules, per dimension, with C the pool capacity and o = overcommit Ã
   preemptible work) to C + o, and skips the priority threshold: the paper's bounded
   overcommit, reserved for protected classes;
 - every other request may fill the pool to C, and its non-preemptible usage plus the unused
-  protected baselines may reach at most C in sequences and KV (the token bucket still lends
-  it o): work that is never evicted never sits on a reserved baseline, so a protected
-  tenant coming back finds room by evicting preemptible work, not behind work it must
-  wait for;
+  protected baselines may reach at most C in sequences and KV: work that is never evicted
+  never sits on a reserved baseline, so a protected tenant coming back finds room by
+  evicting preemptible work, not behind work it must wait for. In tokens, the pool bucket
+  plus what the lent work in flight would give back when taken back must cover the
+  protected share less o Ã— depth, for every such request (state/checks.py): lent work may
+  draw on the share as far as it gives it back;
 - surplus work (spot, preemptible) also leaves free a share of what the others are expected
   to claim back soon (control/backfill.py); preemptible work may otherwise fill all of C, the
   unused protected baselines included, and is evicted when someone the pool owes capacity

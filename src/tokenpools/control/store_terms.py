@@ -115,7 +115,9 @@ class ReservePlan:
     # (control/backfill.py)
     surplus: bool
     shared_bucket_floor: float  # pool bucket level after admission
-    nonpreemptible_bucket_floor: float  # pool bucket minus protected bucket after admission
+    # pool bucket + what lent work in flight would give back (PoolCounters.reclaimable_tokens)
+    # − protected bucket, after admission; every shared-path request, lent or not
+    nonpreemptible_bucket_floor: float
     contended_concurrency: float  # used + unused protected baselines above this: contended
     contended_kv: float
     contended_bucket: float  # pool minus protected bucket below this: contended

@@ -82,9 +82,8 @@ def first_shortfall(
     else:
         hold_c, hold_k = p.held_concurrency, p.held_kv
         # What the bucket holds beyond the protected share. Lent work's tokens are spent, as
-        # its slots are used, in what makes the pool contended; but the share is kept as long
-        # as the lent work in flight, this request included if lent, would give back what it
-        # draws of it when taken back.
+        # its slots are used, in what makes the pool contended; but the share counts as kept
+        # as far as the lent work in flight would give it back when taken back.
         spare = level - pbucket.level - tokens
         unreserved = spare + reclaimable
         if (

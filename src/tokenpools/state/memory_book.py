@@ -81,7 +81,8 @@ class MemoryBook:
         if lease.preemptible:
             p.pre_concurrency -= 1
             p.pre_kv -= lease.kv_tokens
-            p.reclaimable -= refund_when_taken(lease)
+            # none left: exactly 0, with no rounding residue
+            p.reclaimable = p.reclaimable - refund_when_taken(lease) if p.pre_concurrency else 0.0
             group = p.preemptible_by_ent[lease.entitlement]
             del group[lease.lease_id]
             if not group:

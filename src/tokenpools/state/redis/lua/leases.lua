@@ -8,6 +8,20 @@ local function refund_when_taken(l)
   return 0.0
 end
 
+-- What taking back the lent work in flight would give back (PoolCounters.reclaimable_tokens).
+-- A pool written before it was kept has none: it is counted once from its lent leases.
+local function reclaimable(p)
+  if p.recl == nil then
+    local total = 0.0
+    for _, id in ipairs(redis.call('ZRANGE', P .. ':pre', 0, -1)) do
+      local l = load_lease(id)
+      if l ~= nil then total = total + refund_when_taken(l) end
+    end
+    p.recl = total
+  end
+  return p.recl
+end
+
 local function lease_reply(id, l)
   local row = { id }
   for _, f in ipairs(LEASE_ROW) do row[#row + 1] = fmt(l[f] or 0) end  -- none: booked before it
@@ -30,7 +44,7 @@ local function book(id, l, e, p, now)
   if l.pre == 1 then
     p.pre_c = p.pre_c + 1
     p.pre_k = p.pre_k + l.kv
-    p.recl = (p.recl or 0.0) + refund_when_taken(l)  -- none: a pool written before it
+    p.recl = reclaimable(p) + refund_when_taken(l)
     redis.call('ZADD', P .. ':pre', redis.call('HINCRBY', P, 'seq', 1), id)
   end
   if e.protected == 1 then update_holdback(e, p) end
@@ -65,7 +79,8 @@ local function finish(id, l, e, p, now, used, observed, charge, how)
   if l.pre == 1 then
     p.pre_c = p.pre_c - 1
     p.pre_k = p.pre_k - l.kv
-    p.recl = (p.recl or 0.0) - refund_when_taken(l)
+    -- none left: exactly 0 (no rounding residue, nor a lease a script before it booked)
+    if p.pre_c == 0 then p.recl = 0.0 else p.recl = reclaimable(p) - refund_when_taken(l) end
     redis.call('ZREM', P .. ':pre', id)
   end
   if e.protected == 1 then update_holdback(e, p) end

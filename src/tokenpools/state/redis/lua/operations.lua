@@ -286,6 +286,7 @@ if op == 'expire' then return expire(p, now) end
 if op == 'pool_counters' then
   refill(p, 'b_', now)
   refill(p, 'pb_', now)
+  reclaimable(p)
   save(P, p, POOL_FIELDS)
   return counters(p, POOL_COUNTERS)
 end

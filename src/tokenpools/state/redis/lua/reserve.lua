@@ -24,7 +24,7 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
   -- the pool owes a protected request nothing beyond its baseline
   if #victims > 0 and e.protected == 1 and not within then return 'pool_concurrency' end
   refill(p, 'b_', now)
-  local level, reclaimable = p.b_level, p.recl or 0.0
+  local level, recl = p.b_level, reclaimable(p)
   for _, victim in ipairs(victims) do
     used_c = used_c - 1
     pre_c = pre_c - 1
@@ -32,7 +32,7 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     pre_k = pre_k - victim[2].kv
     local refund = refund_when_taken(victim[2])
     level = level + refund
-    reclaimable = reclaimable - refund
+    recl = recl - refund
   end
   if level > p.b_depth then level = p.b_depth end
   refill(p, 'pb_', now)
@@ -58,7 +58,7 @@ local function attempt(p, e, l, plan, now, overcommit, victims, share)
     -- beyond the protected share: lent work's tokens are spent in what makes the pool
     -- contended, but the share is kept while lent work would give back what it draws of it
     local spare = level - p.pb_level - tokens
-    local unreserved = spare + reclaimable
+    local unreserved = spare + recl
     if (used_c + hold_c + 1 > plan.contended_concurrency
         or used_k + hold_k + kv > plan.contended_kv
         or spare < plan.contended_bucket)
