@@ -247,6 +247,11 @@ class SameLedger(RuleBasedStateMachine):
         baseline needs tokens: taking back lent work its host suspends gives its reservation
         back (control/eviction.py `refund_when_taken`), work taking back would end gives none."""
         victim, taker = data.draw(st.permutations(sorted(self.configured & {"a", "b", "c"})))[:2]
+        # a finite pool bucket, and a taker with no bucket of its own nor baseline to keep
+        self.both("configure_pool", "p", BucketSpec(50.0, 4096.0), BucketSpec(50.0, 1000.0),
+                  self.now)  # fmt: skip
+        self.both("configure_entitlement", taker, "p", BucketSpec(INF, INF), 0.0, 0.0, self.now,
+                  False)  # fmt: skip
         level = self.memory.pool_counters("p", self.now).bucket
         if not math.isfinite(level) or level < 2.0:  # only what lent work drew can come back
             return
@@ -262,11 +267,13 @@ class SameLedger(RuleBasedStateMachine):
         assert all(v.resumable for v in a.evicted)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), used=st.sampled_from([0.0, 10.0, 500.0]), how=st.sampled_from("srR"))
+    @rule(data=st.data(), used=st.sampled_from([0.0, 10.0, 500.0]), how=st.sampled_from("srRt"))
     def end(self, data: Any, used: float, how: str) -> None:
         lease_id = data.draw(st.sampled_from(self.live))
         if how == "s":
             a, b = self.both("settle", lease_id, used, self.now)
+        elif how == "t":
+            a, b = self.both("take_back", lease_id, self.now)
         else:
             a, b = self.both("release", lease_id, self.now, refund=how == "r")
         assert (a is None) == (b is None)

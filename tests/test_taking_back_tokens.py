@@ -32,6 +32,7 @@ from tokenpools.control.store import (
     Store,
 )
 from tokenpools.model.request import RequestCost
+from tokenpools.model.resources import Resources
 from tokenpools.state.memory import MemoryStore
 
 SLOTS = 64  # neither slots nor KV bind here: only tokens
@@ -234,3 +235,36 @@ def test_what_is_given_back_never_fills_the_bucket_past_its_depth(
     d = core.admit("owner", RequestCost(50, 50), now, "owner-0")
     assert isinstance(d, Admit) and [v.lease_id for v in d.evict] == ["lent-1"]
     assert backend.pool_counters("p", now).bucket == pytest.approx(4000.0 - 100)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+@pytest.mark.parametrize("resumable", [True, False])
+def test_work_taken_back_at_a_capacity_loss_gives_its_tokens_back_as_at_admission(
+    store: str, resumable: bool, request: pytest.FixtureRequest
+) -> None:
+    """A replica loses half its slots under two lent requests: the one taken back gives its
+    reservation back to the bucket where its host suspends it (its continuation reserves
+    again), and nothing where taking it back ends it."""
+    ents = [{"name": "lent", "serviceClass": "preemptible"}]
+    config = make_config(
+        ents, concurrency=2, kv_tokens=2 * KV_PER_SLOT, tokens_per_s=400,
+        policy={"burstWindowS": 10, "overcommit": 0.0},
+    )  # fmt: skip
+    if store == "memory":
+        backend: Store = MemoryStore()
+    else:
+        from tokenpools.state.redis.store import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        backend = RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)
+    core = DecisionCore(config, backend, now=0.0, suspends=True)
+    cost = RequestCost(100, 200, resumable=resumable)
+    assert all(isinstance(core.admit("lent", cost, 1.0, f"lent-{i}"), Admit) for i in range(2))
+    before = backend.pool_counters("p", 1.0).bucket  # 4,000 less two reservations of 300
+    one_slot = Resources(400, KV_PER_SLOT, 1)  # the same throughput
+    change = core.set_capacity("p", 1.0, per_replica=one_slot)
+    assert [lease.lease_id for lease in change.evict] == ["lent-1"]
+    after = backend.pool_counters("p", 1.0)
+    assert before == pytest.approx(3400.0)
+    assert after.bucket == pytest.approx(before + (300.0 if resumable else 0.0))
+    assert after.reclaimable_tokens == pytest.approx(300.0 if resumable else 0.0)

@@ -136,11 +136,11 @@ class Periodic:
             over = (counters.concurrency - cap.concurrency, counters.kv_tokens - cap.kv_tokens)
             groups = self.store.preemptible_leases(pool_name, now)
             for lease in until_fits(over, groups, view.preemptible_order)[0]:
-                self.store.release(lease.lease_id, now, refund=False)
+                self.store.take_back(lease.lease_id, now)
                 evicted.append(lease)
             if self.catalog.policy.suspend:
                 for lease in self._taken_back_for_owners(view, now):
-                    self.store.release(lease.lease_id, now, refund=False)
+                    self.store.take_back(lease.lease_id, now)
                     taken.append(lease)
         except StoreUnavailable:
             pass

@@ -93,6 +93,13 @@ class Store(Protocol):
         reservation (buckets, budgets and ledger alike), as expiry and eviction charge."""
         ...
 
+    def take_back(self, lease_id: str, now: float) -> Lease | None:
+        """End a lease the core takes back outside an admission (a capacity loss), as
+        admission ends its victims: its whole reservation charged to its budgets (the host
+        recharges a suspended one what its client received), and to the pool bucket all but
+        what taking it back gives back (control/eviction.py `refund_when_taken`)."""
+        ...
+
     def recharge(self, lease: Lease, charge: Charge, now: float) -> None:
         """A metered lease that ended on its worst case because it was taken back before its
         usage was known (an eviction the host turned into a suspension) is charged `charge`

@@ -209,8 +209,7 @@ class MemoryStore(MemoryBook):
         if short is not None:
             return short
         for victim in victims:
-            used = victim.tokens - refund_when_taken(victim)
-            self._finish(victim, now, bucket_used=used, observed=0.0, how="evicted")
+            self.take_back(victim.lease_id, now)
         p.bucket.level -= lease.tokens
         e.admitted += lease.tokens
         self._book(lease, e, p, now)
@@ -233,6 +232,13 @@ class MemoryStore(MemoryBook):
         if lease is not None:
             used, charge = (0.0, NO_CHARGE) if refund else (lease.tokens, None)
             self._finish(lease, now, used, 0.0, charge, how="released")
+        return lease
+
+    def take_back(self, lease_id: str, now: float) -> Lease | None:
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            used = lease.tokens - refund_when_taken(lease)
+            self._finish(lease, now, bucket_used=used, observed=0.0, how="evicted")
         return lease
 
     def adopt(self, lease: Lease, now: float) -> bool:

@@ -178,6 +178,9 @@ class RedisStore(RedisLink):
     def release(self, lease_id: str, now: float, refund: bool = True) -> Lease | None:
         return self._finish(lease_id, now, "0.0" if refund else "all", 0.0)
 
+    def take_back(self, lease_id: str, now: float) -> Lease | None:
+        return self._finish(lease_id, now, "taken", 0.0)
+
     def recharge(self, lease: Lease, charge: Charge, now: float) -> None:
         if lease.meter is not None:
             args = wire.recharge_args(lease, charge, self.budget_key)

@@ -47,8 +47,8 @@ ADMIT_GROUP = (
     "size", "at", *LEASE_ARGS, "demand", "may_overcommit", "claim_share", "more", *METER_ARGS
 )  # fmt: skip
 PLAN_FIELDS = tuple(f.name for f in fields(ReservePlan))
-# A lease end's charge besides the tokens (`used`): ignored when `used` is 'all' (the lease's
-# worst case is charged).
+# A lease end's charge besides the tokens (`used`): ignored when `used` is 'all' or 'taken'
+# (the lease's worst case is charged).
 FINISH_GROUP = ("id", "used", "observed", "at", "keep", "c_in", "c_out", "c_cached", "c_cost")
 RECHARGE_ARGS = (
     "bucket", "w_in", "w_out", "w_tokens", "w_cost",
@@ -62,7 +62,8 @@ OPS: dict[str, tuple[str, ...]] = {
     "admit": ADMIT_GROUP,  # then the plan's numbers, then the victims' names; repeated
     "adopt": LEASE_ARGS,
     # One group per lease end, repeated for several in one call, in the order they happened;
-    # used: tokens, or 'all'; at: when it ended; keep: a lease not found there is remembered
+    # used: tokens, 'all', or 'taken' (Store.take_back: 'all', less what taking it back gives
+    # back to the pool bucket); at: when it ended; keep: a lease not found there is remembered
     # as ended until then, so an admission of it that arrives late is refused (0: not).
     "finish": FINISH_GROUP,
     "renew": ("id", "expires"),

@@ -101,20 +101,23 @@ local function finish(id, l, e, p, now, used, observed, charge, how)
 end
 
 -- End lease `id` (loaded: `l`), saving its entitlement; returns the lease.
-local function finish_loaded(id, l, p, now, used_all, used, observed, charge, how)
+-- `whole`: 'all' charges the lease's whole reservation (`used` ignored); 'taken' too, less what
+-- taking it back gives back to the bucket; nil charges `used`.
+local function finish_loaded(id, l, p, now, whole, used, observed, charge, how)
   local key = ent_key(l.ent)
   local e = load_ent(key)
-  if used_all then used = l.tokens end
+  if whole == 'all' then used = l.tokens end
+  if whole == 'taken' then used = l.tokens - refund_when_taken(l) end
   finish(id, l, e, p, now, used, observed, charge, how)
   save_ent(key, e)
   return l
 end
 
 -- End lease `id` if it exists, saving what it touched; returns the lease or nil.
-local function finish_one(id, p, now, used_all, used, observed, charge, how)
+local function finish_one(id, p, now, whole, used, observed, charge, how)
   local l = load_lease(id)
   if l == nil then return nil end
-  return finish_loaded(id, l, p, now, used_all, used, observed, charge, how)
+  return finish_loaded(id, l, p, now, whole, used, observed, charge, how)
 end
 
 -- check 5

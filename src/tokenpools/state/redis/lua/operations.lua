@@ -102,7 +102,7 @@ local function expire(p, now)
   local ended = {}
   for _, d in ipairs(due) do
     ended[#ended + 1] = lease_reply(d[2],
-      finish_loaded(d[2], d[3], p, now, true, 0.0, 0.0, nil, 'expired'))
+      finish_loaded(d[2], d[3], p, now, 'all', 0.0, 0.0, nil, 'expired'))
   end
   -- A replica not heard from since `stale` is gone (a process killed or restarted under a new
   -- name): its leases end now, charged in full as expiry charges them, not at their expiry.
@@ -115,7 +115,7 @@ local function expire(p, now)
         local l = load_lease(id)
         if l ~= nil then
           ended[#ended + 1] = lease_reply(id,
-            finish_loaded(id, l, p, now, true, 0.0, 0.0, nil, 'expired'))
+            finish_loaded(id, l, p, now, 'all', 0.0, 0.0, nil, 'expired'))
         end
       end
       redis.call('DEL', P .. ':o:' .. owner)
@@ -257,14 +257,19 @@ if op == 'finish' then
   local ended = {}
   for at = A.id, #ARGV, FINISH_GROUP do
     local id, used = ARGV[at], ARGV[at + A.used - A.id]
-    local charge = nil  -- 'all': the lease's worst case
-    if used ~= 'all' then
+    -- 'all': the lease's worst case; 'taken': the same, less what taking it back gives back
+    local whole = nil
+    if used == 'all' or used == 'taken' then whole = used end
+    local charge = nil
+    if whole == nil then
       local function c(i) return tonumber(ARGV[at + i - A.id]) end
       charge = { input = c(A.c_in), output = c(A.c_out), cached = c(A.c_cached),
         tokens = tonumber(used), cost = c(A.c_cost) }
     end
-    local l = finish_one(id, p, tonumber(ARGV[at + A.at - A.id]), used == 'all',
-      tonumber(used) or 0.0, tonumber(ARGV[at + A.observed - A.id]), charge, 'settled')
+    local how = 'settled'
+    if whole == 'taken' then how = 'evicted' end
+    local l = finish_one(id, p, tonumber(ARGV[at + A.at - A.id]), whole,
+      tonumber(used) or 0.0, tonumber(ARGV[at + A.observed - A.id]), charge, how)
     local keep = tonumber(ARGV[at + A.keep - A.id])
     if l == nil and keep > 0 then
       -- an admission given up before its reply: should it still arrive, it must not book
