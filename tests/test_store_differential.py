@@ -286,6 +286,13 @@ class SameLedger(RuleBasedStateMachine):
         a, b = self.both("renew", lease_id, self.now + ttl, self.now)
         assert a == b
 
+    @precondition(lambda self: self.live)
+    @rule()
+    def outlive(self) -> None:
+        """Past every lease's TTL: the leases in flight expire, in both stores alike."""
+        self.now += 31.0
+        self.expire()
+
     @rule()
     def expire(self) -> None:
         a, b = self.both("expire", self.now)
