@@ -83,6 +83,8 @@ def choose_victims(
     if need_c > counters.preemptible_concurrency or need_k > counters.preemptible_kv:
         return []
     need_t = tokens - counters.bucket + plan.shared_bucket_floor
+    if need_t > counters.reclaimable_tokens + 1e-6:  # all the lent work gives back too little
+        return []
     victims, enough = until_fits((need_c, need_k), groups, order, need_tokens=need_t)
     return victims if enough else []
 

@@ -128,6 +128,7 @@ local function choose_victims(p, plan, kv, tokens, order, now)
   if need_c > p.pre_c or need_k > p.pre_k then return {} end
   refill(p, 'b_', now)
   local need_t = tokens - p.b_level + plan.shared_bucket_floor
+  if need_t > reclaimable(p) + 1e-6 then return {} end  -- all the lent work gives back too little
   local wanted, groups = {}, {}
   for _, name in ipairs(order) do wanted[name] = true end
   for _, id in ipairs(redis.call('ZREVRANGE', P .. ':pre', 0, -1)) do
