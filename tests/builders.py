@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
+import pytest
+
+from tokenpools.control.store import Store
 from tokenpools.model.config import Config, parse_config
+from tokenpools.state.memory import MemoryStore
 
 # The simulator's one pool of one engine (the paper's DGX Spark profile), as scenarios name it.
 SIM_POOL: dict[str, Any] = {
@@ -38,3 +43,14 @@ def make_config(
     }
     ents = [{"tenantId": e["name"], "pool": "p", **e} for e in entitlements]
     return parse_config({"policy": policy or {}, "pools": [pool], "entitlements": ents})
+
+
+def store_named(name: str, request: pytest.FixtureRequest) -> Store:
+    """The store a test is parametrised over: "memory", or "redis" (the `redis_url` fixture's
+    server) under a fresh key prefix."""
+    if name == "memory":
+        return MemoryStore()
+    from tokenpools.state.redis.store import RedisStore
+
+    url = request.getfixturevalue("redis_url")
+    return RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)

@@ -6,11 +6,9 @@ claims its baseline until it is first measured, on every kind of engine."""
 
 from __future__ import annotations
 
-import secrets
-
 import pytest
 
-from tests.builders import make_config
+from tests.builders import make_config, store_named
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reason, Reject
 from tokenpools.model.request import RequestCost
@@ -50,11 +48,7 @@ def on_store(c: DecisionCore, store: str, request: pytest.FixtureRequest) -> Dec
     """The same core on the store named (memory: as it is; redis: a fresh key prefix)."""
     if store == "memory":
         return c
-    from tokenpools.state.redis.store import RedisStore
-
-    url = request.getfixturevalue("redis_url")
-    backend = RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)
-    return DecisionCore(c.config, backend, now=0.0, suspends=True)
+    return DecisionCore(c.config, store_named(store, request), now=0.0, suspends=True)
 
 
 def fill(

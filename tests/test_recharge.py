@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.builders import store_named
 from tokenpools.admission import Admitted
 from tokenpools.control.budgets import budget_status, used
 from tokenpools.control.core import DecisionCore
@@ -233,14 +234,7 @@ def test_a_window_given_room_back_is_no_longer_spent(
         "entitlements": ENTITLEMENTS,
         "budgets": [{"name": "b", "tenant": "acme", "limit": 800, "measure": "output"}],
     }  # fmt: skip
-    if store == "memory":
-        backend: Store = MemoryStore()
-    else:
-        from tokenpools.state.redis.store import RedisStore
-
-        url = request.getfixturevalue("redis_url")
-        backend = RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)
-    core = lending_core(parse_config(data), backend)
+    core = lending_core(parse_config(data), store_named(store, request))
     acme = Account("acme", "k", "m")
     spot = [core.admit("spot", RequestCost(10, 100, 1, acme), START) for _ in range(8)]
     assert all(isinstance(d, Admit) for d in spot)  # 8 × 100 output: the whole budget

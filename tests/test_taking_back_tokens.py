@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.builders import make_config
+from tests.builders import make_config, store_named
 from tokenpools.control.core import DecisionCore
 from tokenpools.control.decisions import Admit, Reject
 from tokenpools.control.eviction import eviction_order
@@ -204,16 +204,6 @@ def test_retry_after_for_unreserved_tokens_counts_what_lent_work_gives_back() ->
     assert wait == pytest.approx(5.0)
 
 
-def on(store: str, request: pytest.FixtureRequest) -> Store:
-    """The store named: memory, or Redis under a fresh key prefix."""
-    if store == "memory":
-        return MemoryStore()
-    from tokenpools.state.redis.store import RedisStore
-
-    url = request.getfixturevalue("redis_url")
-    return RedisStore(url, prefix=secrets.token_hex(4), timeout_s=2.0)
-
-
 def two_slots(ents: list[dict[str, Any]], store: Store) -> DecisionCore:
     """A pool of two slots and a 4,000-token bucket (400 tokens/s over 10 s), no overcommit,
     on a host that suspends."""
@@ -234,7 +224,7 @@ def test_what_is_given_back_never_fills_the_bucket_past_its_depth(
         {"name": "owner", "serviceClass": "guaranteed", "sloTargetMs": 1000, "concurrency": 1},
         {"name": "lent", "serviceClass": "preemptible"},
     ]
-    backend = on(store, request)
+    backend = store_named(store, request)
     core = two_slots(ents, backend)
     now = core.policy.update_period_s + 0.1
     core.tick(now)
@@ -256,7 +246,7 @@ def test_work_taken_back_at_a_capacity_loss_gives_its_tokens_back_as_at_admissio
     reservation back to the bucket where its host suspends it (its continuation reserves
     again), and nothing where taking it back ends it."""
     ents = [{"name": "lent", "serviceClass": "preemptible"}]
-    backend = on(store, request)
+    backend = store_named(store, request)
     core = two_slots(ents, backend)
     cost = RequestCost(100, 200, resumable=resumable)
     assert all(isinstance(core.admit("lent", cost, 1.0, f"lent-{i}"), Admit) for i in range(2))

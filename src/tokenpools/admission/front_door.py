@@ -140,7 +140,7 @@ class FrontDoor:
         """The models this caller may use (GET /v1/models)."""
         return self.admission.directory.models(caller)
 
-    def suspend_deadline_s(self, cleared: Cleared, path: str) -> float | None:
+    def suspend_deadline_s(self, cleared: Cleared) -> float | None:
         """How long the host may keep this request suspended, if the core may suspend it
         (`Lease.resumable`: lent work and elastic work the host can resume from its text —
         `enter` said so in its cost — where the policy suspends); None: the core's taking it

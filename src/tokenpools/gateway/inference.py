@@ -85,7 +85,7 @@ async def _answer(
         forward = None if result.rewritten else raw  # unchanged bodies go as they came
         tap = result.tap(path)
         parts = (gw, admitted, backend, path, result.prompt_tokens, headers, trace, tap)
-        deadline_s = gw.door.suspend_deadline_s(result, path)
+        deadline_s = gw.door.suspend_deadline_s(result)
         exchange = (
             Exchange(*parts)
             if deadline_s is None
