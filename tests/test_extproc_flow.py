@@ -255,3 +255,39 @@ def test_a_message_out_of_order_is_a_protocol_error_answered_cleanly(
     assert (record.decision == "admitted") == admitted
     snap = processor.admission.snapshot(processor.admission.clock())
     assert all(e.in_flight == 0 for e in snap.entitlements.values()), "a lease stayed held"
+
+
+def test_a_request_evicted_while_an_answer_is_sent_ends_with_the_preemption() -> None:
+    """gRPC sends each answer from the handler's own task. The core's eviction must not cancel
+    that task: a handler cancelled mid-send ends without a status, and Envoy holds the
+    client's stream open with nothing more to come. The stream's next answer is the
+    preemption instead, and the request is recorded evicted."""
+    processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
+    records: list[RequestRecord] = []
+    processor.observe.listeners.append(records.append)
+
+    async def scenario() -> list[str | None]:
+        await processor.start(3600)
+        try:
+            inbox: asyncio.Queue[ep.ProcessingRequest] = asyncio.Queue()
+            for message in exchange(None)[:3]:  # up to the answer's headers: still answering
+                inbox.put_nowait(message)
+
+            async def stream() -> AsyncIterator[ep.ProcessingRequest]:
+                while True:
+                    yield await inbox.get()
+
+            answers = ExternalProcessor(processor).Process(stream(), None)  # type: ignore[arg-type]
+            kinds = [(await anext(answers)).WhichOneof("response") for _ in range(3)]
+            (lease_id,) = processor.admission.in_flight
+            processor.admission.evict(lease_id)  # while gRPC still sends the last answer:
+            await asyncio.sleep(0)  # the send's own wait, which a cancellation would break
+            kinds += [a.WhichOneof("response") async for a in answers]
+            return kinds
+        finally:
+            await processor.stop()
+
+    kinds = asyncio.run(scenario())
+    assert kinds == ["request_headers", "request_body", "response_headers", "immediate_response"]
+    (record,) = records
+    assert record.evicted

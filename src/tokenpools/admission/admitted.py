@@ -21,12 +21,13 @@ class Admitted:
     def __init__(
         self,
         lease: Lease,
-        task: asyncio.Task[Any] | None,
+        task: asyncio.Future[Any] | None,
         on_end: EndFn,
         on_recharge: RechargeFn | None = None,
     ) -> None:
         self.lease = lease
-        self.task = task  # cancelled on eviction; without one, the host checks `evicted`
+        self.task = task  # cancelled on eviction (a task, or a future its host waits on);
+        # without one, the host checks `evicted`
         self._on_end = on_end
         self._on_recharge = on_recharge
         self.recharged = False

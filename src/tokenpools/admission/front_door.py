@@ -173,7 +173,7 @@ class FrontDoor:
         path: str,
         body: bytes | dict[str, Any],
         *,
-        task: asyncio.Task[Any] | None,
+        task: asyncio.Future[Any] | None,
     ) -> Cleared | Stopped:
         """The request's body (raw bytes, or one the host parsed already: LiteLLM's): cleared
         and tracked, or stopped. `path` is the OpenAI endpoint (openai_api: CHAT, ...);
@@ -197,7 +197,7 @@ class FrontDoor:
         return result
 
     async def _clear(
-        self, caller: Caller, path: str, body: dict[str, Any], task: asyncio.Task[Any] | None
+        self, caller: Caller, path: str, body: dict[str, Any], task: asyncio.Future[Any] | None
     ) -> Cleared | Stopped:
         admission = self.admission
         try:

@@ -82,7 +82,7 @@ class AdmissionRuntime:
                 self.evict(victim.lease_id)
         return decision
 
-    def track(self, decision: Admit, task: asyncio.Task[Any] | None) -> Admitted:
+    def track(self, decision: Admit, task: asyncio.Future[Any] | None) -> Admitted:
         """The admitted request, in flight until it ends (`task` is cancelled on eviction)."""
         admitted = Admitted(decision.lease, task, self._end, self._recharge)
         self.in_flight[decision.lease.lease_id] = admitted

@@ -88,6 +88,8 @@ class Flow:
         self._chunks: list[bytes] = []  # the request's body so far, sent full duplex
         self._size = 0
         self.unfit: str | None = None  # why the data plane's modes cannot be admitted under
+        # cancelled should the core evict the request once admitted (service.py waits on it)
+        self.taken_back: asyncio.Future[None] | None = None
 
     @property
     def done(self) -> bool:
@@ -196,8 +198,10 @@ class Flow:
         """The front door's decision on the whole body: the request goes on upstream with
         the data plane's headers (and its body where rewritten), or is answered now."""
         assert self.caller is not None  # the BODY phase's
-        task = asyncio.current_task()
-        result = await self.door.enter(self.record, self.caller, self.path, raw, task=task)
+        self.taken_back = asyncio.get_running_loop().create_future()
+        result = await self.door.enter(
+            self.record, self.caller, self.path, raw, task=self.taken_back
+        )
         if isinstance(result, Stopped):
             return [self._refuse(result.refusal)]
         self.cleared, self.phase = result, Phase.UPSTREAM

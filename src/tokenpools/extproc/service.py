@@ -34,13 +34,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         try:
             while True:
                 try:
-                    request = await anext(request_iterator)
+                    request = await _next(request_iterator, flow.taken_back)
                 except StopAsyncIteration:
                     return
-                except asyncio.CancelledError:
-                    # the core evicted this request (it cancels the task that admitted it)
-                    if flow.admitted is None or not flow.admitted.evicted:
-                        raise
+                except _TakenBack:  # the core evicted this request: its answer ends now
                     yield flow.preempted()
                     return
                 for response in await flow.receive(request):
@@ -51,6 +48,29 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
             record = flow.finish()
             if record is not None:
                 self.processor.finished(record)
+
+
+class _TakenBack(Exception):
+    pass
+
+
+async def _next(
+    request_iterator: AsyncIterator[ep.ProcessingRequest], taken_back: asyncio.Future[None] | None
+) -> ep.ProcessingRequest:
+    """Envoy's next message, or `_TakenBack` once the core evicts the request. Eviction
+    cancels the future, never this task: a cancellation that lands while gRPC sends one of
+    the answers would end the handler without a status, and Envoy would hold the client's
+    stream open with nothing more to come."""
+    if taken_back is None:  # not admitted (yet): nothing to take back
+        return await anext(request_iterator)
+    receiving = asyncio.ensure_future(anext(request_iterator))
+    try:
+        await asyncio.wait((receiving, taken_back), return_when=asyncio.FIRST_COMPLETED)
+        if receiving.done():  # a message that came with the eviction is read first
+            return receiving.result()
+        raise _TakenBack
+    finally:
+        receiving.cancel()  # a no-op once done; otherwise evicted, or the stream cancelled
 
 
 class Health:
