@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.kube.api_faults import Fault
 from tests.kube.harness import DEPLOYMENTS, NS, PLATFORM, Bench, bench, deployment_status, ent, pool
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, LEASES, NODES, POOLS
+from tokenpools.k8s.leader import LeaderElection
 from tokenpools.k8s.names import node_name
+from tokenpools.k8s.operator_loop import OperatorLoop
 from tokenpools.k8s.reconciler import Reconciler
 
 __all__ = ["bench"]  # the fixture
@@ -100,6 +103,58 @@ def test_heartbeat_renews_the_node_condition_and_lease(bench: Bench) -> None:
     assert o.parse_time(lease["renewTime"]) - o.parse_time(first["renewTime"]) == pytest.approx(10)
     ready = [c for c in kube.get(NODES, None, name)["status"]["conditions"] if c["type"] == "Ready"]
     assert ready[0]["lastHeartbeatTime"] == o.iso(clock.now)
+
+
+def _renewed(bench: Bench, name: str) -> tuple[float, float]:
+    """When the node's Lease and its Ready condition were last renewed."""
+    lease = bench.kube.get(LEASES, o.NODE_LEASE_NAMESPACE, name)["spec"]
+    conditions = bench.kube.get(NODES, None, name)["status"]["conditions"]
+    (ready,) = [c for c in conditions if c["type"] == "Ready"]
+    return o.parse_time(lease["renewTime"]), o.parse_time(ready["lastHeartbeatTime"])
+
+
+@pytest.mark.parametrize("failing", ["nodes", "leases"])
+def test_a_heartbeat_write_that_fails_leaves_the_other_renewed(bench: Bench, failing: str) -> None:
+    """Either the node's Lease or its Ready heartbeat keeps it alive for the node lifecycle
+    controller: each is written on its own, so one that keeps failing does not hold back the
+    other (a failing status write used to leave the Lease stale too)."""
+    kube, clock = bench.kube, bench.clock
+    kube.create(POOLS, None, pool())
+    bench.rec.reconcile()
+    name = node_name("qwen")
+    before = _renewed(bench, name)
+    bench.server.api.faults[:] = [Fault("patch", failing)]
+    clock.now += 10
+    assert bench.rec.heartbeat() == 1  # the node's heartbeat failed in part
+    lease, ready = _renewed(bench, name)
+    if failing == "nodes":
+        assert (lease - before[0], ready) == (pytest.approx(10), before[1])
+    else:
+        assert (lease, ready - before[1]) == (before[0], pytest.approx(10))
+
+
+def test_a_leader_whose_renewal_fails_leads_until_its_lease_expires(bench: Bench) -> None:
+    """A renewal that fails for an error (not a conflict) does not end the leadership at
+    once: nobody else may take the Lease before it expires, so the nodes' heartbeats go on
+    until then, and stop after."""
+    kube, clock = bench.kube, bench.clock
+    kube.create(POOLS, None, pool())
+    bench.rec.reconcile()
+    name = node_name("qwen")
+    loop = OperatorLoop(bench.rec, LeaderElection(kube, PLATFORM, "op-0", clock), clock)
+    loop.heartbeat()
+    assert loop.leading
+    bench.server.api.faults[:] = [Fault("update", "leases", PLATFORM)]  # its own Lease only
+    clock.now += 10  # renewed 10 s ago: 5 s of the 15 left
+    loop.heartbeat()
+    assert loop.leading and _renewed(bench, name)[0] == clock.now
+    clock.now += 10  # 20 s since: expired, another replica may hold it now
+    loop.heartbeat()
+    assert not loop.leading and _renewed(bench, name)[0] == clock.now - 10
+    bench.server.api.faults.clear()
+    clock.now += 10
+    loop.heartbeat()
+    assert loop.leading and _renewed(bench, name)[0] == clock.now
 
 
 def _autoscaled(bench: Bench, mode: str) -> None:

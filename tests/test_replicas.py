@@ -360,11 +360,13 @@ def test_three_replicas_enforce_one_pool(patient_cluster: Cluster) -> None:
     # another), so the owner's request can reach the engine first.
     # And a request whose answer has just ended may count at the engine a moment longer: the
     # gateway ends its lease when it has read the last event, the engine its count after it
-    # sent it (seen twice in fresh-clone CI runs: 9 and 10 at the backend, 8 reserved).
+    # sent it (seen twice in fresh-clone CI runs: 9 and 10 at the backend, 8 reserved). Its
+    # client may note its end after the sample that counted it: the sampler and the clients
+    # share one event loop, and the sample's time is taken when its answer has been read.
     assert cluster.max_reserved <= SLOTS * (1 + OVERCOMMIT)
     suspended = suspensions(cluster)
     for when, running in cluster.backend_samples:
-        ending = sum(1 for r in replies if r.status == 200 and when - LAG_S <= r.end <= when)
+        ending = sum(1 for r in replies if r.status == 200 and abs(r.end - when) <= LAG_S)
         bound = int(SLOTS * (1 + OVERCOMMIT)) + suspended + ending
         assert running <= bound, (when, running, bound)
     assert cluster.max_reserved >= SLOTS - 1, "the pool was driven to its capacity"

@@ -99,26 +99,42 @@ class VirtualNodes:
         ]
 
     def heartbeat(self) -> int:
-        """Renew every virtual node's Ready condition and Lease; the number that failed."""
+        """Renew every virtual node's Lease and Ready condition; the number of nodes whose
+        heartbeat failed. Each write is retried on its own, the Lease first, as the kubelet
+        keeps the two apart: either keeps the node alive for the node lifecycle controller, so
+        a status write that fails must not leave the Lease stale too."""
         failed = 0
         for node in self.nodes():
             name = node["metadata"]["name"]
-            try:
-                retried(functools.partial(self._beat, node))
-            except Exception as exc:  # this node's heartbeat only; the others go on
-                failed += 1
-                self.metrics.errors.labels("Node", describe(exc)[0]).inc()
-                log.warning("node %s: heartbeat failed: %s", name, describe(exc)[1])
+            steps = (
+                functools.partial(self._renew_lease, name),
+                functools.partial(self._ready, node),
+            )
+            errors = []
+            for step in steps:
+                try:
+                    retried(step)
+                except Exception as exc:  # this write only; the others go on
+                    errors.append(exc)
+                    self.metrics.errors.labels("Node", describe(exc)[0]).inc()
+                    log.warning("node %s: heartbeat failed: %s", name, describe(exc)[1])
+            failed += bool(errors)
+            if len(errors) < len(steps):  # either write keeps the node alive
+                self.metrics.beat(name)
         return failed
 
-    def _beat(self, node: Any) -> None:
-        name, now = node["metadata"]["name"], o.iso(self.clock())
+    def _ready(self, node: Any) -> None:
+        now = o.iso(self.clock())
         conditions = (node.get("status") or {}).get("conditions") or []
         for cond in conditions:
             cond["lastHeartbeatTime"] = now
-        self.kube.patch(NODES, None, name, {"status": {"conditions": conditions}}, sub="status")
-        self._renew_lease(name)
-        self.metrics.beat(name)
+        self.kube.patch(
+            NODES,
+            None,
+            node["metadata"]["name"],
+            {"status": {"conditions": conditions}},
+            sub="status",
+        )
 
     def _renew_lease(self, node: str) -> None:
         lease = o.node_lease(node, self.clock())
