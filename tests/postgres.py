@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 
 from tokenpools.processes import free_port, wait_port
@@ -42,6 +43,7 @@ class PostgresServer:
         self.data, self.port = os.path.join(self.root, "data"), free_port()
         self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once: its URL is known, a restart keeps it
         subprocess.run(
             [*self._as_user, _binary("initdb"), "-D", self.data, "-U", "tokenpools",
              "--auth=trust", "-E", "UTF8"],
@@ -55,16 +57,47 @@ class PostgresServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 30) -> None:
-        """Start the server (a no-op if it runs); returns once it accepts connections."""
+        """Start the server (a no-op if it runs); returns once it listens. Where another
+        server took the port between `free_port` and the bind (the suite starts hundreds, two
+        at a time), the first start moves to another port; a restart keeps its URL or fails."""
         if self.running:
             return
-        self._proc = subprocess.Popen(
-            [*self._as_user, _binary("postgres"), "-D", self.data, "-p", str(self.port),
-             "-k", self.root, "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        wait_port(self.port, self._proc, timeout_s=timeout_s)
+        for _ in range(5):
+            with contextlib.suppress(FileNotFoundError):  # left by a server killed outright
+                os.remove(self._socket_file)
+            self._proc = subprocess.Popen(
+                [*self._as_user, _binary("postgres"), "-D", self.data, "-p", str(self.port),
+                 "-k", self.root, "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            if self._listening(timeout_s):
+                self._started = True
+                return
+            if self._started:
+                break
+            self.port = free_port()
+            self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
+        raise RuntimeError(f"postgres could not listen on port {self.port}")
+
+    def _listening(self, timeout_s: float) -> bool:
+        """Whether this server listens: its socket file is in its own directory. (A port that
+        answers may be another server's; postgres makes the file only once it has bound the
+        port, and exits when it cannot.)"""
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self._socket_file):
+            if self._proc.poll() is not None:
+                return False
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"postgres did not start within {timeout_s} s")
+            time.sleep(0.02)
+        wait_port(self.port, self._proc, timeout_s)  # and it accepts connections
+        return True
+
+    @property
+    def _socket_file(self) -> str:
+        return os.path.join(self.root, f".s.PGSQL.{self.port}")
 
     def stop(self, mode: str = "fast", timeout_s: float = 30) -> None:
         """Shut the server down (`fast`: disconnect clients, roll back what is open; `immediate`:

@@ -257,37 +257,68 @@ def test_a_message_out_of_order_is_a_protocol_error_answered_cleanly(
     assert all(e.in_flight == 0 for e in snap.entitlements.values()), "a lease stayed held"
 
 
-def test_a_request_evicted_while_an_answer_is_sent_ends_with_the_preemption() -> None:
+@pytest.mark.parametrize(
+    "moment", ["while an answer is sent", "while it waits", "as a message comes"]
+)
+def test_an_evicted_request_ends_with_the_preemption_whenever_it_is_taken(moment: str) -> None:
     """gRPC sends each answer from the handler's own task. The core's eviction must not cancel
-    that task: a handler cancelled mid-send ends without a status, and Envoy holds the
-    client's stream open with nothing more to come. The stream's next answer is the
-    preemption instead, and the request is recorded evicted."""
+    that task there: a handler cancelled mid-send ends without a status, and Envoy holds the
+    client's stream open with nothing more to come. Whenever the request is evicted (while
+    gRPC sends an answer, while the stream waits for Envoy, or as Envoy's next message
+    arrives), the stream's next answer is the preemption (503 before the answer's headers),
+    and the request is recorded evicted."""
     processor = Processor(parse_config(config_data("http://127.0.0.1:9")), access_log=False)
     records: list[RequestRecord] = []
     processor.observe.listeners.append(records.append)
+    messages = exchange(None)
 
     async def scenario() -> list[str | None]:
         await processor.start(3600)
         try:
             inbox: asyncio.Queue[ep.ProcessingRequest] = asyncio.Queue()
-            for message in exchange(None)[:3]:  # up to the answer's headers: still answering
-                inbox.put_nowait(message)
+            waiting = asyncio.Event()  # the stream asks for a message that has not come
 
             async def stream() -> AsyncIterator[ep.ProcessingRequest]:
                 while True:
+                    if inbox.empty():
+                        waiting.set()
                     yield await inbox.get()
 
             answers = ExternalProcessor(processor).Process(stream(), None)  # type: ignore[arg-type]
-            kinds = [(await anext(answers)).WhichOneof("response") for _ in range(3)]
+            kinds: list[str | None] = []
+            sending, sent = asyncio.Event(), asyncio.get_running_loop().create_future()
+
+            async def read() -> None:  # as gRPC does, in the handler's task
+                async for answer in answers:
+                    kinds.append(answer.WhichOneof("response"))
+                    if answer.HasField("response_headers"):  # its send takes a while
+                        sending.set()
+                        await sent
+
+            for message in messages[:2]:  # admitted: the request goes upstream
+                inbox.put_nowait(message)
+            reader = asyncio.create_task(read())
+            await waiting.wait()  # the third message asked for
             (lease_id,) = processor.admission.in_flight
-            processor.admission.evict(lease_id)  # while gRPC still sends the last answer:
-            await asyncio.sleep(0)  # the send's own wait, which a cancellation would break
-            kinds += [a.WhichOneof("response") async for a in answers]
+            if moment == "while an answer is sent":
+                waiting.clear()
+                inbox.put_nowait(messages[2])  # the answer's headers: their answer is sent
+                await sending.wait()
+            elif moment == "as a message comes":
+                inbox.put_nowait(messages[2])  # the answer's headers, in the same turn
+            processor.admission.evict(lease_id)
+            sent.set_result(None)
+            await reader
             return kinds
         finally:
             await processor.stop()
 
     kinds = asyncio.run(scenario())
-    assert kinds == ["request_headers", "request_body", "response_headers", "immediate_response"]
+    before = ["request_headers", "request_body"]
+    if moment == "while an answer is sent":
+        before.append("response_headers")
+    assert kinds == [*before, "immediate_response"]
     (record,) = records
     assert record.evicted
+    if moment != "while an answer is sent":  # nothing of the answer went: 503, to retry
+        assert record.status == 503

@@ -9,9 +9,7 @@ from tests.kube.api_faults import Fault
 from tests.kube.harness import DEPLOYMENTS, NS, PLATFORM, Bench, bench, deployment_status, ent, pool
 from tokenpools.k8s import objects as o
 from tokenpools.k8s.api import ENTITLEMENTS, EVENTS, LEASES, NODES, POOLS
-from tokenpools.k8s.leader import LeaderElection
 from tokenpools.k8s.names import node_name
-from tokenpools.k8s.operator_loop import OperatorLoop
 from tokenpools.k8s.reconciler import Reconciler
 
 __all__ = ["bench"]  # the fixture
@@ -133,28 +131,21 @@ def test_a_heartbeat_write_that_fails_leaves_the_other_renewed(bench: Bench, fai
         assert (lease, ready - before[1]) == (before[0], pytest.approx(10))
 
 
-def test_a_leader_whose_renewal_fails_leads_until_its_lease_expires(bench: Bench) -> None:
-    """A renewal that fails for an error (not a conflict) does not end the leadership at
-    once: nobody else may take the Lease before it expires, so the nodes' heartbeats go on
-    until then, and stop after."""
-    kube, clock = bench.kube, bench.clock
+def test_a_node_deleted_since_it_was_listed_gets_no_new_lease(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reconciliation runs beside the heartbeat: a pool removed between the heartbeat's list
+    of nodes and its writes leaves no Lease behind (nothing would ever delete it)."""
+    kube = bench.kube
     kube.create(POOLS, None, pool())
     bench.rec.reconcile()
     name = node_name("qwen")
-    loop = OperatorLoop(bench.rec, LeaderElection(kube, PLATFORM, "op-0", clock), clock)
-    loop.heartbeat()
-    assert loop.leading
-    bench.server.api.faults[:] = [Fault("update", "leases", PLATFORM)]  # its own Lease only
-    clock.now += 10  # renewed 10 s ago: 5 s of the 15 left
-    loop.heartbeat()
-    assert loop.leading and _renewed(bench, name)[0] == clock.now
-    clock.now += 10  # 20 s since: expired, another replica may hold it now
-    loop.heartbeat()
-    assert not loop.leading and _renewed(bench, name)[0] == clock.now - 10
-    bench.server.api.faults.clear()
-    clock.now += 10
-    loop.heartbeat()
-    assert loop.leading and _renewed(bench, name)[0] == clock.now
+    listed = bench.rec.nodes.nodes()
+    kube.delete(NODES, None, name)  # the pool's removal, meanwhile
+    kube.delete(LEASES, o.NODE_LEASE_NAMESPACE, name)
+    monkeypatch.setattr(bench.rec.nodes, "nodes", lambda: listed)
+    assert bench.rec.heartbeat() == 0
+    assert kube.find(LEASES, o.NODE_LEASE_NAMESPACE, name) is None
 
 
 def _autoscaled(bench: Bench, mode: str) -> None:

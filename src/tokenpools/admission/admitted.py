@@ -4,9 +4,8 @@ expired (its admission lease lost). Whatever the host, and however often it is t
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 from tokenpools.control.metering import Charge
 from tokenpools.control.store import Lease
@@ -17,17 +16,23 @@ EndFn = Callable[["Admitted", Usage | None, bool], None]
 RechargeFn = Callable[["Admitted", Usage], None]
 
 
+class Cancellable(Protocol):
+    """What a host hands admission to stop a request the core evicts: its task, or one that
+    cancels it only where that is safe (the ext_proc stream's `Waker`)."""
+
+    def cancel(self) -> bool: ...
+
+
 class Admitted:
     def __init__(
         self,
         lease: Lease,
-        task: asyncio.Future[Any] | None,
+        task: Cancellable | None,
         on_end: EndFn,
         on_recharge: RechargeFn | None = None,
     ) -> None:
         self.lease = lease
-        self.task = task  # cancelled on eviction (a task, or a future its host waits on);
-        # without one, the host checks `evicted`
+        self.task = task  # cancelled on eviction; without one, the host checks `evicted`
         self._on_end = on_end
         self._on_recharge = on_recharge
         self.recharged = False

@@ -12,14 +12,13 @@ No HTTP library here."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tokenpools.admission.access_log import RequestRecord
-from tokenpools.admission.admitted import Admitted
+from tokenpools.admission.admitted import Admitted, Cancellable
 from tokenpools.admission.clearing import (
     cleared_headers,
     demand,
@@ -173,7 +172,7 @@ class FrontDoor:
         path: str,
         body: bytes | dict[str, Any],
         *,
-        task: asyncio.Future[Any] | None,
+        task: Cancellable | None,
     ) -> Cleared | Stopped:
         """The request's body (raw bytes, or one the host parsed already: LiteLLM's): cleared
         and tracked, or stopped. `path` is the OpenAI endpoint (openai_api: CHAT, ...);
@@ -197,7 +196,7 @@ class FrontDoor:
         return result
 
     async def _clear(
-        self, caller: Caller, path: str, body: dict[str, Any], task: asyncio.Future[Any] | None
+        self, caller: Caller, path: str, body: dict[str, Any], task: Cancellable | None
     ) -> Cleared | Stopped:
         admission = self.admission
         try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from tokenpools.admission.admitted import Admitted
+from tokenpools.admission.admitted import Admitted, Cancellable
 from tokenpools.admission.driver import StoreDriver, check_cluster_budgets, open_driver
 from tokenpools.control.budgets import Budgets, budget_status
 from tokenpools.control.decisions import Admit, Decision
@@ -82,7 +82,7 @@ class AdmissionRuntime:
                 self.evict(victim.lease_id)
         return decision
 
-    def track(self, decision: Admit, task: asyncio.Future[Any] | None) -> Admitted:
+    def track(self, decision: Admit, task: Cancellable | None) -> Admitted:
         """The admitted request, in flight until it ends (`task` is cancelled on eviction)."""
         admitted = Admitted(decision.lease, task, self._end, self._recharge)
         self.in_flight[decision.lease.lease_id] = admitted

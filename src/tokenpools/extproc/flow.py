@@ -72,6 +72,21 @@ class FlowSettings:
     misconfigured: Callable[[str], None]
 
 
+class Waker:
+    """What evicting an admitted flow cancels: the stream's task, and only while the stream
+    waits for Envoy's next message (service.py arms it there). A cancellation anywhere else
+    could land inside gRPC's own send of an answer, which ends the handler without a status:
+    Envoy would hold the client's stream open with nothing more to come. Evicted at any other
+    moment, the stream sees it before it reads on."""
+
+    def __init__(self, task: asyncio.Task[Any] | None) -> None:
+        self.task = task
+        self.waiting = False
+
+    def cancel(self) -> bool:
+        return self.waiting and self.task is not None and self.task.cancel()
+
+
 class Flow:
     def __init__(self, door: FrontDoor, settings: FlowSettings) -> None:
         self.door, self.settings = door, settings
@@ -88,8 +103,7 @@ class Flow:
         self._chunks: list[bytes] = []  # the request's body so far, sent full duplex
         self._size = 0
         self.unfit: str | None = None  # why the data plane's modes cannot be admitted under
-        # cancelled should the core evict the request once admitted (service.py waits on it)
-        self.taken_back: asyncio.Future[None] | None = None
+        self.waker: Waker | None = None  # from UPSTREAM on
 
     @property
     def done(self) -> bool:
@@ -99,6 +113,11 @@ class Flow:
     @property
     def admitted(self) -> Admitted | None:
         return None if self.cleared is None else self.cleared.admitted
+
+    @property
+    def evicted(self) -> bool:
+        """The core took the admitted request back: its answer ends now."""
+        return self.cleared is not None and self.cleared.admitted.evicted
 
     async def receive(self, request: ep.ProcessingRequest) -> Answers:
         """What to send back for one message: mostly one answer; none while a request's body
@@ -198,10 +217,8 @@ class Flow:
         """The front door's decision on the whole body: the request goes on upstream with
         the data plane's headers (and its body where rewritten), or is answered now."""
         assert self.caller is not None  # the BODY phase's
-        self.taken_back = asyncio.get_running_loop().create_future()
-        result = await self.door.enter(
-            self.record, self.caller, self.path, raw, task=self.taken_back
-        )
+        self.waker = Waker(asyncio.current_task())
+        result = await self.door.enter(self.record, self.caller, self.path, raw, task=self.waker)
         if isinstance(result, Stopped):
             return [self._refuse(result.refusal)]
         self.cleared, self.phase = result, Phase.UPSTREAM

@@ -14,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2
 
+from tokenpools.extproc.flow import Waker
 from tokenpools.extproc.processor import Processor
 
 log = logging.getLogger("tokenpools.extproc")
@@ -33,12 +34,17 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
         flow = self.processor.flow()
         try:
             while True:
+                if flow.evicted:  # while gRPC sent an answer: it ends now
+                    yield flow.preempted()
+                    return
                 try:
-                    request = await _next(request_iterator, flow.taken_back)
+                    request = await _next(request_iterator, flow.waker)
                 except StopAsyncIteration:
                     return
-                except _TakenBack:  # the core evicted this request: its answer ends now
-                    yield flow.preempted()
+                except asyncio.CancelledError:
+                    if not flow.evicted:  # the stream itself was cancelled
+                        raise
+                    yield flow.preempted()  # evicted while it waited for Envoy
                     return
                 for response in await flow.receive(request):
                     yield response
@@ -50,27 +56,18 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc
                 self.processor.finished(record)
 
 
-class _TakenBack(Exception):
-    pass
-
-
 async def _next(
-    request_iterator: AsyncIterator[ep.ProcessingRequest], taken_back: asyncio.Future[None] | None
+    request_iterator: AsyncIterator[ep.ProcessingRequest], waker: Waker | None
 ) -> ep.ProcessingRequest:
-    """Envoy's next message, or `_TakenBack` once the core evicts the request. Eviction
-    cancels the future, never this task: a cancellation that lands while gRPC sends one of
-    the answers would end the handler without a status, and Envoy would hold the client's
-    stream open with nothing more to come."""
-    if taken_back is None:  # not admitted (yet): nothing to take back
+    """Envoy's next message, the admitted flow's `waker` armed while the stream waits for it:
+    only there may an eviction cancel the stream's task."""
+    if waker is None:
         return await anext(request_iterator)
-    receiving = asyncio.ensure_future(anext(request_iterator))
+    waker.waiting = True
     try:
-        await asyncio.wait((receiving, taken_back), return_when=asyncio.FIRST_COMPLETED)
-        if receiving.done():  # a message that came with the eviction is read first
-            return receiving.result()
-        raise _TakenBack
+        return await anext(request_iterator)
     finally:
-        receiving.cancel()  # a no-op once done; otherwise evicted, or the stream cancelled
+        waker.waiting = False
 
 
 class Health:

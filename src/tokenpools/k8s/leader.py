@@ -25,14 +25,6 @@ class LeaderElection:
     ) -> None:
         self.kube, self.namespace, self.identity = kube, namespace, identity
         self.clock, self.name, self.duration_s = clock, name, duration_s
-        self._renewed_at: float | None = None  # when this replica last took or renewed it
-
-    def holds(self) -> bool:
-        """Still the leader on the strength of its last renewal: nobody else may take the
-        Lease before it expires (client-go's leader keeps acting until its renew deadline,
-        too). A replica whose renewal failed for an error, not a conflict, goes on until
-        then."""
-        return self._renewed_at is not None and self.clock() - self._renewed_at < self.duration_s
 
     def try_acquire(self) -> bool:
         """Take the Lease when it is free or expired, renew it when it is ours."""
@@ -50,27 +42,21 @@ class LeaderElection:
             }
             try:
                 self.kube.create(LEASES, self.namespace, body)
+                return True
             except Conflict:
-                return self._lost()
-            self._renewed_at = now
-            return True
+                return False
         held = lease.get("spec") or {}
         renewed = held.get("renewTime")
         expired = renewed is None or now - o.parse_time(renewed) > held.get(
             "leaseDurationSeconds", 0
         )
         if held.get("holderIdentity") != self.identity and not expired:
-            return self._lost()
+            return False
         if held.get("holderIdentity") != self.identity:
             spec["acquireTime"] = o.micro(now)
         lease["spec"] = {**held, **spec}
         try:
             self.kube.replace(LEASES, self.namespace, self.name, lease)
         except Conflict:
-            return self._lost()
-        self._renewed_at = now
+            return False
         return True
-
-    def _lost(self) -> bool:
-        self._renewed_at = None
-        return False

@@ -32,9 +32,9 @@ class OperatorLoop:
     def heartbeat(self) -> None:
         try:
             self.leading = retried(self.leader.try_acquire)
-        except Exception as exc:  # not a conflict: leading still, until the Lease expires
-            self.leading = self.leader.holds()
+        except Exception as exc:
             log.warning("leader election failed: %s", describe(exc)[1])
+            self.leading = False
         if self.leading:
             self.rec.heartbeat()  # per node, errors counted inside
         self.last_heartbeat = self.clock()

@@ -99,29 +99,37 @@ class VirtualNodes:
         ]
 
     def heartbeat(self) -> int:
-        """Renew every virtual node's Lease and Ready condition; the number of nodes whose
-        heartbeat failed. Each write is retried on its own, the Lease first, as the kubelet
-        keeps the two apart: either keeps the node alive for the node lifecycle controller, so
-        a status write that fails must not leave the Lease stale too."""
+        """Renew every virtual node's Ready condition and Lease; the number of nodes whose
+        heartbeat failed. Each write is retried on its own, as the kubelet keeps the two apart:
+        either keeps the node alive for the node lifecycle controller, so one that keeps
+        failing must not leave the other stale. The condition goes first: a node deleted since
+        it was listed (its pool removed meanwhile) is then seen gone, and gets no new Lease."""
         failed = 0
         for node in self.nodes():
             name = node["metadata"]["name"]
-            steps = (
-                functools.partial(self._renew_lease, name),
-                functools.partial(self._ready, node),
-            )
-            errors = []
-            for step in steps:
-                try:
-                    retried(step)
-                except Exception as exc:  # this write only; the others go on
-                    errors.append(exc)
-                    self.metrics.errors.labels("Node", describe(exc)[0]).inc()
-                    log.warning("node %s: heartbeat failed: %s", name, describe(exc)[1])
-            failed += bool(errors)
-            if len(errors) < len(steps):  # either write keeps the node alive
+            try:
+                retried(functools.partial(self._ready, node))
+                ready = True
+            except Exception as exc:
+                if describe(exc)[0] == "NotFound":
+                    continue
+                ready = self._failed(name, exc)
+            try:
+                retried(functools.partial(self._renew_lease, name))
+                leased = True
+            except Exception as exc:
+                leased = self._failed(name, exc)
+            failed += not (ready and leased)
+            if ready or leased:
                 self.metrics.beat(name)
         return failed
+
+    def _failed(self, node: str, exc: Exception) -> bool:
+        """One heartbeat write failed (retried already): counted and said; False."""
+        reason, message = describe(exc)
+        self.metrics.errors.labels("Node", reason).inc()
+        log.warning("node %s: heartbeat failed: %s", node, message)
+        return False
 
     def _ready(self, node: Any) -> None:
         now = o.iso(self.clock())
