@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import httpx
+import json
+import socket
+from urllib.parse import urlsplit
 
 from tests.gateway_setup import FAST, KEYS, admin, config_data
 from tests.servers import ServerThread, wait_until
@@ -13,7 +15,6 @@ from tokenpools.gateway.app import Gateway, make_app
 from tokenpools.model.config import parse_config
 from tokenpools.model.pool import CapacityFeedback
 
-_CLIENTS: list[httpx.Client] = []  # a collected client would close its streams
 FB = CapacityFeedback(waiting_threshold=1, kv_threshold=0.9, decrease=0.2, increase=0.1)
 
 
@@ -47,18 +48,23 @@ def test_gateway_shrinks_a_pool_whose_backend_queues_and_recovers() -> None:
         emulator.stop()
 
 
-def open_streams_unchecked(server: ServerThread, n: int) -> list[httpx.Response]:
-    """Streams beyond the engine's slots queue in the engine: they send no chunk yet."""
-    http = httpx.Client(timeout=30)
-    _CLIENTS.append(http)
+def open_streams_unchecked(server: ServerThread, n: int) -> list[socket.socket]:
+    """Streams beyond the engine's slots, which queue in the engine. Nothing is read from
+    them (their sockets are only held open): one taken back when the pool shrinks is
+    suspended before its first byte, and its client waits for its headers."""
+    url = urlsplit(server.url)
+    body = json.dumps(
+        {"model": "qwen3-8b", "messages": [{"role": "user", "content": "go"}],
+         "max_tokens": 2000, "stream": True}
+    ).encode()  # fmt: skip
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Authorization: Bearer {KEYS['spot']}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     out = []
     for _ in range(n):
-        request = http.build_request(
-            "POST",
-            f"{server.url}/v1/chat/completions",
-            json={"model": "qwen3-8b", "messages": [{"role": "user", "content": "go"}],
-                  "max_tokens": 2000, "stream": True},
-            headers={"Authorization": f"Bearer {KEYS['spot']}"},
-        )  # fmt: skip
-        out.append(http.send(request, stream=True))
+        sock = socket.create_connection((url.hostname, url.port))
+        sock.sendall(head.encode() + body)
+        out.append(sock)
     return out
