@@ -18,7 +18,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from tokenpools.processes import free_port, wait_port
+import psycopg
+
+from tokenpools.processes import free_port
 
 
 def _binary(name: str) -> str:
@@ -44,6 +46,7 @@ class PostgresServer:
         self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
         self._proc: subprocess.Popen[bytes] | None = None
         self._started = False  # once: its URL is known, a restart keeps it
+        self.log = os.path.join(self.root, "server.log")
         subprocess.run(
             [*self._as_user, _binary("initdb"), "-D", self.data, "-U", "tokenpools",
              "--auth=trust", "-E", "UTF8"],
@@ -57,47 +60,50 @@ class PostgresServer:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 30) -> None:
-        """Start the server (a no-op if it runs); returns once it listens. Where another
-        server took the port between `free_port` and the bind (the suite starts hundreds, two
-        at a time), the first start moves to another port; a restart keeps its URL or fails."""
+        """Start the server (a no-op if it runs); returns once it accepts a connection. A
+        server that exits while it starts (another took its port between `free_port` and the
+        bind; the suite starts hundreds, two at a time) is started again, on another port
+        the first time (a restart keeps its URL); its log says why (`log_tail`)."""
         if self.running:
             return
-        for _ in range(5):
+        for _ in range(3):
             with contextlib.suppress(FileNotFoundError):  # left by a server killed outright
-                os.remove(self._socket_file)
-            self._proc = subprocess.Popen(
-                [*self._as_user, _binary("postgres"), "-D", self.data, "-p", str(self.port),
-                 "-k", self.root, "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            if self._listening(timeout_s):
+                os.remove(os.path.join(self.root, f".s.PGSQL.{self.port}"))
+            with open(self.log, "ab") as log:
+                self._proc = subprocess.Popen(
+                    [*self._as_user, _binary("postgres"), "-D", self.data, "-p", str(self.port),
+                     "-k", self.root, "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"],
+                    stdout=log,
+                    stderr=log,
+                )  # fmt: skip
+            if self._accepts(timeout_s):
                 self._started = True
                 return
-            if self._started:
-                break
-            self.port = free_port()
-            self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
-        raise RuntimeError(f"postgres could not listen on port {self.port}")
+            if not self._started:
+                self.port = free_port()
+                self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
+        raise RuntimeError(f"postgres did not start: {self.log_tail()}")
 
-    def _listening(self, timeout_s: float) -> bool:
-        """Whether this server listens: its socket file is in its own directory. (A port that
-        answers may be another server's; postgres makes the file only once it has bound the
-        port, and exits when it cannot.)"""
+    def _accepts(self, timeout_s: float) -> bool:
+        """Whether this server accepts a connection on its own socket (a port that answers
+        may be another server's); False once it has exited."""
         assert self._proc is not None
         deadline = time.monotonic() + timeout_s
-        while not os.path.exists(self._socket_file):
-            if self._proc.poll() is not None:
-                return False
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"postgres did not start within {timeout_s} s")
-            time.sleep(0.02)
-        wait_port(self.port, self._proc, timeout_s)  # and it accepts connections
-        return True
+        while self._proc.poll() is None:
+            try:
+                psycopg.connect(host=self.root, port=self.port, user="tokenpools",
+                                dbname="postgres", connect_timeout=2).close()  # fmt: skip
+                return True
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"postgres did not start: {self.log_tail()}") from None
+                time.sleep(0.05)
+        return False
 
-    @property
-    def _socket_file(self) -> str:
-        return os.path.join(self.root, f".s.PGSQL.{self.port}")
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError), open(self.log, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+        return ""
 
     def stop(self, mode: str = "fast", timeout_s: float = 30) -> None:
         """Shut the server down (`fast`: disconnect clients, roll back what is open; `immediate`:
@@ -133,6 +139,9 @@ def restartable_postgres() -> Iterator[PostgresServer]:
     try:
         server.start()
         yield server
+    except BaseException:
+        print(f"postgres's log, last lines:\n{server.log_tail()}")  # shown with the failure
+        raise
     finally:
         server.close()
 

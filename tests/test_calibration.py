@@ -3,8 +3,11 @@ refinement should recover, and a capacity that means what it says."""
 
 from __future__ import annotations
 
+import math
+
 from tokenpools.engine.profile import load_profile
 from tokenpools.real_engines.calibrate import (
+    METRICS,
     Fit,
     Observed,
     capacity_rps,
@@ -51,3 +54,13 @@ def test_capacity_is_where_queueing_starts() -> None:
     unloaded = profile.step_time(50, 0, 0)
     assert ttft_p50(0.5) < 2 * unloaded
     assert ttft_p50(1.5) > 10 * unloaded  # beyond capacity the queue grows without bound
+
+
+def test_refinement_with_nothing_completed_keeps_the_first_fit() -> None:
+    """A window too short for a loaded machine completes nothing: there is nothing to agree
+    with, and the first fit stands (it divided by zero)."""
+    truth = load_profile("cpu-smollm2-135m")
+    fit = Fit(truth.t0_s, truth.prefill_s_per_token, truth.decode_s_per_seq, 20.0, [])
+    nothing = {k: float("nan") for k in METRICS} | {"completed": 0.0}
+    profile, mape = refine(fit, truth, [Observed(1.0, nothing)], 1.0, SEED)
+    assert profile == fit.profile(truth) and math.isnan(mape)

@@ -31,8 +31,9 @@ from tokenpools.processes import free_port
 from tokenpools.prompt import estimate_prompt_tokens, prompt_text
 from tokenpools.real_engines.measure_capacity import default_levels, llamacpp_kv, vllm_kv
 
-# 4 slots, 20 ms steps: up to 4 streams a request's first token comes after a step or two;
-# the 5th to 8th wait for a slot, a whole request (~17 steps): the SLO separates the two.
+# 4 slots, 20 ms steps (at full speed): up to 4 streams a request's first token comes after a
+# step or two; the 5th to 8th wait for a slot, a whole request (~17 steps): the SLO separates
+# the two.
 PROFILE = EngineProfile(
     name="capacity-test",
     description="4 slots, 20 ms steps",
@@ -43,8 +44,11 @@ PROFILE = EngineProfile(
     prefill_s_per_token=0.00002,
     decode_s_per_seq=0.001,
 )
-PROMPT, OUTPUT, SLO_MS = 64, 8, 100.0
-SPEED = 1.0
+# The emulator runs at a quarter of the profile's speed (80 ms steps), the SLO scaled alike:
+# it shares this process with the command, whose clients a busy neighbour can hold up for
+# tens of milliseconds, and the first level to miss the SLO ends the sweep.
+SPEED = 0.25
+PROMPT, OUTPUT, SLO_MS = 64, 8, 100.0 / SPEED
 SWEEP = ["--prompt-tokens", str(PROMPT), "--output-tokens", str(OUTPUT), "--requests", "2"]
 
 
@@ -111,7 +115,7 @@ def test_measured_capacity_is_what_the_engine_sustains_at_the_slo(emulator: str)
     comments = " ".join(line.lstrip("# ") for line in result.stdout.splitlines())
     said = [
         "method: N streams in closed loop for N in 1, 2, 4, 8",
-        "SLO: TTFT p99 <= 100 ms",
+        f"SLO: TTFT p99 <= {SLO_MS:.0f} ms",
         "4 streams, the highest level that met the SLO; 8 streams missed it",
         "uncertainty: tokensPerSecond",
         "KV: given (--kv-tokens)",
