@@ -39,7 +39,9 @@ def gateway(emulator: ServerThread) -> Iterator[ServerThread]:
 class Stream:
     """A streamed request read in a thread: its events' data, in order."""
 
-    def __init__(self, server: ServerThread, who: str, path: str, body: dict[str, Any]) -> None:
+    def __init__(
+        self, server: ServerThread, who: str, path: str, body: dict[str, Any], wait: bool = True
+    ) -> None:
         self.events: list[str] = []
         self.status = 0
         self.first = threading.Event()
@@ -62,6 +64,10 @@ class Stream:
             self.done.set()
 
         threading.Thread(target=read, daemon=True).start()
+        if wait:
+            self.began()
+
+    def began(self) -> None:
         assert self.first.wait(10), "no first event"
 
     def chunks(self) -> list[dict[str, Any]]:
@@ -81,11 +87,16 @@ class Stream:
 
 
 def fill_with_batch(gateway: ServerThread, n: int, max_tokens: int) -> list[Stream]:
-    return [
+    """n lent streams, sent together (one after another, each set up in a thread of its own,
+    the first could end before the last began on a loaded machine), each begun."""
+    streams = [
         Stream(gateway, "batch", CHAT, {"messages": [{"role": "user", "content": "go"}],
-                                        "max_tokens": max_tokens})
+                                        "max_tokens": max_tokens}, wait=False)
         for _ in range(n)
     ]  # fmt: skip
+    for stream in streams:
+        stream.began()
+    return streams
 
 
 def gold_asks(gateway: ServerThread, max_tokens: int) -> httpx.Response:
@@ -249,7 +260,7 @@ def test_a_client_that_leaves_while_suspended_leaves_nothing_behind(
     server = start_gateway(emulator)
     http = httpx.Client(timeout=30)
     try:
-        older = fill_with_batch(server, 4, 60)
+        older = fill_with_batch(server, 4, 200)  # outlives the hang-ups: none resumes
         newest = []
         for _ in range(4):
             request = http.build_request(
@@ -267,7 +278,9 @@ def test_a_client_that_leaves_while_suspended_leaves_nothing_behind(
         before = submitted(emulator)
         for response in newest:  # suspended (the newest lent work): their clients hang up
             response.close()
-        for s in [*older, *gold]:
+        for s in older:
+            assert s.text(CHAT) == "tok " * 200
+        for s in gold:
             assert s.text(CHAT) == "tok " * 60
         wait_all_ended(server)
         assert submitted(emulator) == before  # no continuation for anyone who left
