@@ -189,6 +189,8 @@ def test_a_secret_not_labelled_as_a_backend_key_is_never_read(bench: Bench) -> N
         with pytest.raises(BackendKeyRefused):
             source.config()  # asked again (every change): reported once
         held = [s["metadata"]["name"] for s in source._informers[2].items()]
+        # the informer's watch follows its list from a thread of its own: seen before it stops
+        wait_until(lambda: any(r.params.get("watch") for r in _secret_requests(bench)[setup:]))
     finally:
         source.stop()
     why = str(refused.value)
