@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 
@@ -43,7 +44,6 @@ class PostgresServer:
             shutil.chown(self.root, "postgres")
             self._as_user = ["runuser", "-u", "postgres", "--"]
         self.data, self.port = os.path.join(self.root, "data"), free_port()
-        self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
         self._proc: subprocess.Popen[bytes] | None = None
         self._started = False  # once: its URL is known, a restart keeps it
         self.log = os.path.join(self.root, "server.log")
@@ -56,14 +56,18 @@ class PostgresServer:
         )  # fmt: skip
 
     @property
+    def url(self) -> str:
+        return f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout_s: float = 30) -> None:
         """Start the server (a no-op if it runs); returns once it accepts a connection. A
-        server that exits while it starts (another took its port between `free_port` and the
-        bind; the suite starts hundreds, two at a time) is started again, on another port
-        the first time (a restart keeps its URL); its log says why (`log_tail`)."""
+        server that exits while it starts (its port taken between `free_port` and the bind,
+        or what its log says: `log_tail`) is started again, on another port the first time
+        (a restart keeps its URL)."""
         if self.running:
             return
         for _ in range(3):
@@ -81,7 +85,6 @@ class PostgresServer:
                 return
             if not self._started:
                 self.port = free_port()
-                self.url = f"postgresql://tokenpools@127.0.0.1:{self.port}/postgres"
         raise RuntimeError(f"postgres did not start: {self.log_tail()}")
 
     def _accepts(self, timeout_s: float) -> bool:
@@ -91,14 +94,18 @@ class PostgresServer:
         deadline = time.monotonic() + timeout_s
         while self._proc.poll() is None:
             try:
-                psycopg.connect(host=self.root, port=self.port, user="tokenpools",
-                                dbname="postgres", connect_timeout=2).close()  # fmt: skip
+                self.connect_local().close()
                 return True
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"postgres did not start: {self.log_tail()}") from None
                 time.sleep(0.05)
         return False
+
+    def connect_local(self) -> psycopg.Connection[Any]:
+        """A connection over this server's own socket, as its superuser (trusted there)."""
+        return psycopg.connect(host=self.root, port=self.port, user="tokenpools",
+                               dbname="postgres", autocommit=True, connect_timeout=2)  # fmt: skip
 
     def log_tail(self, lines: int = 20) -> str:
         with contextlib.suppress(OSError), open(self.log, errors="replace") as f:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import psycopg
 import pytest
 import yaml
 
@@ -287,19 +285,6 @@ def test_the_gateway_and_the_processor_take_the_password_and_reach_the_database(
         assert not _admitted(policies, server["labels"], labels, port["port"]), name
 
 
-def _local(socket_dir: str, port: int, timeout_s: float = 30) -> psycopg.Connection[Any]:
-    """A connection over the server's socket, once it has finished starting up."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return psycopg.connect(host=socket_dir, port=port, user="tokenpools",
-                                   dbname="postgres", autocommit=True)  # fmt: skip
-        except psycopg.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def test_a_url_without_a_password_connects_with_pgpassword(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -315,7 +300,7 @@ def test_a_url_without_a_password_connects_with_pgpassword(
                  for line in hba.read_text().splitlines()]  # fmt: skip
         assert any(line.endswith("scram-sha-256") for line in lines)
         hba.write_text("\n".join(lines) + "\n")
-        with _local(server.root, server.port) as conn:
+        with server.connect_local() as conn:
             conn.execute("ALTER ROLE tokenpools PASSWORD 'ledger-secret'")
             conn.execute("SELECT pg_reload_conf()")
         url = server.url

@@ -11,6 +11,8 @@ what each does. Any other message is out of order: a protocol error, answered cl
     ANSWER   --response_body---->  ANSWER     read for the engine's usage, passed on; the
                                               last chunk settles the lease on that usage
     any refusal                 ->  DONE       answered at once: the stream ends
+    evicted (any message next)  ->  DONE       the preemption: 503 before the answer's
+                                              headers, Envoy resets the stream after them
 
 A stream that stops before the answer's end (the client hung up, the upstream reset, Envoy
 gave up on the processor) ends the lease by the gateway's rules (`abandon`). The flow knows
@@ -28,7 +30,7 @@ from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from tokenpools.admission import Admitted, Cleared, FrontDoor, Stopped
+from tokenpools.admission import Cleared, FrontDoor, Stopped
 from tokenpools.admission.access_log import RequestRecord, request_id
 from tokenpools.control.tenancy import Caller
 from tokenpools.extproc import messages
@@ -111,10 +113,6 @@ class Flow:
         return self.phase is Phase.DONE
 
     @property
-    def admitted(self) -> Admitted | None:
-        return None if self.cleared is None else self.cleared.admitted
-
-    @property
     def evicted(self) -> bool:
         """The core took the admitted request back: its answer ends now."""
         return self.cleared is not None and self.cleared.admitted.evicted
@@ -122,6 +120,8 @@ class Flow:
     async def receive(self, request: ep.ProcessingRequest) -> Answers:
         """What to send back for one message: mostly one answer; none while a request's body
         comes full duplex, two (its headers' and its body's) once it is whole."""
+        if self.evicted:  # whatever comes next, the answer ends now
+            return [self.preempted()]
         modes = messages.body_modes(request)
         if modes is not None:  # the modes the data plane announced win over the settings
             self.request_duplex, self.answer_duplex = modes.request_duplex, modes.answer_duplex
@@ -264,8 +264,6 @@ class Flow:
         assert self.cleared is not None and self.tap is not None  # the ANSWER phase's
         message = request.response_body
         end = message.end_of_stream
-        if self.cleared.admitted.evicted:
-            return [self.preempted()]
         sent = self.tap.feed(message.body, end)
         if end and self.status == 200:
             self.cleared.admitted.end(self.tap.so_far(self.cleared.prompt_tokens))

@@ -112,24 +112,25 @@ class VirtualNodes:
                 ready = True
             except Exception as exc:
                 if describe(exc)[0] == "NotFound":
-                    continue
-                ready = self._failed(name, exc)
+                    continue  # deleted since it was listed: nothing to renew
+                self._failed(name, exc)
+                ready = False
             try:
                 retried(functools.partial(self._renew_lease, name))
                 leased = True
             except Exception as exc:
-                leased = self._failed(name, exc)
+                self._failed(name, exc)
+                leased = False
             failed += not (ready and leased)
             if ready or leased:
                 self.metrics.beat(name)
         return failed
 
-    def _failed(self, node: str, exc: Exception) -> bool:
-        """One heartbeat write failed (retried already): counted and said; False."""
+    def _failed(self, node: str, exc: Exception) -> None:
+        """One heartbeat write failed (retried already): counted and said."""
         reason, message = describe(exc)
         self.metrics.errors.labels("Node", reason).inc()
         log.warning("node %s: heartbeat failed: %s", node, message)
-        return False
 
     def _ready(self, node: Any) -> None:
         now = o.iso(self.clock())
